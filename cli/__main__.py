@@ -1,0 +1,5 @@
+"""`python -m cli` runs the `compress` command."""
+
+from cli.main import main
+
+main()

@@ -1,0 +1,106 @@
+"""The `compress` command: a click group, error -> exit-code mapping and `--json` plumbing.
+
+Exit codes: 0 ok, 1 failure (a stage failed, a peer died), 2 bad usage or bad input,
+130 interrupted (Ctrl-C). Every error is one line on stderr; with --json the same error is
+also the one JSON object on stdout: {"error": "...", "exit_code": N}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from models.errors import CompressError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class Interrupted(click.ClickException):
+    """Ctrl-C, with a message saying what was kept."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+class _State:
+    json = False
+
+
+def json_option(f):
+    """--json: print exactly one JSON object on stdout; logs and progress stay on stderr."""
+
+    def remember(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+        _State.json = _State.json or value
+        return value
+
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        is_eager=True,
+        callback=remember,
+        help="Print one JSON object on stdout (logs and progress go to stderr).",
+    )(f)
+
+
+def emit_json(obj: dict[str, Any]) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+class CompressGroup(click.Group):
+    """A click group whose errors are one line and whose exit codes are documented."""
+
+    def main(self, args=None, prog_name=None, **extra):  # type: ignore[override]
+        _State.json = False
+        extra.pop("standalone_mode", None)
+        try:
+            rv = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as e:  # bad flag or value: one line, with the fix
+            where = f"{e.ctx.command_path}: " if e.ctx else ""
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            _fail(f"{where}{e.format_message()}{hint}", EXIT_USAGE)
+        except click.ClickException as e:
+            _fail(e.format_message(), e.exit_code)
+        except CompressError as e:
+            _fail(str(e), e.exit_code)
+        except (click.Abort, KeyboardInterrupt):
+            _fail("interrupted", EXIT_INTERRUPTED)
+        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+def _fail(message: str, code: int) -> None:
+    message = " ".join(message.split())  # one line, whatever the library wrapped
+    click.echo(f"error: {message}", err=True)
+    if _State.json:
+        emit_json({"error": message, "exit_code": code})
+    sys.exit(code)
+
+
+@click.group(cls=CompressGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="compress", prog_name="compress")
+def cli() -> None:
+    """compress: train a big model, shrink it (Deep Compression + distillation), ship INT8 ONNX.
+
+    \b
+    Quick start:
+      compress train --model lenet300 --data digits --epochs 10
+
+    Exit codes: 0 ok, 1 failure, 2 bad usage or input, 130 interrupted.
+    """
+
+
+def _register() -> None:
+    from cli import train, unavailable
+
+    cli.add_command(train.train)
+    for command in unavailable.COMMANDS:
+        cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    cli.main(prog_name="compress")

@@ -1,0 +1,184 @@
+"""`compress train`: flags -> TrainJob -> distrib.job.run -> a table or one JSON object."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cli import render
+from cli.main import Interrupted, emit_json, json_option
+from distrib.job import TrainJob, run
+from distrib.trainer import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
+from models.data import SPECS_HELP
+from models.zoo import parse_kwargs
+
+# CLI parameter name -> TrainJob / TrainConfig field, for "which settings did the user give".
+_FIELDS = {
+    "model": "model",
+    "data": "data",
+    "epochs": "epochs",
+    "batch_size": "batch_size",
+    "lr": "lr",
+    "schedule": "schedule",
+    "warmup_steps": "warmup_steps",
+    "optimizer": "optimizer",
+    "weight_decay": "weight_decay",
+    "seed": "seed",
+    "precision": "precision",
+    "checkpoint_every": "checkpoint_every",
+}
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  compress train --model lenet300 --data digits --epochs 10
+  compress train --model lenet5 --data mnist:~/mnist --epochs 5 --out lenet5.pt
+  compress train --model mypkg.nets:Net --model-kwargs '{"width": 64}' --data npz:my.npz
+  compress train --out lenet5.pt --resume      # continue an interrupted run
+"""
+)
+@click.option(
+    "--model",
+    default="lenet300",
+    show_default=True,
+    help="Zoo name (lenet300, lenet5, vgg, mobilenet, mlp) or pkg.module:Class.",
+)
+@click.option(
+    "--model-kwargs",
+    default=None,
+    metavar="JSON",
+    help="""Constructor kwargs as a JSON object, e.g. '{"width": 64}'.""",
+)
+@click.option("--data", default="digits", show_default=True, metavar="SPEC", help=SPECS_HELP + ".")
+@click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Peak learning rate [default: sgd 0.05, adam 0.003].",
+)
+@click.option(
+    "--schedule",
+    type=click.Choice(SCHEDULES),
+    default="cosine",
+    show_default=True,
+    help="Learning-rate schedule over all steps.",
+)
+@click.option(
+    "--warmup-steps",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Linear learning-rate warm-up steps.",
+)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
+@click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    default="fp32",
+    show_default=True,
+    help="bf16 runs the forward pass under autocast.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint to write [default: MODEL.pt].",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue from --out's checkpoint (with its settings) if it exists.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="STEPS",
+    help="Also checkpoint every STEPS steps (0: at each epoch's end only).",
+)
+@click.option("-q", "--quiet", is_flag=True, help="No per-epoch lines on stderr.")
+@json_option
+@click.pass_context
+def train(
+    ctx: click.Context,
+    model: str,
+    model_kwargs: str | None,
+    data: str,
+    epochs: int,
+    batch_size: int,
+    lr: float | None,
+    schedule: str,
+    warmup_steps: int,
+    optimizer: str,
+    weight_decay: float,
+    seed: int,
+    precision: str,
+    out: Path | None,
+    resume: bool,
+    checkpoint_every: int,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Train a model on a data set and write a checkpoint (single process)."""
+    explicit = frozenset(
+        field
+        for param, field in _FIELDS.items()
+        if ctx.get_parameter_source(param) is click.core.ParameterSource.COMMANDLINE
+    )
+    config = TrainConfig(
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        schedule=schedule,
+        warmup_steps=warmup_steps,
+        optimizer=optimizer,
+        weight_decay=weight_decay,
+        seed=seed,
+        precision=precision,
+        checkpoint_every=checkpoint_every,
+    )
+    job = TrainJob(
+        model=model,
+        model_kwargs=parse_kwargs(model_kwargs),
+        data=data,
+        config=config,
+        out=out or Path(f"{model.rsplit(':', 1)[-1].rsplit('.', 1)[-1].lower()}.pt"),
+        resume=resume,
+        explicit=explicit,
+    )
+    progress = render.TrainProgress(quiet=quiet)
+    try:
+        result = run(job, progress)
+    except KeyboardInterrupt:
+        progress.close()
+        kept = (
+            f"; last good checkpoint: {job.out} (continue with --resume)"
+            if job.out.exists()
+            else ""
+        )
+        raise Interrupted(f"interrupted{kept}") from None
+    finally:
+        progress.close()
+    if as_json:
+        last = result.history[-1] if result.history else None
+        emit_json(
+            {
+                "checkpoint": str(job.out),
+                "test_accuracy": result.test_accuracy,
+                "test_loss": last.test_loss if last else None,
+                "epochs": result.epochs,
+                "steps": result.steps,
+                "samples": result.samples,
+                "seconds": round(result.seconds, 3),
+                "resumed_from": list(result.resumed_from) if result.resumed_from else None,
+                "history": [vars(r) for r in result.history],
+            }
+        )
+    else:
+        render.train_summary(result, job.out)

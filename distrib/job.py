@@ -1,0 +1,102 @@
+"""`compress train` as a library call: build the model for the data, resume if asked, fit.
+
+`run(TrainJob)` is what the CLI calls; the data-parallel launcher will call it once per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distrib.trainer import Checkpointer, Events, TrainConfig, TrainResult, fit
+from models import checkpoint, data, zoo
+from models.errors import InputError
+from models.fileio import check_writable
+
+# Settings a resumed run may change: the rest must match the checkpoint's.
+_RESUME_MAY_CHANGE = {"epochs", "eval_batch_size", "device", "checkpoint_every"}
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    model: str = "lenet300"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    data: str = "digits"
+    config: TrainConfig = field(default_factory=TrainConfig)
+    out: Path = Path("lenet300.pt")
+    resume: bool = False
+    # Names of the settings the user gave explicitly (CLI flags); a resumed run checks them
+    # against the checkpoint and takes every other setting from it.
+    explicit: frozenset[str] = frozenset()
+
+
+def run(job: TrainJob, events: Events | None = None) -> TrainResult:
+    events = events or Events()
+    check_writable(job.out)
+    stored = _stored_run(job)
+    if stored is not None:
+        job, ck = stored
+        ds = data.load(job.data)
+        model = ck.build_model()
+        data.check_fits(model, ds, job.model)
+        spec, resume = ck.spec, ck.train_state
+        events.info(
+            f"resuming {job.out} at epoch {resume['epoch'] + 1}, step {resume['step']} "
+            f"of {job.config.epochs} epochs"
+        )
+    else:
+        ds = data.load(job.data)
+        spec = zoo.resolve_spec(job.model, job.model_kwargs, ds.in_shape, ds.num_classes)
+        model = zoo.build(spec, seed=job.config.seed)
+        data.check_fits(model, ds, job.model)
+        resume = None
+    events.info(
+        f"data {ds.describe()}; model {spec.name}, {zoo.count_parameters(model):,} parameters"
+    )
+    meta = {"data": job.data, "seed": job.config.seed, "parameters": zoo.count_parameters(model)}
+    return fit(
+        model,
+        ds,
+        job.config,
+        checkpointer=Checkpointer(job.out, spec, meta),
+        resume=resume,
+        events=events,
+    )
+
+
+def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
+    """With --resume and an existing --out: the job as the checkpoint recorded it."""
+    if not job.resume or not job.out.exists():
+        return None
+    ck = checkpoint.load(job.out)
+    if ck.spec is None or ck.train_state is None or "config" not in ck.train_state:
+        raise InputError(
+            f"{job.out}: holds no training state to resume from; drop --resume to start over"
+        )
+    stored_cfg = TrainConfig.from_dict(ck.train_state["config"])
+    stored = {
+        "model": ck.spec.name,
+        "data": ck.metadata.get("data", job.data),
+        **{f.name: getattr(stored_cfg, f.name) for f in dataclasses.fields(TrainConfig)},
+    }
+    given = {"model": job.model, "data": job.data, **dataclasses.asdict(job.config)}
+    for name in sorted(job.explicit & stored.keys()):
+        if name not in _RESUME_MAY_CHANGE and given[name] != stored[name]:
+            flag = "--" + name.replace("_", "-")
+            raise InputError(
+                f"--resume: {flag} {given[name]!r} differs from {job.out}'s {stored[name]!r}; "
+                f"drop {flag} or start over without --resume"
+            )
+    keep = {k: getattr(job.config, k) for k in _RESUME_MAY_CHANGE if k in job.explicit}
+    config = dataclasses.replace(stored_cfg, **keep)
+    if ck.train_state["epoch"] > config.epochs:
+        raise InputError(
+            f"--resume: {job.out} has already trained {ck.train_state['epoch']} epochs, "
+            f"more than --epochs {config.epochs}"
+        )
+    torch.manual_seed(config.seed)
+    return dataclasses.replace(job, model=ck.spec.name, data=stored["data"], config=config), ck

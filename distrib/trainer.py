@@ -1,0 +1,332 @@
+"""The one training loop: every stage that trains (teacher training, retraining after pruning,
+centroid fine-tuning, distillation, data-parallel training) runs `fit`.
+
+What varies between those stages is passed in, not forked into copies of the loop:
+  * `loss_fn(model, x, y) -> (loss, logits)`: cross-entropy by default; distillation passes
+    a teacher-aware loss (Hinton et al. 2015).
+  * `checkpointer`: where and how to write resumable checkpoints (None: none are written).
+  * `events`: progress callbacks; the library never prints, the CLI renders these.
+
+Determinism: the shuffle of epoch e is `randperm(N, generator=seed + e)`, the rule torch's
+`DistributedSampler` uses, so a run resumed mid-epoch replays the same order and a
+data-parallel run can shard the same permutation. Together with the optimizer state and torch's
+RNG state in the checkpoint, a resumed run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import checkpoint
+from models.data import Dataset
+from models.errors import InputError, StageError
+from models.zoo import ModelSpec
+
+OPTIMIZERS = ("sgd", "adam")
+PRECISIONS = ("fp32", "bf16")
+SCHEDULES = ("cosine", "constant")
+DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train. `lr=None` takes the optimizer's default (sgd 0.05, adam 3e-3).
+
+    The learning rate follows `schedule` over all steps of all epochs: cosine decay to zero
+    (Loshchilov & Hutter 2017) by default, after `warmup_steps` of linear warm-up
+    (Goyal et al. 2017).
+    """
+
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float | None = None
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    optimizer: str = "adam"
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.0
+    seed: int = 0
+    precision: str = "fp32"  # bf16: autocast on the forward pass, fp32 master weights
+    checkpoint_every: int = 0  # steps between checkpoints; 0: at the end of each epoch only
+    eval_batch_size: int = 1024
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "--epochs", self.epochs, "give 1 or more")
+        _check(self.batch_size >= 1, "--batch-size", self.batch_size, "give 1 or more")
+        _check(
+            self.lr is None or (self.lr > 0 and math.isfinite(self.lr)),
+            "--lr",
+            self.lr,
+            "give a positive number",
+        )
+        _check(self.optimizer in OPTIMIZERS, "--optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+        _check(self.schedule in SCHEDULES, "--schedule", self.schedule, f"one of {SCHEDULES}")
+        _check(self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, "give 0 or more")
+        _check(self.precision in PRECISIONS, "--precision", self.precision, f"one of {PRECISIONS}")
+        _check(self.weight_decay >= 0, "--weight-decay", self.weight_decay, "give 0 or more")
+        _check(self.checkpoint_every >= 0, "--checkpoint-every", self.checkpoint_every, "0 or more")
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate for 0-based global `step`: a pure function, so resuming needs no state."""
+        base = self.learning_rate
+        if step < self.warmup_steps:
+            return base * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return base
+        span = max(total_steps - self.warmup_steps, 1)
+        return base * 0.5 * (1.0 + math.cos(math.pi * min(step - self.warmup_steps, span) / span))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _check(ok: bool, flag: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise InputError(f"{flag} {value!r} is invalid; {fix}")
+
+
+@dataclass
+class EpochRecord:
+    epoch: int  # 1-based
+    train_loss: float
+    train_accuracy: float
+    test_loss: float
+    test_accuracy: float
+    seconds: float
+
+
+@dataclass
+class TrainResult:
+    history: list[EpochRecord]
+    test_accuracy: float
+    epochs: int
+    steps: int
+    samples: int
+    seconds: float  # time spent training in this call (resumed runs: since the resume)
+    checkpoint: Path | None = None
+    resumed_from: tuple[int, int] | None = None  # (epoch, step) the run continued from
+
+
+class Events:
+    """Progress callbacks; override what you render. All default to doing nothing."""
+
+    def epoch_start(self, epoch: int, epochs: int, steps: int, done: int) -> None: ...
+    def step(self, epoch: int, step: int, loss: float) -> None: ...
+    def epoch_end(self, record: EpochRecord) -> None: ...
+    def checkpoint(self, path: Path, epoch: int, step: int) -> None: ...
+    def info(self, message: str) -> None: ...
+
+
+@dataclass
+class Checkpointer:
+    """Writes resumable checkpoints of the model being trained."""
+
+    path: Path
+    spec: ModelSpec
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, model: nn.Module, train_state: dict[str, Any], **metadata: Any) -> Path:
+        return checkpoint.save(
+            self.path, _unwrap(model), self.spec, {**self.metadata, **metadata}, train_state
+        )
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DistributedDataParallel keeps the model in .module
+
+
+def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    logits = model(x)
+    return F.cross_entropy(logits, y), logits
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The shuffled sample order of `epoch` (0-based): DistributedSampler's rule."""
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.Adam(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int = 1024,
+    precision: str = "fp32",
+    device: str = "cpu",
+) -> tuple[float, float]:
+    """Mean cross-entropy and top-1 accuracy of `model` on (x, y)."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    try:
+        for i in range(0, len(y), batch_size):
+            xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
+            with _autocast(precision, device):
+                logits = model(xb)
+            loss_sum += float(F.cross_entropy(logits.float(), yb, reduction="sum"))
+            correct += int((logits.argmax(1) == yb).sum())
+    finally:
+        model.train(was_training)
+    return loss_sum / len(y), correct / len(y)
+
+
+def _autocast(precision: str, device: str):
+    return torch.autocast(
+        device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"
+    )
+
+
+def fit(
+    model: nn.Module,
+    data: Dataset,
+    cfg: TrainConfig,
+    *,
+    loss_fn: LossFn = cross_entropy_loss,
+    checkpointer: Checkpointer | None = None,
+    resume: dict[str, Any] | None = None,
+    events: Events | None = None,
+) -> TrainResult:
+    """Train `model` in place on `data.x_train` and evaluate on `data.x_test` after each epoch.
+
+    `resume` is the `train_state` of a checkpoint written by this loop; the caller has already
+    loaded the matching weights into `model`.
+    """
+    events = events or Events()
+    device = cfg.device
+    model.to(device)
+    optimizer = make_optimizer(model, cfg)
+    n = len(data.y_train)
+    steps_per_epoch = math.ceil(n / cfg.batch_size)
+    total_steps = steps_per_epoch * cfg.epochs
+    state = _initial_state(resume, optimizer, cfg)
+    history = [EpochRecord(**r) for r in state["history"]]
+    start = (state["epoch"], state["step"])
+    t0 = time.perf_counter()
+    steps = samples = 0
+
+    def save(**metadata: Any) -> None:
+        if checkpointer is not None:
+            state["rng"] = torch.get_rng_state()
+            state["optimizer"] = optimizer.state_dict()
+            path = checkpointer.save(model, state, **metadata)
+            events.checkpoint(path, state["epoch"], state["step"])
+
+    model.train()
+    for epoch in range(state["epoch"], cfg.epochs):
+        t_epoch = time.perf_counter()
+        order = epoch_order(n, cfg.seed, epoch)
+        events.epoch_start(epoch + 1, cfg.epochs, steps_per_epoch, state["step"])
+        for step in range(state["step"], steps_per_epoch):
+            idx = order[step * cfg.batch_size : (step + 1) * cfg.batch_size]
+            xb, yb = data.x_train[idx].to(device), data.y_train[idx].to(device)
+            lr = cfg.lr_at(state["global_step"], total_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with _autocast(cfg.precision, device):
+                loss, logits = loss_fn(model, xb, yb)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise StageError(
+                    f"training diverged at epoch {epoch + 1} step {step + 1} (loss {value}); "
+                    "lower --lr or use --optimizer adam"
+                )
+            state["loss_sum"] += value * len(yb)
+            state["correct"] += int((logits.argmax(1) == yb).sum())
+            state["seen"] += len(yb)
+            state["step"] = step + 1
+            steps += 1
+            samples += len(yb)
+            events.step(epoch + 1, step + 1, value)
+            state["global_step"] += 1
+            every = cfg.checkpoint_every
+            # The epoch-end save below covers the epoch's last step.
+            if every and state["global_step"] % every == 0 and state["step"] < steps_per_epoch:
+                save()
+        test_loss, test_acc = evaluate(
+            model, data.x_test, data.y_test, cfg.eval_batch_size, cfg.precision, device
+        )
+        record = EpochRecord(
+            epoch=epoch + 1,
+            train_loss=state["loss_sum"] / max(state["seen"], 1),
+            train_accuracy=state["correct"] / max(state["seen"], 1),
+            test_loss=test_loss,
+            test_accuracy=test_acc,
+            seconds=time.perf_counter() - t_epoch,
+        )
+        history.append(record)
+        state.update(epoch=epoch + 1, step=0, loss_sum=0.0, correct=0, seen=0)
+        state["history"] = [vars(r) for r in history]
+        save(test_accuracy=test_acc, epochs=epoch + 1)
+        events.epoch_end(record)
+
+    final_acc = history[-1].test_accuracy if history else float("nan")
+    return TrainResult(
+        history=history,
+        test_accuracy=final_acc,
+        epochs=len(history),
+        steps=steps,
+        samples=samples,
+        seconds=time.perf_counter() - t0,
+        checkpoint=checkpointer.path if checkpointer else None,
+        resumed_from=start if resume else None,
+    )
+
+
+def _initial_state(
+    resume: dict[str, Any] | None, optimizer: torch.optim.Optimizer, cfg: TrainConfig
+) -> dict[str, Any]:
+    fresh = {
+        "epoch": 0,
+        "step": 0,
+        "global_step": 0,
+        "loss_sum": 0.0,
+        "correct": 0,
+        "seen": 0,
+        "history": [],
+        "config": cfg.to_dict(),
+    }
+    if resume is None:
+        return fresh
+    missing = [k for k in ("epoch", "step", "optimizer", "rng") if k not in resume]
+    if missing:
+        raise InputError(f"checkpoint's train_state lacks {missing}; drop --resume to start over")
+    optimizer.load_state_dict(resume["optimizer"])
+    torch.set_rng_state(resume["rng"])
+    state = {**fresh, **{k: v for k, v in resume.items() if k not in ("optimizer", "rng")}}
+    state["config"] = cfg.to_dict()
+    return state

@@ -1,0 +1,20 @@
+"""Model zoo, data loading and checkpoints: the layer every other `compress` package builds on.
+
+Depends on torch, numpy and scikit-learn only; never on `compressor`, `distrib` or `cli`.
+"""
+
+from models.errors import CompressError, InputError, StageError
+from models.zoo import ModelSpec, available, build, count_parameters, resolve, resolve_spec, tiny
+
+__all__ = [
+    "CompressError",
+    "InputError",
+    "ModelSpec",
+    "StageError",
+    "available",
+    "build",
+    "count_parameters",
+    "resolve",
+    "resolve_spec",
+    "tiny",
+]

@@ -1,0 +1,185 @@
+"""The one `.pt` checkpoint format, saved atomically and loaded without running pickled code.
+
+A checkpoint is a plain dict that `torch.load(..., weights_only=True)` accepts:
+
+    {
+      "format": "compress.checkpoint",  "format_version": 1,
+      "model": {"name": "lenet300" | "pkg.module:Class", "kwargs": {...}},
+      "state_dict": {name: tensor},
+      "metadata": {"data": spec, "test_accuracy": float, "seed": int, "epochs": int,
+                   "created": ISO-8601 UTC, "versions": {"compress", "torch", "python"}, ...},
+      "train_state": {...}            # optional: what `--resume` needs (optimizer, step, RNG)
+    }
+
+A file that holds pickled code (a whole `torch.save(model)`, or a crafted payload) is refused
+before anything in it runs: `weights_only=True` allows tensors and plain containers only.
+A bare `state_dict` also loads when the caller names the model.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import platform
+import zipfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.errors import InputError
+from models.fileio import atomic_path
+from models.zoo import ModelSpec, build
+
+FORMAT = "compress.checkpoint"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: what to build, its weights, and what made it."""
+
+    spec: ModelSpec | None  # None for a bare state_dict whose model the caller must name
+    state_dict: dict[str, torch.Tensor]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    train_state: dict[str, Any] | None = None
+    path: Path | None = None
+
+    def build_model(self, spec: ModelSpec | None = None) -> nn.Module:
+        """Build the model and load the weights (strictly: every key must match)."""
+        spec = spec or self.spec
+        if spec is None:
+            raise InputError(
+                f"{self.path}: a bare state_dict does not name its model; pass --model NAME"
+            )
+        model = build(spec)
+        try:
+            model.load_state_dict(self.state_dict, strict=True)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()
+            detail = " ".join(s.strip() for s in first[:2])
+            raise InputError(
+                f"{self.path}: weights do not fit model {spec.name}: {detail}"
+            ) from None
+        return model
+
+
+def versions() -> dict[str, str]:
+    try:
+        ours = importlib_metadata.version("compress")
+    except importlib_metadata.PackageNotFoundError:
+        ours = "unknown"
+    return {"compress": ours, "torch": str(torch.__version__), "python": platform.python_version()}
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    spec: ModelSpec,
+    metadata: dict[str, Any] | None = None,
+    train_state: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint atomically: the old file survives an interrupted write."""
+    obj: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model": spec.to_dict(),
+        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "metadata": {
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": versions(),
+            **(metadata or {}),
+        },
+    }
+    if train_state is not None:
+        obj["train_state"] = train_state
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+    return path
+
+
+def load(path: str | os.PathLike) -> Checkpoint:
+    """Load a checkpoint or a bare state_dict; refuse pickled code; one-line errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such checkpoint file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # weights_only refuses any global it does not allow-list, before calling it.
+        what = _refused_global(str(e))
+        if not what and not _looks_like_torch_file(path):  # garbage, not a pickle at all
+            raise InputError(
+                f"{path}: not a readable PyTorch checkpoint: {_diagnose(path)}"
+            ) from None
+        raise InputError(
+            f"{path}: refused: it holds pickled code{what}, which compress never runs; "
+            "re-save the weights with torch.save(model.state_dict(), path)"
+        ) from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError):
+        raise InputError(f"{path}: not a readable PyTorch checkpoint: {_diagnose(path)}") from None
+    return _interpret(path, obj)
+
+
+def _looks_like_torch_file(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return head == b"PK" or head[:1] == b"\x80"  # zip container, or a pickle protocol >= 2
+
+
+def _diagnose(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(b"PK"):
+        return "a zip archive that is truncated or corrupt; write it again"
+    if not head:
+        return "the file is empty"
+    return "not a torch.save file (wrong format); pass a .pt written by torch.save"
+
+
+def _refused_global(message: str) -> str:
+    # torch says e.g. "Unsupported global: GLOBAL builtins.open was not an allowed global".
+    for line in message.splitlines():
+        if "GLOBAL " in line:
+            name = line.split("GLOBAL ", 1)[1].split()[0]
+            return f" ({name})"
+    return ""
+
+
+def _interpret(path: Path, obj: Any) -> Checkpoint:
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        version = obj.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise InputError(
+                f"{path}: checkpoint format version {version!r} is newer than this compress "
+                f"reads ({FORMAT_VERSION}); upgrade compress"
+            )
+        state = obj.get("state_dict")
+        if not _is_state_dict(state):
+            raise InputError(f"{path}: checkpoint has no valid state_dict")
+        return Checkpoint(
+            spec=ModelSpec.from_dict(obj.get("model")),
+            state_dict=state,
+            metadata=dict(obj.get("metadata") or {}),
+            train_state=obj.get("train_state"),
+            path=path,
+        )
+    if _is_state_dict(obj):
+        return Checkpoint(spec=None, state_dict=obj, path=path)
+    raise InputError(
+        f"{path}: a PyTorch file but not a checkpoint (neither a compress checkpoint nor a "
+        "state_dict of tensors)"
+    )
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, dict)
+        and len(obj) > 0
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+    )

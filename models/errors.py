@@ -1,0 +1,31 @@
+"""The error hierarchy every layer raises and the CLI maps to exit codes.
+
+It lives in `models/`, the bottom of the dependency graph (cli -> compressor|distrib -> models),
+so `compressor` and `distrib` can both raise the same errors without importing each other.
+
+    CompressError            anything the tool reports as one line      -> exit 1
+    ├── InputError           the user's file, flag or data is wrong     -> exit 2
+    └── StageError           a stage ran and failed (diverged, a peer died, a check failed) -> exit 1
+
+Messages are one line that names the file or flag and says how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class CompressError(Exception):
+    """Base class: a failure the CLI reports as a one-line message (exit 1)."""
+
+    exit_code = 1
+
+
+class InputError(CompressError):
+    """Bad user input: a file, a flag, a data set or a recipe (exit 2)."""
+
+    exit_code = 2
+
+
+class StageError(CompressError):
+    """A stage ran and failed, through no fault of the input (exit 1)."""
+
+    exit_code = 1

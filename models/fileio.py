@@ -1,0 +1,64 @@
+"""Atomic file writes: an interrupted write never leaves a half-written output behind.
+
+Everything `compress` writes (checkpoints, archives, ONNX files, reports) goes through
+`atomic_path`: the caller writes a temporary file in the destination folder, which is renamed
+over the destination only when the block finishes without an exception (`os.replace` is atomic
+on POSIX and Windows when both paths are on one file system, hence the same folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from models.errors import InputError
+
+
+def check_writable(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Fail early, before any long work, when `path` cannot be written.
+
+    Probes by creating a file rather than with `os.access`, which says yes to root for
+    read-only mounts and no for ACL-granted users.
+    """
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InputError(f"{flag} {path}: is a folder; give a file name, e.g. {path / 'model.pt'}")
+    if not parent.exists():
+        raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: {parent} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        raise InputError(
+            f"{flag} {path}: folder {parent} is not writable ({e.strerror}); choose another"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; rename it onto `path` if the block succeeds.
+
+    On any exception (KeyboardInterrupt included) the temporary file is removed and `path`
+    keeps whatever it held before.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:  # flush to disk before the rename makes it visible
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise

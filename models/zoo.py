@@ -1,0 +1,197 @@
+"""One registry for model constructors: zoo names and the user's own `pkg.module:Class`.
+
+Every model `compress` builds goes through `build(ModelSpec)`, and every checkpoint records the
+`ModelSpec` it was built from, so a checkpoint names its architecture without pickling code.
+
+Zoo models take `in_shape` (C, H, W) and `num_classes`; `resolve_spec` fills both in from the
+data for zoo models and for user classes whose constructor accepts them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.errors import InputError
+
+_ZOO: dict[str, type[nn.Module]] = {}
+_TINY: dict[str, dict[str, Any]] = {}
+_ABOUT: dict[str, str] = {}
+
+
+def register(name: str, *, tiny: dict[str, Any] | None = None, about: str = "") -> Callable:
+    """Class decorator: add a model to the zoo under `name`.
+
+    `tiny` holds the constructor kwargs of a small, fast instance for tests.
+    """
+
+    def deco(cls: type[nn.Module]) -> type[nn.Module]:
+        if name in _ZOO:
+            raise ValueError(f"model name {name!r} registered twice")
+        _ZOO[name] = cls
+        _TINY[name] = dict(tiny or {})
+        _ABOUT[name] = about or (cls.__doc__ or "").strip().splitlines()[0]
+        return cls
+
+    return deco
+
+
+def _load_zoo() -> None:
+    # Importing the modules runs their @register decorators.
+    from models import cnn, lenet, mlp, mobilenet  # noqa: F401
+
+
+def available() -> dict[str, str]:
+    """Zoo names with a one-line description each."""
+    _load_zoo()
+    return dict(sorted(_ABOUT.items()))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to build: a zoo name or an import path `pkg.module:Class`, plus constructor kwargs."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kwargs": _jsonable(self.kwargs)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ModelSpec:
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+            raise InputError("model spec must be a mapping with a string 'name'")
+        kwargs = d.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise InputError(f"model spec for {d['name']}: 'kwargs' must be a mapping")
+        return cls(d["name"], dict(kwargs))
+
+    @property
+    def is_import_path(self) -> bool:
+        return ":" in self.name
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    return v
+
+
+def parse_kwargs(text: str | None, flag: str = "--model-kwargs") -> dict[str, Any]:
+    """Parse the JSON object given to --model-kwargs."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(
+            f"{flag} is not JSON ({e.msg} at char {e.pos}); e.g. {flag} '{{\"width\": 64}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise InputError(f"{flag} must be a JSON object, e.g. '{{\"width\": 64}}'")
+    return value
+
+
+def resolve(name: str) -> type[nn.Module]:
+    """The class behind a zoo name or an import path `pkg.module:Class`."""
+    if ":" not in name:
+        _load_zoo()
+        if name not in _ZOO:
+            known = ", ".join(sorted(_ZOO))
+            raise InputError(
+                f"unknown model {name!r}; zoo models: {known}; or give your own as pkg.module:Class"
+            )
+        return _ZOO[name]
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise InputError(f"model {name!r}: an import path reads pkg.module:Class")
+    # A user's model file in the working folder should import as it would from `python -c`.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise InputError(
+            f"model {name!r}: cannot import {module_name!r} ({e}); "
+            "install it or run from the folder that holds it"
+        ) from None
+    except Exception as e:  # the user's module raised while importing
+        raise InputError(
+            f"model {name!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
+        ) from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise InputError(f"model {name!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
+        raise InputError(f"model {name!r}: {attr} is not a torch.nn.Module subclass")
+    return obj
+
+
+def _accepts(cls: type, param: str) -> bool:
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    return param in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def resolve_spec(
+    name: str, kwargs: dict[str, Any], in_shape: tuple[int, ...], num_classes: int
+) -> ModelSpec:
+    """Complete a spec with the data's input shape and class count where the class takes them.
+
+    A value the user gave that contradicts the data is an error, not silently overridden.
+    """
+    cls = resolve(name)
+    kwargs = dict(kwargs)
+    for key, value in (("in_shape", list(in_shape)), ("num_classes", num_classes)):
+        if not _accepts(cls, key):
+            continue
+        if key in kwargs:
+            given = list(kwargs[key]) if key == "in_shape" else kwargs[key]
+            if given != value:
+                raise InputError(
+                    f"--model-kwargs {key}={kwargs[key]!r} but the data gives {value!r}; "
+                    f"drop {key} from --model-kwargs"
+                )
+        kwargs[key] = value
+    return ModelSpec(name, kwargs)
+
+
+def build(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
+    """Construct the model a spec names (weights freshly initialised; seeded when asked)."""
+    cls = resolve(spec.name)
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        return cls(**spec.kwargs)
+    except TypeError as e:
+        raise InputError(f"model {spec.name!r} does not take these kwargs: {e}") from None
+    except ValueError as e:  # our zoo validates its arguments with ValueError
+        raise InputError(f"model {spec.name!r}: {e}") from None
+
+
+def tiny(name: str, *, in_shape=(1, 8, 8), num_classes: int = 10, seed: int = 0) -> nn.Module:
+    """A small seeded instance of a zoo model, for tests and examples."""
+    resolve(name)
+    kwargs = {**_TINY[name], "in_shape": list(in_shape), "num_classes": num_classes}
+    return build(ModelSpec(name, kwargs), seed=seed)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,67 @@
+"""Shared fixtures: small data files the tests make themselves, and a CLI runner."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+
+
+def write_idx(path: Path, array: np.ndarray, *, gz: bool = False) -> Path:
+    """Write a uint8 array as an IDX file (the MNIST format), optionally gzipped."""
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    raw = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+    return path
+
+
+def blobs(n: int, side: int = 8, classes: int = 3, seed: int = 0):
+    """Easily separable images: class k lights up the k-th horizontal band, plus noise."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, n)
+    x = rng.integers(0, 40, (n, side, side)).astype(np.uint8)
+    band = side // classes
+    for i, k in enumerate(y):
+        x[i, k * band : (k + 1) * band] = 220
+    return x, y
+
+
+@pytest.fixture
+def mnist_dir(tmp_path: Path) -> Path:
+    """A folder with only t10k files (gzipped), 50 images of 28x28, like ../shared/data/mnist."""
+    x, y = blobs(50, side=28, classes=10)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", x, gz=True)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", y, gz=True)
+    return tmp_path
+
+
+@pytest.fixture
+def npz_file(tmp_path: Path) -> Path:
+    x, y = blobs(300)
+    path = tmp_path / "blobs.npz"
+    np.savez(path, x=x, y=y)
+    return path
+
+
+class Run:
+    """CliRunner wrapper: result with stdout/stderr split and a parsed JSON helper."""
+
+    def __init__(self) -> None:
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str):
+        result = self.runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+        result.json = lambda: json.loads(result.stdout)  # type: ignore[attr-defined]
+        return result
+
+
+@pytest.fixture
+def run() -> Run:
+    return Run()

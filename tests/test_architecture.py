@@ -1,0 +1,75 @@
+"""The dependency rules of DESIGN.md, held by a test rather than by good intentions.
+
+cli -> compressor | distrib -> models;  compressor x distrib;  nothing -> cli
+the library (compressor, distrib, models) never prints, exits, or imports click
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["cli", "compressor", "distrib", "models"]
+FORBIDDEN = {
+    "models": {"cli", "compressor", "distrib", "click", "rich"},
+    "compressor": {"cli", "distrib", "click", "rich"},
+    "distrib": {"cli", "compressor", "click", "rich"},
+    "cli": set(),
+}
+
+
+def _modules(package):
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _imports(path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module.split(".")[0]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_dependency_direction(package):
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in _modules(package)
+        for line, name in _imports(path)
+        if name in FORBIDDEN[package]
+    ]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("package", ["compressor", "distrib", "models"])
+def test_library_never_prints_or_exits(package):
+    bad = []
+    for path in _modules(package):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = (
+                    f.id
+                    if isinstance(f, ast.Name)
+                    else f.attr
+                    if isinstance(f, ast.Attribute)
+                    else ""
+                )
+                if name in {"print", "exit", "_exit"} or (name == "quit"):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} calls {name}")
+    assert not bad, bad
+
+
+def test_light_imports_do_not_load_onnx_or_sklearn():
+    code = (
+        "import sys, compressor, distrib, models, models.zoo, models.checkpoint, distrib.trainer;"
+        "heavy = [m for m in ('onnx', 'onnxruntime', 'sklearn', 'click') if m in sys.modules];"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

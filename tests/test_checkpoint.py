@@ -1,0 +1,124 @@
+import pytest
+import torch
+
+from models import InputError, ModelSpec, checkpoint, tiny
+from models.fileio import atomic_path, check_writable
+
+SPEC = ModelSpec("lenet5", {"in_shape": [1, 8, 8], "num_classes": 10, "channels": [4, 8], "fc": 16})
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_round_trip_keeps_spec_weights_and_metadata(tmp_path):
+    model = tiny("lenet5")
+    path = checkpoint.save(tmp_path / "m.pt", model, SPEC, {"test_accuracy": 0.9, "data": "digits"})
+    ck = checkpoint.load(path)
+    assert ck.spec == SPEC
+    assert ck.metadata["test_accuracy"] == 0.9 and ck.metadata["data"] == "digits"
+    assert set(ck.metadata["versions"]) == {"compress", "torch", "python"}
+    assert "T" in ck.metadata["created"]
+    assert _same(ck.build_model().state_dict(), model.state_dict())
+    # The file itself is loadable by plain torch with weights_only=True.
+    raw = torch.load(path, weights_only=True)
+    assert raw["format"] == "compress.checkpoint" and raw["format_version"] == 1
+
+
+def test_bare_state_dict_loads_when_model_is_named(tmp_path):
+    model = tiny("lenet5")
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    ck = checkpoint.load(tmp_path / "sd.pt")
+    assert ck.spec is None
+    with pytest.raises(InputError, match="does not name its model; pass --model"):
+        ck.build_model()
+    assert _same(ck.build_model(SPEC).state_dict(), model.state_dict())
+
+
+def test_weights_that_do_not_fit_the_model(tmp_path):
+    torch.save(tiny("mlp").state_dict(), tmp_path / "sd.pt")
+    with pytest.raises(InputError, match="weights do not fit model lenet5"):
+        checkpoint.load(tmp_path / "sd.pt").build_model(SPEC)
+
+
+class _Payload:
+    """Unpickling this calls open(marker, 'w'): code a malicious checkpoint would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_with_pickled_code_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "code-ran"
+    torch.save({"state_dict": {}, "payload": _Payload(marker)}, tmp_path / "evil.pt")
+    # The payload is real: plain unpickling runs it.
+    torch.load(tmp_path / "evil.pt", weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(InputError, match=r"refused: it holds pickled code \((io|builtins)\.open\)"):
+        checkpoint.load(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+def test_whole_pickled_module_is_refused(tmp_path):
+    torch.save(tiny("mlp"), tmp_path / "whole.pt")
+    with pytest.raises(InputError, match="pickled code.*state_dict"):
+        checkpoint.load(tmp_path / "whole.pt")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"not a checkpoint\n", "not a torch.save file"),
+        (b"", "empty"),
+        ("truncate", "zip archive that is truncated"),
+    ],
+)
+def test_files_that_are_not_checkpoints(tmp_path, content, message):
+    path = tmp_path / "x.pt"
+    if content == "truncate":
+        good = checkpoint.save(tmp_path / "good.pt", tiny("mlp"), ModelSpec("mlp", {})).read_bytes()
+        content = good[: len(good) // 2]
+    path.write_bytes(content)
+    with pytest.raises(InputError, match=message):
+        checkpoint.load(path)
+
+
+def test_torch_file_that_is_not_a_checkpoint(tmp_path):
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    with pytest.raises(InputError, match="not a checkpoint"):
+        checkpoint.load(tmp_path / "list.pt")
+
+
+def test_newer_format_version_is_refused(tmp_path):
+    path = checkpoint.save(tmp_path / "m.pt", tiny("mlp"), ModelSpec("mlp", {}))
+    obj = torch.load(path, weights_only=True)
+    obj["format_version"] = 99
+    torch.save(obj, path)
+    with pytest.raises(InputError, match="newer than this compress reads"):
+        checkpoint.load(path)
+
+
+def test_interrupted_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "m.pt"
+    path.write_bytes(b"old")
+    with pytest.raises(KeyboardInterrupt), atomic_path(path) as tmp:
+        tmp.write_bytes(b"half")
+        raise KeyboardInterrupt
+    assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+
+
+def test_check_writable(tmp_path):
+    assert check_writable(tmp_path / "a.pt") == tmp_path / "a.pt"
+    with pytest.raises(InputError, match="does not exist"):
+        check_writable(tmp_path / "missing" / "a.pt")
+    with pytest.raises(InputError, match="is a folder"):
+        check_writable(tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InputError, match="not a folder"):
+        check_writable(tmp_path / "file" / "a.pt")
+    assert list(tmp_path.iterdir()) == [tmp_path / "file"]  # the probe file is gone

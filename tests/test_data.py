@@ -1,0 +1,164 @@
+import numpy as np
+import pytest
+import torch
+
+from models import InputError, ModelSpec, build
+from models.data import check_fits, load, read_idx
+from tests.conftest import blobs, write_idx
+
+
+def test_digits_default_split_is_fixed_and_scaled():
+    a, b = load("digits"), load("digits")
+    assert a.in_shape == (1, 8, 8) and a.num_classes == 10
+    assert (len(a.y_train), len(a.y_test)) == (1437, 360)
+    assert torch.equal(a.x_test, b.x_test) and torch.equal(a.y_train, b.y_train)
+    assert a.x_train.dtype == torch.float32 and a.x_train.min() >= 0.0 and a.x_train.max() <= 1.0
+    # Stratified: every class is in the test split in about its share.
+    assert torch.bincount(a.y_test, minlength=10).min() >= 30
+
+
+def test_digits_resized_for_lenet5():
+    d = load("digits:28")
+    assert d.in_shape == (1, 28, 28) and len(d.y_test) == 360
+    assert torch.equal(d.y_test, load("digits").y_test)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_round_trip(tmp_path, gz):
+    x = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    path = write_idx(tmp_path / "a-idx3-ubyte", x, gz=gz)
+    assert np.array_equal(read_idx(path, 3), x)
+
+
+def test_mnist_t10k_only_uses_documented_split(mnist_dir):
+    d = load(f"mnist:{mnist_dir}")
+    x = read_idx(mnist_dir / "t10k-images-idx3-ubyte.gz", 3)
+    y = read_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz", 1)
+    # image i is a test image when i % 5 == 4
+    assert len(d.y_test) == 10 and len(d.y_train) == 40
+    assert torch.equal(d.y_test, torch.from_numpy(y[4::5].astype(np.int64)))
+    assert torch.allclose(d.x_test[:, 0], torch.from_numpy(x[4::5] / 255.0).float())
+    assert d.in_shape == (1, 28, 28) and d.num_classes == 10
+
+
+def test_mnist_with_train_files_uses_them(mnist_dir):
+    x, y = blobs(20, side=28, classes=10, seed=1)
+    write_idx(mnist_dir / "train-images-idx3-ubyte", x)  # raw, next to gzipped t10k
+    write_idx(mnist_dir / "train-labels-idx1-ubyte", y)
+    d = load(f"mnist:{mnist_dir}")
+    assert (len(d.y_train), len(d.y_test)) == (20, 50)
+
+
+def test_npz_with_and_without_test_arrays(tmp_path, npz_file):
+    d = load(f"npz:{npz_file}")
+    assert (len(d.y_train), len(d.y_test)) == (240, 60) and d.num_classes == 3
+    x, y = blobs(30)
+    p = tmp_path / "split.npz"
+    np.savez(
+        p, x=x.astype(np.float32) / 255, y=y, x_test=x[:5].astype(np.float32) / 255, y_test=y[:5]
+    )
+    d = load(f"npz:{p}")
+    assert (len(d.y_train), len(d.y_test)) == (30, 5)
+    flat = tmp_path / "flat.npz"
+    np.savez(flat, x=np.random.rand(20, 6).astype(np.float32), y=np.arange(20) % 2)
+    assert load(f"npz:{flat}").in_shape == (1, 1, 6)
+
+
+def _npz(tmp_path, **arrays):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    return f"npz:{path}"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda t: "mnist:" + str(t / "nowhere"), "does not exist"),
+        (lambda t: "npz:" + str(t / "nothing.npz"), "does not exist"),
+        (lambda t: "imagenet", "unknown data spec"),
+        (lambda t: "digits:3", "side length"),
+        (
+            lambda t: _npz(t, images=np.zeros((4, 8, 8)), y=np.zeros(4)),
+            "lacks array.*x.*has: images, y",
+        ),
+        (
+            lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.array([0, 1] * 4 + [2, -1])),
+            "labels out of range",
+        ),
+        (
+            lambda t: _npz(
+                t,
+                x=np.zeros((10, 8, 8)),
+                y=np.zeros(10),
+                x_test=np.zeros((5, 8, 8)),
+                y_test=np.full(5, 7),
+            ),
+            "test labels out of range",
+        ),
+        (lambda t: _npz(t, x=np.full((10, 8, 8), np.nan), y=np.zeros(10)), "NaN"),
+        (lambda t: _npz(t, x=np.zeros((0, 8, 8)), y=np.zeros(0)), "empty"),
+        (lambda t: _npz(t, x=np.zeros((10,)), y=np.zeros(10)), r"shape \(10,\)"),
+        (
+            lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.zeros(9)),
+            "x has 10 images but y has 9 labels",
+        ),
+        (lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.full(10, 0.5)), "whole numbers"),
+        (
+            lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.zeros(10), x_test=np.zeros((3, 8, 8))),
+            "both x_test and y_test",
+        ),
+    ],
+)
+def test_bad_data_gives_one_line_naming_the_problem(tmp_path, make, message):
+    with pytest.raises(InputError, match=message) as info:
+        load(make(tmp_path))
+    assert "\n" not in str(info.value)
+
+
+def test_idx_wrong_magic(mnist_dir):
+    (mnist_dir / "t10k-labels-idx1-ubyte.gz").write_bytes(b"\x00\x00\x08\x03" + bytes(16))
+    with pytest.raises(InputError, match="not an IDX file of rank 1"):
+        load(f"mnist:{mnist_dir}")
+
+
+@pytest.mark.parametrize("cut", [3, 10, 1000])
+def test_idx_truncated(tmp_path, cut):
+    x, y = blobs(5, side=28)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", y)
+    raw = write_idx(tmp_path / "full", x).read_bytes()
+    (tmp_path / "t10k-images-idx3-ubyte").write_bytes(raw[:cut])
+    with pytest.raises(InputError, match="t10k-images-idx3-ubyte: (truncated|not an IDX)"):
+        load(f"mnist:{tmp_path}")
+
+
+def test_truncated_gzip(mnist_dir):
+    p = mnist_dir / "t10k-images-idx3-ubyte.gz"
+    p.write_bytes(p.read_bytes()[:200])
+    with pytest.raises(InputError, match="cannot read"):
+        load(f"mnist:{mnist_dir}")
+
+
+def test_mnist_missing_labels_file(mnist_dir):
+    (mnist_dir / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(InputError, match="t10k-labels-idx1-ubyte.*missing"):
+        load(f"mnist:{mnist_dir}")
+
+
+def test_mnist_count_mismatch(mnist_dir):
+    write_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz", np.zeros(7, np.uint8), gz=True)
+    with pytest.raises(InputError, match="50 images.*7 labels"):
+        load(f"mnist:{mnist_dir}")
+
+
+def test_images_of_wrong_shape_for_model(mnist_dir):
+    data = load(f"mnist:{mnist_dir}")  # 28x28
+    model = build(ModelSpec("lenet5", {"in_shape": [1, 8, 8]}))
+    with pytest.raises(InputError, match=r"shape \(1, 28, 28\).*built for \(1, 8, 8\)"):
+        check_fits(model, data, "lenet5")
+
+
+def test_more_classes_than_the_model_predicts(mnist_dir):
+    data = load(f"mnist:{mnist_dir}")
+    model = build(ModelSpec("mlp", {"in_shape": [1, 28, 28], "num_classes": 5}))
+    with pytest.raises(InputError, match="labels reach 9 but model mlp predicts 5"):
+        check_fits(model, data, "mlp")

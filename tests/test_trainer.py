@@ -1,0 +1,152 @@
+import itertools
+import math
+
+import pytest
+import torch
+
+from distrib.job import TrainJob, run
+from distrib.trainer import Checkpointer, TrainConfig, epoch_order, evaluate, fit
+from models import InputError, ModelSpec, StageError, checkpoint, tiny
+from models.data import load
+from models.zoo import build, resolve_spec
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load("digits")
+
+
+def _model(data, seed=0, name="mlp"):
+    spec = resolve_spec(name, {}, data.in_shape, data.num_classes)
+    return spec, build(spec, seed=seed)
+
+
+def _weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_training_improves_accuracy(digits):
+    _, model = _model(digits)
+    before = evaluate(model, digits.x_test, digits.y_test)[1]
+    result = fit(model, digits, TrainConfig(epochs=3))
+    assert before < 0.3 and result.test_accuracy > 0.85
+    assert result.history[-1].train_loss < result.history[0].train_loss
+    assert result.steps == 3 * math.ceil(1437 / 32) and result.samples == 3 * 1437
+    assert result.test_accuracy == pytest.approx(evaluate(model, digits.x_test, digits.y_test)[1])
+
+
+def test_lenet300_reaches_095_on_digits_in_10_epochs(digits):
+    # The acceptance run of `compress train --model lenet300 --data digits --epochs 10`.
+    _, model = _model(digits, name="lenet300")
+    assert fit(model, digits, TrainConfig(epochs=10)).test_accuracy >= 0.95
+
+
+def test_same_seed_same_weights(digits):
+    runs = []
+    for _ in range(2):
+        _, model = _model(digits, seed=5)
+        fit(model, digits, TrainConfig(epochs=1, seed=5))
+        runs.append(_weights(model))
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_epoch_order_matches_distributed_sampler_rule():
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(range(10), num_replicas=1, rank=0, shuffle=True, seed=7)
+    sampler.set_epoch(3)
+    assert list(sampler) == epoch_order(10, 7, 3).tolist()
+
+
+@pytest.mark.parametrize("every", [0, 7])  # epoch boundaries, and mid-epoch checkpoints
+def test_resume_equals_uninterrupted(digits, tmp_path, every):
+    # A tiny VGG: BatchNorm buffers and SGD momentum must resume too.
+    cfg = TrainConfig(epochs=3, checkpoint_every=every, optimizer="sgd")
+    straight = tiny("vgg", in_shape=digits.in_shape)
+    fit(straight, digits, cfg)
+
+    class Stop(Exception):
+        pass
+
+    class Crash(Checkpointer):
+        saves = 0
+
+        def save(self, model, train_state, **meta):
+            path = super().save(model, train_state, **meta)
+            Crash.saves += 1
+            if Crash.saves == (3 if every else 2):
+                raise Stop
+            return path
+
+    interrupted = tiny("vgg", in_shape=digits.in_shape)
+    ck_path = tmp_path / "run.pt"
+    spec = ModelSpec("vgg", {"in_shape": list(digits.in_shape), "num_classes": 10, "width": 4})
+    with pytest.raises(Stop):
+        fit(interrupted, digits, cfg, checkpointer=Crash(ck_path, spec))
+    ck = checkpoint.load(ck_path)
+    resumed = ck.build_model()
+    if every:
+        assert 0 < ck.train_state["step"] < 45  # the crash hit mid-epoch
+    result = fit(resumed, digits, cfg, resume=ck.train_state)
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from uninterrupted"
+    assert [r.epoch for r in result.history] == [1, 2, 3]
+
+
+def test_bf16_autocast_trains(digits):
+    _, model = _model(digits)
+    assert fit(model, digits, TrainConfig(epochs=2, precision="bf16")).test_accuracy > 0.8
+
+
+def test_divergence_is_a_stage_error(digits):
+    _, model = _model(digits)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    with pytest.raises(StageError, match="diverged at epoch 1 step 1"):
+        fit(model, digits, TrainConfig(epochs=1))
+
+
+def test_cosine_schedule_with_warmup():
+    cfg = TrainConfig(lr=1.0, warmup_steps=2)
+    lrs = [cfg.lr_at(s, 12) for s in range(12)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(lrs[2:])) and lrs[-1] < 0.05
+    assert TrainConfig(lr=0.1, schedule="constant").lr_at(99, 100) == 0.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"epochs": 0}, "--epochs"),
+        ({"batch_size": -1}, "--batch-size"),
+        ({"lr": -1.0}, "--lr"),
+        ({"optimizer": "lion"}, "--optimizer"),
+        ({"precision": "fp8"}, "--precision"),
+    ],
+)
+def test_config_validation_names_the_flag(kwargs, flag):
+    with pytest.raises(InputError, match=flag):
+        TrainConfig(**kwargs)
+
+
+def test_job_resume_refuses_changed_settings(tmp_path):
+    out = tmp_path / "m.pt"
+    run(TrainJob(model="mlp", out=out, config=TrainConfig(epochs=1)))
+    job = TrainJob(
+        model="mlp",
+        out=out,
+        resume=True,
+        config=TrainConfig(epochs=2, lr=0.5),
+        explicit=frozenset({"lr", "epochs"}),
+    )
+    with pytest.raises(InputError, match="--lr 0.5 differs"):
+        run(job)
+    job = TrainJob(model="lenet5", out=out, resume=True, explicit=frozenset({"model"}))
+    with pytest.raises(InputError, match="--model 'lenet5' differs"):
+        run(job)
+    # Unchanged settings come from the checkpoint; --epochs may extend the run.
+    result = run(
+        TrainJob(out=out, resume=True, config=TrainConfig(epochs=2), explicit=frozenset({"epochs"}))
+    )
+    assert result.resumed_from == (1, 0) and [r.epoch for r in result.history] == [1, 2]
+    assert checkpoint.load(out).spec.name == "mlp"
