@@ -92,9 +92,11 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from cli import train, unavailable
+    from cli import shrink, train, unavailable
 
     cli.add_command(train.train)
+    cli.add_command(shrink.shrink)
+    cli.add_command(shrink.decode)
     for command in unavailable.COMMANDS:
         cli.add_command(command)
 

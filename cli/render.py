@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -11,7 +12,8 @@ from rich.table import Table
 from distrib.trainer import EpochRecord, Events, TrainResult
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
-stdout = Console(highlight=False, soft_wrap=True)
+# Off a terminal (pipes, CI logs) rich assumes 80 columns; tables read better wider.
+stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 130)
 
 
 class TrainProgress(Events):
@@ -81,3 +83,51 @@ def train_summary(result: TrainResult, out: Path) -> None:
         f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs, "
         f"{result.seconds:.1f}s training; checkpoint: {out}"
     )
+
+
+STAGE_LABELS = {
+    "prune": "P (pruned)",
+    "quantize": "P+Q (shared weights)",
+    "huffman": "P+Q+H (archive)",
+}
+
+
+def shrink_summary(report: dict) -> None:
+    base = report["baseline"]
+    table = Table(title="compress shrink", title_justify="left")
+    for col in ("stage", "bytes", "ratio", "test acc", "Δ points"):
+        table.add_column(col, justify="right")
+    table.add_row("FP32 dense", f"{base['bytes']:,}", "1.0×", f"{base['test_accuracy']:.2%}", "")
+    for st in report["stages"]:
+        delta = 100 * (st["test_accuracy"] - base["test_accuracy"])
+        table.add_row(
+            STAGE_LABELS.get(st["name"], st["name"]),
+            f"{st['bytes']:,}" if "bytes" in st else "–",
+            f"{st['ratio']:.1f}×" if "ratio" in st else "–",
+            f"{st['test_accuracy']:.2%}",
+            f"{delta:+.2f}",
+        )
+    stdout.print(table)
+    layers = Table(title="per layer", title_justify="left")
+    for col in ("layer", "weights", "kept", "w bits", "w bits H", "idx bits", "idx bits H", "size"):
+        layers.add_column(col, justify="right")
+    for r in report["layers"]:
+        h = r.get("weight_bits_huffman")
+        layers.add_row(
+            r["name"],
+            f"{r['weights']:,}",
+            f"{r['kept_fraction']:.1%}",
+            str(r["weight_bits"]),
+            f"{h:.2f}" if h is not None else "–",
+            str(r["index_bits"]),
+            f"{r['index_bits_huffman']:.2f}" if h is not None else "–",
+            f"{r['size_fraction']:.2%}" if h is not None else "–",
+        )
+    stdout.print(layers)
+    if "archive" in report:
+        a = report["archive"]
+        stdout.print(
+            f"archive {a['path']}: {a['bytes']:,} bytes, {a['ratio']:.1f}× smaller; "
+            f"{a['vs_entropy_bound']:.3f}× the order-0 entropy bound ({a['entropy_bound_bytes']:,} bytes)"
+        )
+    stdout.print("wrote " + ", ".join(Path(f).name for f in report.get("files", [])))

@@ -7,17 +7,9 @@ import click
 from models.errors import InputError
 
 _PLANNED = {
-    "shrink": (
-        "Deep Compression (prune, k-means share, Huffman) + distillation + INT8 ONNX export.",
-        "compress shrink teacher.pt --out shrunk/",
-    ),
     "bench": (
         "Latency, throughput, size and accuracy of PyTorch FP32, ONNX FP32 and ONNX INT8.",
         "compress bench shrunk/ --data digits",
-    ),
-    "decode": (
-        "Rebuild a .pt checkpoint from a Huffman-coded .dcz archive, bit for bit.",
-        "compress decode model.dcz --out model.pt",
     ),
     "demo": (
         "train -> shrink -> bench end to end on the bundled digits.",

@@ -23,7 +23,7 @@ import pickle
 import platform
 import zipfile
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
@@ -90,7 +90,7 @@ def save(
         "model": spec.to_dict(),
         "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "metadata": {
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "versions": versions(),
             **(metadata or {}),
         },

@@ -42,6 +42,13 @@ def check_writable(path: str | os.PathLike, flag: str = "--out") -> Path:
     return path
 
 
+def umask() -> int:
+    """The process umask (read without changing it for longer than a call)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; rename it onto `path` if the block succeeds.
@@ -57,6 +64,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb+") as f:  # flush to disk before the rename makes it visible
             os.fsync(f.fileno())
+        os.chmod(tmp_path, 0o666 & ~umask())  # mkstemp makes 0600; give the usual mode
         os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

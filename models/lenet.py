@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.base import ZooModel
@@ -36,16 +37,17 @@ class LeNet5(ZooModel):
         c, h, w = self.in_shape
         pad = 2 if min(h, w) < 16 else 0
         c1, c2 = (int(x) for x in channels)
-        self.features = nn.Sequential(
-            nn.Conv2d(c, c1, 5, padding=pad),
-            nn.MaxPool2d(2),
-            nn.Conv2d(c1, c2, 5, padding=pad),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-        )
+        # Named as in the paper's Table 3 (conv1, conv2, fc1, fc2).
+        self.conv1 = nn.Conv2d(c, c1, 5, padding=pad)
+        self.conv2 = nn.Conv2d(c1, c2, 5, padding=pad)
         with torch.no_grad():
-            flat = self.features(torch.zeros(1, c, h, w)).shape[1]
-        self.classifier = nn.Sequential(nn.Linear(flat, fc), nn.ReLU(), nn.Linear(fc, num_classes))
+            flat = self._features(torch.zeros(1, c, h, w)).shape[1]
+        self.fc1 = nn.Linear(flat, fc)
+        self.fc2 = nn.Linear(fc, num_classes)
+
+    def _features(self, x):
+        x = F.max_pool2d(self.conv1(x), 2)
+        return F.max_pool2d(self.conv2(x), 2).flatten(1)
 
     def forward(self, x):
-        return self.classifier(self.features(x))
+        return self.fc2(F.relu(self.fc1(self._features(x))))

@@ -10,6 +10,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from models.base import ZooModel
@@ -23,15 +24,17 @@ class MLP(ZooModel):
         self, in_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (64,)
     ) -> None:
         super().__init__(in_shape, num_classes)
-        sizes = [math.prod(self.in_shape), *[int(h) for h in hidden]]
-        layers: list[nn.Module] = [nn.Flatten()]
-        for a, b in itertools.pairwise(sizes):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        layers.append(nn.Linear(sizes[-1], self.num_classes))
-        self.net = nn.Sequential(*layers)
+        sizes = [math.prod(self.in_shape), *[int(h) for h in hidden], self.num_classes]
+        # Named fc1, fc2, ... as in the paper's tables, so reports and recipes read naturally.
+        self.fcs = [f"fc{i}" for i in range(1, len(sizes))]
+        for name, (a, b) in zip(self.fcs, itertools.pairwise(sizes), strict=True):
+            self.add_module(name, nn.Linear(a, b))
 
     def forward(self, x):
-        return self.net(x)
+        x = x.flatten(1)
+        for name in self.fcs[:-1]:
+            x = torch.relu(getattr(self, name)(x))
+        return getattr(self, self.fcs[-1])(x)
 
 
 @register("lenet300", tiny={"hidden": [16, 8]}, about="LeNet-300-100 MLP (Deep Compression)")

@@ -1,0 +1,149 @@
+"""`compress shrink` and `compress decode`: flags -> recipe -> one library call -> tables or JSON.
+
+This is where the siblings meet: `distrib`'s training loop is handed to `compressor` as hooks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cli import render
+from cli.main import emit_json, json_option
+from compressor import pipeline
+from compressor import recipe as recipe_mod
+from compressor.shrink import Hooks
+from distrib.trainer import TrainConfig, evaluate, fit
+from models import checkpoint, zoo
+from models import data as data_mod
+from models.errors import InputError
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  compress shrink lenet300.pt --data digits --out lenet300-shrunk/
+  compress shrink lenet5.pt --data mnist:~/mnist --recipe recipe.toml --json
+  compress shrink lenet5.pt --dry-run > recipe.toml   # print the resolved recipe, edit, rerun
+"""
+)
+@click.argument("model_path", metavar="MODEL.pt", type=click.Path(path_type=Path))
+@click.option(
+    "--data",
+    default=None,
+    metavar="SPEC",
+    help="Data for retraining and accuracy [default: the checkpoint's, else digits].",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output folder [default: MODEL-shrunk/].",
+)
+@click.option(
+    "--recipe",
+    "recipe_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Recipe file (.toml or .json); unset keys take defaults.",
+)
+@click.option("--dry-run", is_flag=True, help="Print the resolved recipe (TOML) and exit.")
+@click.option("--model", default=None, help="Model name, for a bare state_dict checkpoint.")
+@click.option("--model-kwargs", default=None, metavar="JSON", help="Kwargs for --model.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@json_option
+def shrink(
+    model_path: Path,
+    data: str | None,
+    out: Path | None,
+    recipe_path: Path | None,
+    dry_run: bool,
+    model: str | None,
+    model_kwargs: str | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Deep Compression: prune + retrain, k-means weight sharing, Huffman archive."""
+    recipe = recipe_mod.load(recipe_path) if recipe_path else recipe_mod.resolve({})
+    if dry_run:
+        if as_json:
+            emit_json({"recipe": recipe})
+        else:
+            click.echo(recipe_mod.dumps(recipe), nl=False)
+        return
+    out = out or model_path.with_name(model_path.stem + "-shrunk")
+    pipeline.check_out_dir(out)
+    ck = checkpoint.load(model_path)
+    ds = data_mod.load(data or ck.metadata.get("data") or "digits")
+    spec = ck.spec
+    if spec is None:
+        if not model:
+            raise InputError(
+                f"{model_path}: a bare state_dict does not name its model; pass --model NAME"
+            )
+        spec = zoo.resolve_spec(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)
+    net = ck.build_model(spec)
+    data_mod.check_fits(net, ds, spec.name)
+
+    progress = render.TrainProgress(quiet=quiet)
+    train = recipe["train"]
+    n_val = max(len(ds.y_train) // 10, 1)  # sensitivity runs on held-out *training* data
+
+    def retrain(m, epochs: int, lr: float) -> None:
+        cfg = TrainConfig(
+            epochs=epochs,
+            lr=lr,
+            batch_size=train["batch_size"],
+            optimizer=train["optimizer"],
+            seed=train["seed"],
+        )
+        fit(m, ds, cfg, events=progress)
+
+    hooks = Hooks(
+        retrain=retrain,
+        test_accuracy=lambda m: evaluate(m, ds.x_test, ds.y_test)[1],
+        val_accuracy=lambda m: evaluate(m, ds.x_train[-n_val:], ds.y_train[-n_val:])[1],
+        info=progress.info,
+    )
+    meta = {"data": ds.spec, "source": str(model_path)}
+    try:
+        report = pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta)
+    finally:
+        progress.close()
+    if as_json:
+        emit_json(
+            {
+                k: report[k]
+                for k in ("baseline", "stages", "archive", "layers", "files", "seconds")
+                if k in report
+            }
+        )
+    else:
+        render.shrink_summary(report)
+
+
+@click.command(
+    epilog="""\b
+Example:
+  compress decode lenet300-shrunk/model.dcz --out lenet300-decoded.pt
+"""
+)
+@click.argument("archive_path", metavar="MODEL.dcz", type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint to write [default: MODEL.decoded.pt].",
+)
+@json_option
+def decode(archive_path: Path, out: Path | None, as_json: bool) -> None:
+    """Rebuild a .pt checkpoint from a .dcz archive, bit for bit."""
+    out = out or archive_path.with_suffix(".decoded.pt")
+    result = pipeline.decode_to_checkpoint(archive_path, out)
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(
+            f"decoded {result['archive']} ({result['archive_bytes']:,} bytes) -> "
+            f"{result['checkpoint']}: {result['model']}, {result['parameters']:,} parameters"
+        )

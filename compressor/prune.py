@@ -1,0 +1,272 @@
+"""Magnitude pruning with retraining: Han, Pool, Tran & Dally, "Learning both Weights and
+Connections for Efficient Neural Networks" (NIPS 2015), stage 1 of Deep Compression
+(Han, Mao & Dally, ICLR 2016).
+
+Pure maths (`magnitude_mask`, `threshold_mask`, `global_threshold`) is kept apart from model
+plumbing (`prune_`, `masks_of`, `bake_`). A mask is a torch parametrization on the layer's
+`weight`: the layer computes `where(mask, original, 0)` on every forward, so pruned weights are
+exactly +0.0 through retraining, centroid fine-tuning and export, whatever the optimizer does
+to the hidden original (momentum, weight decay). Masks only ever shrink: a weight pruned in one
+round stays pruned in the next.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from models.errors import InputError
+
+PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+# --- pure maths -----------------------------------------------------------------------------
+
+
+def magnitude_mask(w: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Keep the largest-|w| entries so that exactly round(sparsity * n) entries are pruned.
+
+    Ties at the threshold are broken by position (stable sort), so the count is exact.
+    """
+    n = w.numel()
+    k = min(n, max(0, round(sparsity * n)))
+    mask = torch.ones(n, dtype=torch.bool)
+    if k:
+        order = torch.argsort(w.detach().abs().flatten(), stable=True)
+        mask[order[:k]] = False
+    return mask.view_as(w)
+
+
+def threshold_mask(w: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Keep entries with |w| > threshold (the paper's rule uses quality x std(w))."""
+    return w.detach().abs() > threshold
+
+
+def global_threshold(weights: list[torch.Tensor], sparsity: float) -> float:
+    """The |w| below which `sparsity` of all the given weights fall (one threshold for all)."""
+    flat = torch.cat([w.detach().abs().flatten() for w in weights])
+    k = min(flat.numel(), max(0, round(sparsity * flat.numel())))
+    return float(torch.kthvalue(flat, k).values) if k else -1.0
+
+
+# --- the mask parametrization --------------------------------------------------------------
+
+
+class Mask(nn.Module):
+    """weight = where(mask, original, +0.0): pruned weights are exactly zero on every forward."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mask", mask.to(torch.bool))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.mask, w, torch.zeros((), dtype=w.dtype, device=w.device))
+
+
+# --- config and plumbing -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """How much to prune, and how.
+
+    sparsity   target fraction of zeros: one number for every layer (or for all weights when
+               scope="global"), or {layer name: fraction}; layers not named keep their weights.
+    quality    instead of sparsity: threshold = quality x std(w) per layer (the paper's rule).
+    rounds     prune -> retrain cycles; round r prunes to s x (1 - (1 - r/rounds)^3) of the
+               target (Zhu & Gupta 2017), so early rounds remove the most and retraining adapts.
+    include_bias / include_norm   also prune biases / normalisation weights (off, as the paper).
+    """
+
+    sparsity: float | dict[str, float] | None = None
+    quality: float | None = None
+    scope: str = "layer"
+    rounds: int = 3
+    include_bias: bool = False
+    include_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.sparsity is None) == (self.quality is None):
+            raise InputError("prune: give either sparsity or quality, not both or neither")
+        values = self.sparsity.values() if isinstance(self.sparsity, dict) else [self.sparsity]
+        for v in values:
+            if v is not None and not (isinstance(v, int | float) and 0 <= v < 1):
+                raise InputError(f"prune: sparsity {v!r} is impossible; give a fraction in [0, 1)")
+        if self.quality is not None and not (self.quality > 0 and math.isfinite(self.quality)):
+            raise InputError(f"prune: quality {self.quality!r} must be a positive number")
+        if self.scope not in ("layer", "global"):
+            raise InputError(f"prune: scope {self.scope!r} must be 'layer' or 'global'")
+        if self.scope == "global" and not isinstance(self.sparsity, int | float):
+            raise InputError("prune: scope 'global' needs one sparsity number")
+        if not (isinstance(self.rounds, int) and self.rounds >= 1):
+            raise InputError(f"prune: rounds {self.rounds!r} must be 1 or more")
+
+
+def prunable(model: nn.Module, cfg: PruneConfig | None = None) -> dict[str, nn.Parameter]:
+    """Parameters pruning may touch, by dotted name ("fc1.weight"), in model order."""
+    cfg = cfg or PruneConfig(sparsity=0.0)
+    out: dict[str, nn.Parameter] = {}
+    for name, module in model.named_modules():
+        is_norm = isinstance(module, nn.modules.batchnorm._NormBase | nn.LayerNorm | nn.GroupNorm)
+        if isinstance(module, PRUNABLE) or (cfg.include_norm and is_norm):
+            for pname in ("weight", "bias") if cfg.include_bias else ("weight",):
+                if getattr(module, pname, None) is not None:
+                    out[f"{name}.{pname}" if name else pname] = _current(module, pname)
+    return out
+
+
+def _current(module: nn.Module, pname: str) -> torch.Tensor:
+    return getattr(module, pname)  # the parametrized (masked) value when a mask is registered
+
+
+def _split(full: str) -> tuple[str, str]:
+    module, _, pname = full.rpartition(".")
+    return module, pname
+
+
+def masks_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The masks registered on a model, by parameter name."""
+    out = {}
+    for name, module in model.named_modules():
+        if parametrize.is_parametrized(module):
+            for pname, plist in module.parametrizations.items():
+                for p in plist:
+                    if isinstance(p, Mask):
+                        out[f"{name}.{pname}" if name else pname] = p.mask
+    return out
+
+
+def set_mask_(model: nn.Module, full: str, mask: torch.Tensor) -> None:
+    """Register (or tighten) the mask on one parameter; the original's pruned entries are zeroed."""
+    module_name, pname = _split(full)
+    module = model.get_submodule(module_name)
+    existing = masks_of(model).get(full)
+    if existing is not None:
+        existing.copy_(existing & mask)
+        mask = existing
+    else:
+        parametrize.register_parametrization(module, pname, Mask(mask), unsafe=True)
+    with torch.no_grad():
+        original = module.parametrizations[pname].original
+        original.masked_fill_(~mask, 0.0)
+
+
+def target_sparsities(
+    model: nn.Module, cfg: PruneConfig, fraction: float = 1.0
+) -> dict[str, float]:
+    """Per-parameter sparsity for this round (`fraction` of the way to the target)."""
+    params = prunable(model, cfg)
+    if isinstance(cfg.sparsity, dict):
+        unknown = sorted(set(cfg.sparsity) - set(params) - {n.rsplit(".", 1)[0] for n in params})
+        if unknown:
+            raise InputError(
+                f"prune: no prunable layer named {', '.join(unknown)}; "
+                f"layers: {', '.join(n.rsplit('.', 1)[0] for n in params)}"
+            )
+        out = {}
+        for n in params:
+            layer = n.rsplit(".", 1)[0]
+            s = cfg.sparsity.get(n, cfg.sparsity.get(layer))
+            if s is not None:
+                out[n] = s * fraction
+        return out
+    return {n: float(cfg.sparsity) * fraction for n in params}  # type: ignore[arg-type]
+
+
+def prune_(model: nn.Module, cfg: PruneConfig, fraction: float = 1.0) -> dict[str, float]:
+    """Prune `model` in place to `fraction` of the configured target; returns kept fraction per
+    parameter. Existing masks are kept (they only tighten)."""
+    params = prunable(model, cfg)
+    if not params:
+        raise InputError("prune: the model has no prunable layers (Linear or Conv)")
+    if cfg.quality is not None:
+        # The paper's rule, applied gradually: threshold = fraction x quality x std(w).
+        masks = {
+            n: threshold_mask(w, fraction * cfg.quality * float(w.detach().std()))
+            for n, w in params.items()
+        }
+    elif cfg.scope == "global":
+        t = global_threshold(list(params.values()), float(cfg.sparsity) * fraction)  # type: ignore[arg-type]
+        masks = {n: threshold_mask(w, t) for n, w in params.items()}
+    else:
+        masks = {
+            n: magnitude_mask(params[n], s)
+            for n, s in target_sparsities(model, cfg, fraction).items()
+        }
+    for n, m in masks.items():
+        set_mask_(model, n, m)
+    return {n: float(m.float().mean()) for n, m in masks_of(model).items()}
+
+
+def schedule(rounds: int) -> list[float]:
+    """Fraction of the target sparsity reached after each round (cubic, Zhu & Gupta 2017)."""
+    return [1.0 - (1.0 - r / rounds) ** 3 for r in range(1, rounds + 1)]
+
+
+def bake_(model: nn.Module) -> nn.Module:
+    """Remove every parametrization, leaving plain weights with their zeros (for export)."""
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            for pname in list(module.parametrizations):
+                parametrize.remove_parametrizations(module, pname, leave_parametrized=True)
+    return model
+
+
+# --- sensitivity analysis ------------------------------------------------------------------
+
+
+@dataclass
+class Sensitivity:
+    """Accuracy with each layer pruned alone (no retraining), and the proposed sparsities."""
+
+    baseline: float
+    curves: dict[str, dict[float, float]] = field(default_factory=dict)
+    proposal: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "baseline": self.baseline,
+            "curves": {n: {str(s): a for s, a in c.items()} for n, c in self.curves.items()},
+            "proposal": self.proposal,
+        }
+
+
+def sensitivity(
+    model: nn.Module,
+    evaluate: Callable[[nn.Module], float],
+    budget: float,
+    grid: tuple[float, ...] = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97),
+) -> Sensitivity:
+    """Prune each layer alone to each sparsity in `grid`, measure accuracy with `evaluate`
+    (use held-out training data, not the test set), and propose for each layer the largest
+    sparsity whose accuracy drop stays within `budget` (a fraction, e.g. 0.02)."""
+    base = evaluate(model)
+    result = Sensitivity(baseline=base)
+    for name, w in prunable(model).items():
+        original = w.detach().clone()
+        target = _raw(model, name)
+        curve = {}
+        for s in grid:
+            with torch.no_grad():
+                target.copy_(torch.where(magnitude_mask(original, s), original, 0.0))
+            curve[s] = evaluate(model)
+        with torch.no_grad():
+            target.copy_(original)
+        result.curves[name] = curve
+        ok = [s for s, acc in curve.items() if base - acc <= budget]
+        result.proposal[name] = max(ok, default=0.0)
+    return result
+
+
+def _raw(model: nn.Module, full: str) -> torch.Tensor:
+    module_name, pname = _split(full)
+    module = model.get_submodule(module_name)
+    if parametrize.is_parametrized(module, pname):
+        return module.parametrizations[pname].original
+    return getattr(module, pname)

@@ -1,0 +1,440 @@
+"""The Deep Compression pipeline behind `compress shrink` (Han, Mao & Dally, ICLR 2016):
+prune with retraining -> k-means weight sharing with centroid fine-tuning -> Huffman archive.
+
+`shrink(model, spec, recipe, hooks, out_dir)` changes the model in place, writes the archive,
+decodes it again and checks the decoded weights equal the model's bit for bit, and returns a
+plain-data report (the paper's per-layer and per-stage tables, plus entropy bounds).
+
+Training is injected through `Hooks` (the CLI passes `distrib.trainer.fit`), so this package
+never imports `distrib`. Byte accounting follows the paper: ratios are against 4 bytes per
+parameter of the dense FP32 model and include codebooks and index overhead; the P+Q+H figure is
+the archive file itself, header and checksum included.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor import archive, huffman, kmeans, prune
+from models.errors import InputError, StageError
+
+GAP_BITS_SEARCH = range(1, 13)
+
+
+@dataclass
+class Hooks:
+    """What the pipeline needs from the outside world."""
+
+    retrain: Callable[[nn.Module, int, float], None]  # train in place: (model, epochs, lr)
+    test_accuracy: Callable[[nn.Module], float]
+    val_accuracy: Callable[[nn.Module], float]  # held-out training data (sensitivity analysis)
+    info: Callable[[str], None] = lambda message: None
+
+
+def default_sparsity(model: nn.Module) -> dict[str, float]:
+    """Per-layer fraction to prune, by the layer's role, after the paper's LeNet tables
+    (LeNet-300-100 kept 8/9/26%, LeNet-5 66/12/8/19%): first conv 0.35, other convs 0.85,
+    depthwise convs 0.5, hidden fully connected 0.92, output layer 0.75."""
+    out = {}
+    found = kmeans.layers(model)
+    linears = [n for n, m in found.items() if isinstance(m, nn.Linear)]
+    for name, m in found.items():
+        if isinstance(m, nn.Linear):
+            out[name] = 0.75 if linears and name == linears[-1] else 0.92
+        elif m.groups > 1 and m.groups == m.in_channels:
+            out[name] = 0.5
+        else:
+            out[name] = 0.35 if m.in_channels <= 3 else 0.85
+    return out
+
+
+def _dense_bytes(model: nn.Module) -> int:
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def shrink(
+    model: nn.Module,
+    spec: dict[str, Any],
+    recipe: dict[str, Any],
+    hooks: Hooks,
+    out_dir: Path,
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run the recipe on `model` (in place); write `out_dir/model.dcz`; return the report."""
+    check_fits_recipe(model, recipe)
+    t0 = time.perf_counter()
+    params = sum(p.numel() for p in model.parameters())
+    baseline = {
+        "bytes": 4 * params,
+        "parameters": params,
+        "test_accuracy": hooks.test_accuracy(model),
+    }
+    stages: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"baseline": baseline, "stages": stages, "recipe": recipe}
+    hooks.info(
+        f"baseline: {params:,} parameters, {baseline['bytes']:,} bytes, "
+        f"test accuracy {baseline['test_accuracy']:.4f}"
+    )
+
+    p = recipe["prune"]
+    if p["enabled"]:
+        ts = time.perf_counter()
+        report["sensitivity"] = _prune(model, p, hooks)
+        stages.append(
+            {
+                "name": "prune",
+                "seconds": time.perf_counter() - ts,
+                "test_accuracy": hooks.test_accuracy(model),
+            }
+        )
+    q = recipe["quantize"]
+    if q["enabled"]:
+        ts = time.perf_counter()
+        report["histogram"] = _quantize(model, q, recipe["train"]["seed"], hooks)
+        stages.append(
+            {
+                "name": "quantize",
+                "seconds": time.perf_counter() - ts,
+                "test_accuracy": hooks.test_accuracy(model),
+            }
+        )
+
+    entries, layer_info = _entries(model, recipe)
+    _account(stages, entries, layer_info, model, recipe)
+    if recipe["huffman"]["enabled"]:
+        ts = time.perf_counter()
+        path = out_dir / "model.dcz"
+        meta = {**(metadata or {}), "test_accuracy": stages[-1]["test_accuracy"]}
+        stats = archive.write(path, entries, spec, meta)
+        decoded = archive.read(path)
+        _check_bit_identical(model, decoded.state_dict)
+        baked = prune.bake_(model)
+        acc = hooks.test_accuracy(baked)
+        stages.append(
+            {
+                "name": "huffman",
+                "seconds": time.perf_counter() - ts,
+                "test_accuracy": acc,
+                "bytes": stats.bytes,
+                "ratio": baseline["bytes"] / stats.bytes,
+            }
+        )
+        report["archive"] = _archive_report(path, stats, baseline["bytes"])
+        report["layers"] = _layer_rows(layer_info, stats, recipe)
+    else:
+        prune.bake_(model)
+        report["layers"] = _layer_rows(layer_info, None, recipe)
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def check_fits_recipe(model: nn.Module, recipe: dict[str, Any]) -> None:
+    """Refuse, before any work, a recipe that names layers the model lacks, or a model with
+    nothing to compress."""
+    found = kmeans.layers(model)
+    if (recipe["prune"]["enabled"] or recipe["quantize"]["enabled"]) and not found:
+        raise InputError("the model has no prunable layers (Linear or Conv): nothing to compress")
+    named = []
+    if isinstance(recipe["prune"]["sparsity"], dict):
+        named += [
+            ("prune.sparsity", k.removesuffix(".weight")) for k in recipe["prune"]["sparsity"]
+        ]
+    named += [("quantize.bits", k) for k in recipe["quantize"]["bits"]]
+    for where, layer in named:
+        if layer not in found:
+            raise InputError(
+                f"recipe {where} names layer {layer!r}, which the model lacks; "
+                f"layers: {', '.join(found)}"
+            )
+
+
+# --- stages ---------------------------------------------------------------------------------
+
+
+def _prune(model: nn.Module, p: dict[str, Any], hooks: Hooks) -> dict[str, Any] | None:
+    sens = None
+    sparsity = p["sparsity"]
+    if sparsity == "default":
+        sparsity = default_sparsity(model)
+    elif sparsity == "auto":
+        sens = prune.sensitivity(model, hooks.val_accuracy, p["budget"])
+        sparsity = sens.proposal
+        hooks.info(
+            "sensitivity proposal: " + ", ".join(f"{n} {s:.2f}" for n, s in sparsity.items())
+        )
+    if isinstance(sparsity, dict):  # per-layer recipes name layers; masks key on their weights
+        sparsity = {
+            (k if k.endswith((".weight", ".bias")) else f"{k}.weight"): v
+            for k, v in sparsity.items()
+        }
+    cfg = prune.PruneConfig(
+        sparsity=sparsity if p["quality"] is None else None,
+        quality=p["quality"],
+        scope=p["scope"],
+        rounds=p["rounds"],
+        include_bias=p["include_bias"],
+    )
+    for r, fraction in enumerate(prune.schedule(cfg.rounds), 1):
+        kept = prune.prune_(model, cfg, fraction)
+        if p["retrain_epochs"]:
+            hooks.retrain(model, p["retrain_epochs"], p["lr"])
+        total = sum(m.numel() for m in prune.masks_of(model).values())
+        nnz = sum(int(m.sum()) for m in prune.masks_of(model).values())
+        hooks.info(
+            f"prune round {r}/{cfg.rounds}: {nnz / total:.1%} of prunable weights kept, "
+            f"test accuracy {hooks.test_accuracy(model):.4f}"
+        )
+        del kept
+    return sens.to_dict() if sens else None
+
+
+def _quantize(model: nn.Module, q: dict[str, Any], seed: int, hooks: Hooks) -> dict[str, Any]:
+    cfg = kmeans.QuantizeConfig(
+        conv_bits=q["conv_bits"],
+        fc_bits=q["fc_bits"],
+        bits=dict(q["bits"]),
+        mode=q["mode"],
+        seed=seed,
+    )
+    largest = max(kmeans.layers(model).items(), key=lambda kv: kv[1].weight.numel())
+    w = largest[1].weight.detach().flatten()
+    w = w[w != 0].numpy()
+    kmeans.share_weights_(model, cfg)
+    counts, edges = np.histogram(w, bins=120)
+    histogram = {
+        "layer": f"{largest[0]}.weight",
+        "counts": counts.tolist(),
+        "edges": edges.tolist(),
+        "centroids_init": kmeans.linear_init(
+            w, len(kmeans.shared_of(model)[largest[0]].codebook)
+        ).tolist(),
+    }
+    hooks.info(f"weight sharing: test accuracy before fine-tuning {hooks.test_accuracy(model):.4f}")
+    if q["finetune_epochs"]:
+        hooks.retrain(model, q["finetune_epochs"], q["lr"])
+    kmeans.freeze_sharing_(model)
+    histogram["centroids"] = kmeans.shared_of(model)[largest[0]].codebook.detach().tolist()
+    _round_dense(model, q)
+    return histogram
+
+
+def _round_dense(model: nn.Module, q: dict[str, Any]) -> None:
+    if q["dense"] == "float16":
+        # Biases and norm statistics are stored as float16; round them in the model too, so
+        # the archive decodes to exactly the model we measured.
+        shared = {f"{n}.weight" for n in kmeans.shared_of(model)}
+        with torch.no_grad():
+            for name, t in _plain_tensors(model).items():
+                if name not in shared and t.dtype == torch.float32:
+                    t.copy_(t.half().float())
+
+
+def _plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by their baked names, excluding parametrization internals."""
+    out = {}
+    for mname, module in model.named_modules():
+        for pname, t in [
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ]:
+            if "parametrizations" in mname:
+                continue
+            out[f"{mname}.{pname}" if mname else pname] = t
+    return out
+
+
+# --- archive entries and accounting ---------------------------------------------------------
+
+
+def _choose_gap_bits(positions: np.ndarray, numel: int, fixed: int, mode: str) -> int:
+    if len(positions) == numel:
+        return 0
+    if mode == "fixed":
+        return fixed
+
+    def cost(b: int) -> int:
+        gaps = huffman.encode_gaps(positions, b)
+        lengths = huffman.code_lengths(np.bincount(gaps, minlength=2**b))
+        return huffman.stream_bits(gaps, lengths) + 8 * 2**b
+
+    return min(GAP_BITS_SEARCH, key=cost)
+
+
+def _entries(model: nn.Module, recipe: dict[str, Any]):
+    h = recipe["huffman"]
+    shared = kmeans.shared_of(model)
+    masks = prune.masks_of(model)
+    entries: list[archive.Dense | archive.Shared] = []
+    info: dict[str, dict[str, Any]] = {}
+    baked_keys = _baked_state_keys(model)
+    modules = dict(model.named_modules())
+    for key in baked_keys:
+        mname, _, pname = key.rpartition(".")
+        if pname == "weight" and mname in shared:
+            s = shared[mname]
+            mask = s.mask.flatten()
+            positions = torch.nonzero(mask).flatten().numpy()
+            index = s.index.flatten()[mask].numpy()
+            is_fc = isinstance(modules[mname], nn.Linear)
+            fixed = h["fc_gap_bits"] if is_fc else h["conv_gap_bits"]
+            b = _choose_gap_bits(positions, mask.numel(), fixed, h["gap_bits"])
+            codebook = s.codebook.detach().numpy().astype(np.float32)
+            entries.append(archive.Shared(key, tuple(s.mask.shape), codebook, index, positions, b))
+            info[key] = {
+                "weights": mask.numel(),
+                "kept": len(positions),
+                "bits": math.ceil(math.log2(max(len(codebook), 2))),
+                "codebook": len(codebook),
+                "gap_bits": b,
+                "fixed_gap_bits": fixed,
+                "escapes_fixed": _escapes(positions, fixed),
+                "quantized": True,
+            }
+        else:
+            t = _baked_value(model, key)
+            entries.append(
+                archive.Dense(
+                    key, t.detach().clone(), store_fp16=recipe["quantize"]["dense"] == "float16"
+                )
+            )
+            if key in masks or (
+                pname == "weight" and isinstance(modules.get(mname), prune.PRUNABLE)
+            ):
+                kept = int((t != 0).sum())
+                info[key] = {
+                    "weights": t.numel(),
+                    "kept": kept,
+                    "bits": 32,
+                    "codebook": 0,
+                    "gap_bits": 0,
+                    "quantized": False,
+                }
+    return entries, info
+
+
+def _escapes(positions: np.ndarray, b: int) -> int:
+    return int(np.sum(huffman.encode_gaps(positions, b) == 2**b - 1)) if len(positions) else 0
+
+
+def _baked_state_keys(model: nn.Module) -> list[str]:
+    keys = []
+    for k in model.state_dict():
+        if ".parametrizations." in k:
+            base, _, rest = k.partition(".parametrizations.")
+            name = f"{base}.{rest.split('.')[0]}"
+            if rest.endswith(".original") and name not in keys:
+                keys.append(name)
+        else:
+            keys.append(k)
+    return keys
+
+
+def _baked_value(model: nn.Module, key: str) -> torch.Tensor:
+    mname, _, pname = key.rpartition(".")
+    module = model.get_submodule(mname) if mname else model
+    return getattr(module, pname)
+
+
+def _account(stages, entries, info, model, recipe) -> None:
+    """Paper-style bytes for the P and P+Q stages (fixed-width codes, no Huffman)."""
+    dense16 = recipe["quantize"]["dense"] == "float16"
+    p_bits = q_bits = 0
+    for e in entries:
+        if isinstance(e, archive.Shared):
+            i = info[e.name]
+            entries_fixed = (
+                i["kept"] + i["escapes_fixed"] if i["kept"] < i["weights"] else i["kept"]
+            )
+            index_bits = entries_fixed * i["fixed_gap_bits"] if i["kept"] < i["weights"] else 0
+            p_bits += 32 * i["kept"] + index_bits
+            q_bits += i["bits"] * i["kept"] + index_bits + 32 * i["codebook"]
+        else:
+            t = e.tensor
+            width = t.element_size() * 8
+            if e.name in info and info[e.name]["kept"] < t.numel():  # pruned, not shared
+                p_bits += 32 * info[e.name]["kept"] + 8 * info[e.name]["kept"]
+                q_bits += 32 * info[e.name]["kept"] + 8 * info[e.name]["kept"]
+                continue
+            p_bits += width * t.numel()
+            q_bits += (16 if dense16 and t.is_floating_point() else width) * t.numel()
+    base = _dense_bytes(model)
+    for st in stages:
+        if st["name"] == "prune":
+            st["bytes"] = math.ceil(p_bits / 8)
+        elif st["name"] == "quantize":
+            st["bytes"] = math.ceil(q_bits / 8)
+        if "bytes" in st:
+            st["ratio"] = base / st["bytes"]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (so -0.0 != +0.0 and NaN payloads count)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().contiguous().reshape(-1).view(torch.uint8),
+    )
+
+
+def _check_bit_identical(model: nn.Module, decoded: dict[str, torch.Tensor]) -> None:
+    for key in _baked_state_keys(model):
+        got = decoded.get(key)
+        if got is None or not bits_equal(got, _baked_value(model, key)):
+            raise StageError(f"archive check failed: tensor {key} does not decode bit for bit")
+
+
+def _archive_report(path: Path, stats: archive.Encoded, base: int) -> dict[str, Any]:
+    stream_bytes = sum(
+        v.get("index_stream_bytes", 0) + v.get("gap_stream_bytes", 0) for v in stats.layers.values()
+    )
+    entropy_bits = sum(
+        v.get("index_entropy_bits", 0) + v.get("gap_entropy_bits", 0) for v in stats.layers.values()
+    )
+    bound = stats.bytes - stream_bytes + math.ceil(entropy_bits / 8)
+    return {
+        "path": str(path),
+        "bytes": stats.bytes,
+        "ratio": base / stats.bytes,
+        "header_bytes": stats.header_bytes,
+        "stream_bytes": stream_bytes,
+        "entropy_bound_bytes": bound,
+        "vs_entropy_bound": stats.bytes / bound,
+    }
+
+
+def _layer_rows(info, stats: archive.Encoded | None, recipe) -> list[dict[str, Any]]:
+    rows = []
+    for name, i in info.items():
+        row = {
+            "name": name,
+            "weights": i["weights"],
+            "kept": i["kept"],
+            "kept_fraction": i["kept"] / i["weights"],
+            "weight_bits": i["bits"],
+            "index_bits": i.get("fixed_gap_bits", 0) if i["kept"] < i["weights"] else 0,
+            "gap_bits": i["gap_bits"],
+            "codebook": i["codebook"],
+        }
+        s = stats.layers.get(name) if stats else None
+        if s and "index_stream_bits" in s:
+            n = max(i["kept"], 1)
+            row.update(
+                weight_bits_huffman=s["index_stream_bits"] / n,
+                index_bits_huffman=s["gap_stream_bits"] / n,
+                weight_bits_entropy=s["index_entropy_bits"] / n,
+                index_bits_entropy=s["gap_entropy_bits"] / n,
+                bytes=s["record_bytes"],
+                size_fraction=s["record_bytes"] / (4 * i["weights"]),
+            )
+        rows.append(row)
+    return rows

@@ -1,0 +1,105 @@
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from compressor import archive, kmeans, prune, recipe
+from compressor.shrink import _check_bit_identical, bits_equal
+from compressor.shrink import _entries as entries_of
+from models import InputError, tiny
+
+SPEC = {"name": "lenet5", "kwargs": {"in_shape": [1, 8, 8], "num_classes": 10}}
+
+
+def _entries(seed=0):
+    g = np.random.default_rng(seed)
+    w = np.zeros(600, np.float32)
+    positions = np.sort(g.choice(600, 45, replace=False))
+    codebook = np.sort(g.normal(size=15)).astype(np.float32)
+    index = g.integers(0, 15, 45)
+    w[positions] = codebook[index]
+    return [
+        archive.Shared("fc.weight", (20, 30), codebook, index, positions, 4),
+        archive.Shared(
+            "dense_shared.weight", (3, 4), codebook[:4], g.integers(0, 4, 12), np.arange(12), 0
+        ),
+        archive.Dense(
+            "fc.bias", torch.tensor([0.5, -0.25, 3.0], dtype=torch.float32), store_fp16=True
+        ),
+        archive.Dense("odd.bias", torch.tensor([0.1, 1e-8]), store_fp16=True),  # not fp16-exact
+        archive.Dense("bn.num_batches_tracked", torch.tensor(7)),
+        archive.Dense("flags", torch.tensor([True, False])),
+        archive.Dense("bf", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
+    ], w.reshape(20, 30)
+
+
+def test_encode_decode_is_bit_identical():
+    entries, w = _entries()
+    data, stats = archive.encode(entries, SPEC, {"note": "x"})
+    out = archive.decode(data)
+    assert out.spec == SPEC and out.metadata == {"note": "x"}
+    assert list(out.state_dict) == [e.name for e in entries]
+    assert bits_equal(out.state_dict["fc.weight"], torch.from_numpy(w))
+    for e in entries[2:]:
+        assert bits_equal(out.state_dict[e.name], e.tensor)
+    assert out.state_dict["fc.bias"].dtype == torch.float32
+    assert stats.bytes == len(data)
+
+
+def test_fp16_storage_only_when_exact():
+    entries, _ = _entries()
+    small, _ = archive.encode(entries[2:3], SPEC, {})
+    exact32 = [archive.Dense("fc.bias", entries[2].tensor)]
+    large, _ = archive.encode(exact32, SPEC, {})
+    assert len(large) - len(small) == 3 * 2  # three values stored in 2 bytes instead of 4
+
+
+def test_any_flipped_byte_is_detected():
+    entries, _ = _entries()
+    data, _ = archive.encode(entries, SPEC, {})
+    for i in range(len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 0x20
+        with pytest.raises(InputError):
+            archive.decode(bytes(damaged), "x.dcz")
+
+
+@pytest.mark.parametrize("cut", [0, 5, 13, 100, -5, -1])
+def test_truncated_archive(cut):
+    data, _ = archive.encode(_entries()[0], SPEC, {})
+    with pytest.raises(InputError, match="x.dcz: .*(truncated|magic)"):
+        archive.decode(data[:cut], "x.dcz")
+
+
+def test_newer_version_and_foreign_file():
+    data, _ = archive.encode(_entries()[0], SPEC, {})
+    body = bytearray(data[:-4])
+    struct.pack_into("<H", body, len(archive.MAGIC), 9)
+    newer = bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
+    with pytest.raises(InputError, match="version 9 is newer"):
+        archive.decode(newer, "x.dcz")
+    with pytest.raises(InputError, match="not a compress archive"):
+        archive.decode(b"PK\x03\x04 a zip file", "x.dcz")
+
+
+def test_a_consistent_but_wrong_record_is_refused():
+    # Valid checksum over a record whose streams claim more entries than the tensor has room for.
+    e = archive.Shared("w", (2, 2), np.array([1.0], np.float32), np.zeros(6, int), np.arange(6), 2)
+    with pytest.raises(InputError, match="do not fit shape"):
+        archive.decode(archive.encode([e], SPEC, {})[0], "x.dcz")
+
+
+def test_model_round_trip_through_sharing():
+    model = tiny("lenet5", in_shape=(1, 8, 8))
+    prune.prune_(model, prune.PruneConfig(sparsity=0.7))
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(conv_bits=4, fc_bits=3))
+    entries, _ = entries_of(model, recipe.resolve({"quantize": {"dense": "float32"}}))
+    decoded = archive.decode(archive.encode(entries, SPEC, {})[0])
+    _check_bit_identical(model, decoded.state_dict)  # raises on any difference
+    fresh = tiny("lenet5", in_shape=(1, 8, 8))
+    fresh.load_state_dict(decoded.state_dict)
+    prune.bake_(model)
+    x = torch.rand(3, 1, 8, 8)
+    assert torch.equal(fresh(x), model(x))

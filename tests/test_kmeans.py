@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+import torch
+
+from compressor import kmeans, prune
+from distrib.trainer import TrainConfig, fit
+from models import InputError, tiny
+from models.data import load
+
+
+def lloyd_1d(w, centroids, iters=1000):
+    """Brute-force Lloyd: assign to the nearest centroid, move centroids to their means."""
+    c = np.array(centroids, dtype=np.float64)
+    for _ in range(iters):
+        labels = np.argmin(np.abs(w[:, None] - c[None, :]), axis=1)
+        new = np.array(
+            [w[labels == j].mean() if np.any(labels == j) else c[j] for j in range(len(c))]
+        )
+        if np.allclose(new, c, rtol=0, atol=0):
+            break
+        c = new
+    return c, labels
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_linear_init_kmeans_equals_brute_force_lloyd(seed):
+    rng = np.random.default_rng(seed)
+    w = np.concatenate(
+        [rng.normal(-0.5, 0.1, 60), rng.normal(0.3, 0.05, 40), rng.normal(1.0, 0.2, 20)]
+    )
+    centroids, labels = kmeans.kmeans_1d(w, 4, tol=0)
+    ref, ref_labels = lloyd_1d(w, kmeans.linear_init(w, 4))
+    order = np.argsort(ref)
+    assert np.allclose(centroids, ref[order], atol=1e-6)
+    assert np.array_equal(labels, np.argsort(order)[ref_labels])
+
+
+def test_linear_init_spans_min_to_max():
+    assert kmeans.linear_init(np.array([-1.0, 0.2, 3.0]), 5).tolist() == [-1.0, 0.0, 1.0, 2.0, 3.0]
+
+
+def test_fewer_distinct_values_than_clusters():
+    c, labels = kmeans.kmeans_1d(np.array([0.5, -0.5, 0.5]), 8)
+    assert c.tolist() == [-0.5, 0.5] and labels.tolist() == [1, 0, 1]
+
+
+def test_centroid_gradient_is_the_sum_of_member_gradients():
+    model = tiny("mlp", in_shape=(1, 8, 8))
+    layer = model.fc1
+    w0 = layer.weight.detach().clone()
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=3))
+    shared = kmeans.shared_of(model)["fc1"]
+    x = torch.rand(5, 1, 8, 8)
+    model(x).square().sum().backward()
+    # Reference: the gradient wrt a plain weight tensor holding the shared values.
+    plain = tiny("mlp", in_shape=(1, 8, 8))
+    plain.load_state_dict(
+        {
+            **plain.state_dict(),
+            "fc1.weight": layer.weight.detach(),
+            "fc1.bias": layer.bias.detach(),
+            "fc2.weight": model.fc2.weight.detach(),
+            "fc2.bias": model.fc2.bias.detach(),
+        }
+    )
+    plain(x).square().sum().backward()
+    g = plain.fc1.weight.grad
+    expected = torch.zeros_like(shared.codebook).index_add_(0, shared.index.flatten(), g.flatten())
+    assert torch.allclose(shared.codebook.grad, expected, atol=1e-5)
+    assert not torch.equal(w0, layer.weight)
+
+
+def test_fine_tuning_keeps_sharing_zeros_and_assignment():
+    data = load("digits")
+    model = tiny("lenet5", in_shape=data.in_shape)
+    prune.prune_(model, prune.PruneConfig(sparsity=0.6))
+    bits = kmeans.share_weights_(model, kmeans.QuantizeConfig(conv_bits=3, fc_bits=2))
+    index = {n: s.index.clone() for n, s in kmeans.shared_of(model).items()}
+    codebooks = {n: s.codebook.detach().clone() for n, s in kmeans.shared_of(model).items()}
+    fit(model, data, TrainConfig(epochs=2))
+    for name, s in kmeans.shared_of(model).items():
+        w = model.get_submodule(name).weight
+        assert kmeans.distinct_values(w) <= 2 ** bits[name]
+        assert torch.all(w[~s.mask] == 0)
+        assert torch.equal(s.index, index[name])
+        assert not torch.equal(s.codebook.detach(), codebooks[name])  # the centroids trained
+
+
+def test_weights_mode_holds_sharing_while_weights_train():
+    data = load("digits")
+    model = tiny("mlp", in_shape=data.in_shape)
+    prune.prune_(model, prune.PruneConfig(sparsity=0.5))
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=3, mode="weights"))
+    fit(model, data, TrainConfig(epochs=1))
+    kmeans.freeze_sharing_(model)
+    for name, s in kmeans.shared_of(model).items():
+        w = model.get_submodule(name).weight
+        assert kmeans.distinct_values(w) <= 8 and torch.all(w[~s.mask] == 0)
+        assert set(w[s.mask].unique().tolist()) <= set(s.codebook.detach().tolist())
+
+
+def test_unknown_layer_and_bad_bits():
+    with pytest.raises(InputError, match="no layer named fc9"):
+        kmeans.share_weights_(tiny("mlp"), kmeans.QuantizeConfig(bits={"fc9": 4}))
+    with pytest.raises(InputError, match="impossible"):
+        kmeans.QuantizeConfig(fc_bits=0)

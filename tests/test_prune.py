@@ -1,0 +1,113 @@
+import pytest
+import torch
+from torch import nn
+
+from compressor import prune
+from distrib.trainer import TrainConfig, fit
+from models import InputError, tiny
+from models.data import load
+
+
+def test_magnitude_mask_prunes_exactly_the_smallest():
+    w = torch.tensor([[0.5, -0.1, 0.3], [-0.9, 0.05, 0.2]])
+    mask = prune.magnitude_mask(w, 0.5)
+    assert mask.tolist() == [[True, False, True], [True, False, False]]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 37, generator=g)
+    for s in (0.0, 0.3, 0.91, 0.99):
+        m = prune.magnitude_mask(w, s)
+        assert int((~m).sum()) == round(s * w.numel())
+        if s:
+            assert w[~m].abs().max() <= w[m].abs().min()
+
+
+def test_threshold_and_global_rules():
+    w = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    assert prune.threshold_mask(w, 2.0).tolist() == [False, False, True, True]
+    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 0.5])
+    t = prune.global_threshold([a, b], 0.4)  # 2 of 5 values pruned: 0.5 and 1.0
+    assert t == 1.0
+
+
+def test_mask_keeps_pruned_weights_at_exact_positive_zero_through_retraining():
+    data = load("digits")
+    model = tiny("lenet300", in_shape=data.in_shape)
+    prune.prune_(model, prune.PruneConfig(sparsity=0.8))
+    before = {n: m.clone() for n, m in prune.masks_of(model).items()}
+    # SGD with momentum and weight decay would move pruned weights if anything leaked.
+    fit(model, data, TrainConfig(epochs=2, optimizer="sgd", weight_decay=1e-3))
+    for name, mask in prune.masks_of(model).items():
+        assert torch.equal(mask, before[name])
+        w = model.get_submodule(name.rsplit(".", 1)[0]).weight
+        assert torch.all(w[~mask] == 0) and not torch.signbit(w[~mask]).any()
+        assert torch.all(w[mask] != 0)
+
+
+def test_iterative_rounds_reach_the_target_and_masks_only_tighten():
+    model = tiny("lenet300", in_shape=(1, 8, 8))
+    cfg = prune.PruneConfig(sparsity={"fc1": 0.9, "fc2.weight": 0.5})
+    previous = None
+    fractions = prune.schedule(3)
+    assert fractions[-1] == 1.0 and fractions == sorted(fractions)
+    for f in fractions:
+        kept = prune.prune_(model, cfg, f)
+        masks = prune.masks_of(model)
+        if previous:
+            assert all(torch.all(masks[n] <= previous[n]) for n in previous)
+        previous = {n: m.clone() for n, m in masks.items()}
+    assert kept == pytest.approx({"fc1.weight": 0.1, "fc2.weight": 0.5}, abs=0.01)
+    assert "fc3.weight" not in kept  # layers the recipe does not name keep their weights
+
+
+def test_quality_rule_uses_std():
+    model = tiny("mlp", in_shape=(1, 8, 8))
+    w = model.fc1.weight.detach().clone()
+    prune.prune_(model, prune.PruneConfig(quality=1.0))
+    expected = w.abs() > w.std()
+    assert torch.equal(prune.masks_of(model)["fc1.weight"], expected)
+
+
+def test_bias_and_norm_are_not_pruned_unless_asked():
+    model = tiny("vgg", in_shape=(1, 8, 8))
+    names = set(prune.prunable(model))
+    assert names and all(n.endswith(".weight") for n in names)
+    assert not any(
+        isinstance(model.get_submodule(n.rsplit(".", 1)[0]), nn.BatchNorm2d) for n in names
+    )
+    with_bias = prune.prunable(model, prune.PruneConfig(sparsity=0.5, include_bias=True))
+    assert any(n.endswith(".bias") for n in with_bias)
+
+
+def test_sensitivity_proposes_within_budget():
+    data = load("digits")
+    model = tiny("lenet300", in_shape=data.in_shape)
+    fit(model, data, TrainConfig(epochs=3))
+    from distrib.trainer import evaluate
+
+    acc = lambda m: evaluate(m, data.x_test, data.y_test)[1]  # noqa: E731
+    sens = prune.sensitivity(model, acc, budget=0.02, grid=(0.2, 0.5, 0.9))
+    for name, s in sens.proposal.items():
+        assert sens.baseline - sens.curves[name].get(s, sens.baseline) <= 0.02
+        worse = [g for g in sens.curves[name] if g > s]
+        assert all(sens.baseline - sens.curves[name][g] > 0.02 for g in worse)
+    assert acc(model) == sens.baseline  # the analysis restored the weights
+    assert not prune.masks_of(model)
+
+
+def test_model_without_prunable_layers_is_an_input_error():
+    with pytest.raises(InputError, match="no prunable layers"):
+        prune.prune_(nn.Sequential(nn.ReLU()), prune.PruneConfig(sparsity=0.5))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sparsity": 1.5}, "impossible"),
+        ({"sparsity": 0.5, "quality": 1.0}, "not both"),
+        ({"sparsity": {"a": 0.5}, "scope": "global"}, "one sparsity number"),
+        ({"quality": -1}, "positive"),
+    ],
+)
+def test_config_validation(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        prune.PruneConfig(**kwargs)

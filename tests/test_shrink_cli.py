@@ -1,0 +1,247 @@
+"""`compress shrink` and `compress decode` end to end, on digits, with a short recipe."""
+
+import json
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from compressor import archive, recipe
+from compressor.shrink import bits_equal
+from models import checkpoint
+
+GOLDEN = Path(__file__).parent / "golden"
+FAST = textwrap.dedent("""
+    [prune]
+    rounds = 2
+    retrain_epochs = 1
+    [quantize]
+    finetune_epochs = 1
+""")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    folder = tmp_path_factory.mktemp("shrink")
+    runner = CliRunner()
+    ck = folder / "lenet300.pt"
+    result = runner.invoke(
+        cli,
+        [
+            "train",
+            "--model",
+            "lenet300",
+            "--data",
+            "digits",
+            "--epochs",
+            "4",
+            "--out",
+            str(ck),
+            "-q",
+        ],
+    )
+    assert result.exit_code == 0, result.stderr
+    (folder / "fast.toml").write_text(FAST)
+    out = folder / "shrunk"
+    result = runner.invoke(
+        cli,
+        [
+            "shrink",
+            str(ck),
+            "--recipe",
+            str(folder / "fast.toml"),
+            "--out",
+            str(out),
+            "--json",
+            "-q",
+        ],
+    )
+    assert result.exit_code == 0, result.stderr
+    return folder, out, json.loads(result.stdout)
+
+
+def test_shrink_json_and_files(trained):
+    folder, out, report = trained
+    assert {"bytes", "test_accuracy"} <= report["baseline"].keys()
+    assert [s["name"] for s in report["stages"]] == ["prune", "quantize", "huffman"]
+    for s in report["stages"]:
+        assert {"name", "bytes", "ratio", "test_accuracy"} <= s.keys()
+    a = report["archive"]
+    assert a["path"] == str(out / "model.dcz") and a["bytes"] == (out / "model.dcz").stat().st_size
+    assert a["ratio"] == pytest.approx(report["baseline"]["bytes"] / a["bytes"])
+    assert a["bytes"] <= 1.02 * a["entropy_bound_bytes"]
+    ratios = [s["ratio"] for s in report["stages"]]
+    assert ratios == sorted(ratios) and ratios[-1] > 15
+    assert {r["name"] for r in report["layers"]} == {"fc1.weight", "fc2.weight", "fc3.weight"}
+    for name in ("model.dcz", "model.pt", "report.json", "report.md"):
+        assert (out / name).is_file()
+    for png in ("weights_histogram.png", "kept_per_layer.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "report.md").read_text()
+    assert "P+Q+H" in md and "## Recipe" in md and "retrain_epochs = 1" in md
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["recipe"]["prune"]["rounds"] == 2
+    assert not [p for p in folder.iterdir() if p.name.startswith(".shrunk")]  # no temp folder left
+
+
+def test_compressed_model_obeys_its_recipe(trained):
+    _, out, report = trained
+    state = checkpoint.load(out / "model.pt").state_dict
+    for row in report["layers"]:
+        w = state[row["name"]]
+        assert int((w != 0).sum()) == row["kept"]
+        assert torch.unique(w).numel() <= 2 ** row["weight_bits"]  # zero included
+    acc = report["stages"][-1]["test_accuracy"]
+    assert acc >= report["baseline"]["test_accuracy"] - 0.05
+
+
+def test_decode_reproduces_the_weights_bit_for_bit(run, trained):
+    folder, out, _ = trained
+    result = run("decode", out / "model.dcz", "--out", folder / "decoded.pt", "--json")
+    assert result.exit_code == 0, result.stderr
+    a = checkpoint.load(out / "model.pt").state_dict
+    b = checkpoint.load(folder / "decoded.pt").state_dict
+    assert list(a) == list(b) and all(bits_equal(a[k], b[k]) for k in a)
+    assert result.json()["checkpoint"] == str(folder / "decoded.pt")
+
+
+def test_dry_run_prints_the_default_recipe(run):
+    result = run("shrink", "nothing.pt", "--dry-run")
+    assert result.exit_code == 0
+    assert result.stdout == (GOLDEN / "default_recipe.toml").read_text()
+    assert recipe.resolve(tomllib.loads(result.stdout)) == recipe.resolve({})
+
+
+def test_dry_run_resolves_a_recipe_file(run, tmp_path):
+    (tmp_path / "r.json").write_text('{"quantize": {"fc_bits": 4, "bits": {"fc1": 6}}}')
+    result = run("shrink", "nothing.pt", "--dry-run", "--recipe", tmp_path / "r.json", "--json")
+    assert result.exit_code == 0
+    r = result.json()["recipe"]
+    assert r["quantize"]["fc_bits"] == 4 and r["quantize"]["bits"] == {"fc1": 6}
+    assert r["prune"] == recipe.DEFAULTS["prune"]
+
+
+def test_golden_archive_still_decodes():
+    from tests.test_archive import _entries
+
+    entries, w = _entries(seed=0)
+    decoded = archive.read(GOLDEN / "v1.dcz")
+    assert decoded.metadata == {"golden": 1}
+    assert bits_equal(decoded.state_dict["fc.weight"], torch.from_numpy(w))
+    assert bits_equal(decoded.state_dict["bf"], entries[-1].tensor)
+
+
+# --- bad input: one line, exit 2, nothing written ------------------------------------------
+
+
+def _write_recipe(tmp_path, text):
+    (tmp_path / "r.toml").write_text(text)
+    return ["--recipe", tmp_path / "r.toml"]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing checkpoint", "no such checkpoint"),
+        ("text checkpoint", "not a torch.save file"),
+        ("no prunable layers", "no prunable layers"),
+        ("unknown recipe key", "unknown key prune.sparsty"),
+        ("bits 0", "quantize.fc_bits = 0 is impossible"),
+        ("sparsity 1.5", "prune.sparsity = 1.5 is impossible"),
+        ("recipe not toml", "not valid TOML"),
+        ("out not writable", "not writable"),
+        ("out is a file", "is not a folder"),
+        ("recipe names a missing layer", "names layer 'fc9'"),
+    ],
+)
+def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
+    folder, _, _ = trained
+    ck = folder / "lenet300.pt"
+    out = tmp_path / "out"
+    args = [ck]
+    if case == "missing checkpoint":
+        args = [tmp_path / "nope.pt"]
+    elif case == "text checkpoint":
+        (tmp_path / "t.pt").write_text("hi")
+        args = [tmp_path / "t.pt"]
+    elif case == "no prunable layers":
+        (tmp_path / "flatnets.py").write_text(
+            "import torch\nfrom torch import nn\n"
+            "class Scale(nn.Module):\n"
+            "    def __init__(self):\n        super().__init__(); self.s = nn.Parameter(torch.ones(10))\n"
+            "    def forward(self, x):\n        return x.flatten(1)[:, :10] * self.s\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        from models import ModelSpec
+        from models.zoo import build
+
+        checkpoint.save(
+            tmp_path / "flat.pt",
+            build(ModelSpec("flatnets:Scale")),
+            ModelSpec("flatnets:Scale"),
+            {"data": "digits"},
+        )
+        args = [tmp_path / "flat.pt"]
+    elif case == "unknown recipe key":
+        args += _write_recipe(tmp_path, "[prune]\nsparsty = 0.9\n")
+    elif case == "bits 0":
+        args += _write_recipe(tmp_path, "[quantize]\nfc_bits = 0\n")
+    elif case == "sparsity 1.5":
+        args += _write_recipe(tmp_path, "[prune]\nsparsity = 1.5\n")
+    elif case == "recipe names a missing layer":
+        args += _write_recipe(tmp_path, "[quantize]\nbits = {fc9 = 4}\n")
+    elif case == "recipe not toml":
+        args += _write_recipe(tmp_path, "[prune\n")
+    elif case == "out not writable":
+        import os
+
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        out = (ro if os.geteuid() != 0 else Path("/sys")) / "out"
+    elif case == "out is a file":
+        out.write_text("")
+    before = {p.name for p in tmp_path.iterdir()}
+    result = run("shrink", *args, "--out", out, "--json")
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert {p.name for p in tmp_path.iterdir()} == before
+    assert json.loads(result.stdout)["exit_code"] == 2
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: b[: len(b) // 2], "truncated"),
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum mismatch"),
+        (lambda b: b[:200] + bytes([b[200] ^ 4]) + b[201:], "checksum mismatch"),
+        (lambda b: b"\x89PNG\r\n\x1a\n" + b[8:], "not a compress archive"),
+        (lambda b: b"", "not a compress archive"),
+    ],
+)
+def test_decode_bad_archives(run, tmp_path, trained, damage, message):
+    _, out, _ = trained
+    bad = tmp_path / "bad.dcz"
+    bad.write_bytes(damage((out / "model.dcz").read_bytes()))
+    result = run("decode", bad, "--out", tmp_path / "m.pt")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_decode_newer_version(run, tmp_path):
+    import struct
+    import zlib
+
+    data = bytearray((GOLDEN / "v1.dcz").read_bytes()[:-4])
+    struct.pack_into("<H", data, 8, 2)
+    (tmp_path / "new.dcz").write_bytes(bytes(data) + struct.pack("<I", zlib.crc32(bytes(data))))
+    result = run("decode", tmp_path / "new.dcz", "--out", tmp_path / "m.pt")
+    assert result.exit_code == 2 and "newer than this compress reads" in result.stderr
