@@ -8,7 +8,10 @@ also the one JSON object on stdout: {"error": "...", "exit_code": N}.
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
+import warnings
 from typing import Any
 
 import click
@@ -46,17 +49,37 @@ def json_option(f):
 
 
 def emit_json(obj: dict[str, Any]) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+    # NaN and infinity are not JSON: they become null.
+    click.echo(json.dumps(_finite(obj), indent=2, sort_keys=False, default=str, allow_nan=False))
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
 
 
 class CompressGroup(click.Group):
     """A click group whose errors are one line and whose exit codes are documented."""
 
     def main(self, args=None, prog_name=None, **extra):  # type: ignore[override]
-        _State.json = False
+        argv = list(sys.argv[1:] if args is None else args)
+        # Known before parsing, so a parse error also comes back as JSON.
+        _State.json = "--json" in argv
         extra.pop("standalone_mode", None)
+        if not argv:  # bare `compress`: the help, not an error
+            click.echo(self.get_help(click.Context(self, info_name=prog_name or "compress")))
+            sys.exit(EXIT_OK)
         try:
-            rv = super().main(args, prog_name, standalone_mode=False, **extra)
+            with warnings.catch_warnings():
+                # Library warnings (torch's among them) would break the one-line contract.
+                if not os.environ.get("COMPRESS_DEBUG"):
+                    warnings.simplefilter("ignore")
+                rv = super().main(argv, prog_name, standalone_mode=False, **extra)
         except click.UsageError as e:  # bad flag or value: one line, with the fix
             where = f"{e.ctx.command_path}: " if e.ctx else ""
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
@@ -67,6 +90,14 @@ class CompressGroup(click.Group):
             _fail(str(e), e.exit_code)
         except (click.Abort, KeyboardInterrupt):
             _fail("interrupted", EXIT_INTERRUPTED)
+        except Exception as e:  # not foreseen: still one line and a JSON object, exit 1
+            if os.environ.get("COMPRESS_DEBUG"):
+                raise
+            detail = (str(e).strip().splitlines() or [""])[0]
+            _fail(
+                f"{type(e).__name__}: {detail} (unexpected; COMPRESS_DEBUG=1 shows the traceback)",
+                EXIT_FAILURE,
+            )
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
@@ -88,6 +119,7 @@ def cli() -> None:
       compress train --model lenet300 --data digits --epochs 10
 
     Exit codes: 0 ok, 1 failure, 2 bad usage or input, 130 interrupted.
+    COMPRESS_DEBUG=1 shows tracebacks and warnings.
     """
 
 

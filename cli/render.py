@@ -24,6 +24,10 @@ class TrainProgress(Events):
         self.live = stderr.is_terminal and not quiet
         self.progress: Progress | None = None
         self.task = None
+        self.last_checkpoint: Path | None = None
+
+    def checkpoint(self, path: Path, epoch: int, step: int) -> None:
+        self.last_checkpoint = path
 
     def info(self, message: str) -> None:
         if not self.quiet:

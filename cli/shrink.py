@@ -82,7 +82,7 @@ def shrink(
                 f"{model_path}: a bare state_dict does not name its model; pass --model NAME"
             )
         spec = zoo.resolve_spec(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)
-    net = ck.build_model(spec)
+    net = ck.build_model(spec, allow_import=model == spec.name)
     data_mod.check_fits(net, ds, spec.name)
 
     progress = render.TrainProgress(quiet=quiet)

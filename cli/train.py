@@ -13,21 +13,22 @@ from distrib.trainer import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 from models.data import SPECS_HELP
 from models.zoo import parse_kwargs
 
-# CLI parameter name -> TrainJob / TrainConfig field, for "which settings did the user give".
-_FIELDS = {
-    "model": "model",
-    "data": "data",
-    "epochs": "epochs",
-    "batch_size": "batch_size",
-    "lr": "lr",
-    "schedule": "schedule",
-    "warmup_steps": "warmup_steps",
-    "optimizer": "optimizer",
-    "weight_decay": "weight_decay",
-    "seed": "seed",
-    "precision": "precision",
-    "checkpoint_every": "checkpoint_every",
-}
+# Settings whose explicit use is checked against the checkpoint on --resume.
+_SETTINGS = (
+    "model",
+    "model_kwargs",
+    "data",
+    "epochs",
+    "batch_size",
+    "lr",
+    "schedule",
+    "warmup_steps",
+    "optimizer",
+    "weight_decay",
+    "seed",
+    "precision",
+    "checkpoint_every",
+)
 
 
 @click.command(
@@ -76,7 +77,7 @@ Examples:
 )
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
 @click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
 @click.option(
     "--precision",
     type=click.Choice(PRECISIONS),
@@ -127,9 +128,9 @@ def train(
 ) -> None:
     """Train a model on a data set and write a checkpoint (single process)."""
     explicit = frozenset(
-        field
-        for param, field in _FIELDS.items()
-        if ctx.get_parameter_source(param) is click.core.ParameterSource.COMMANDLINE
+        name
+        for name in _SETTINGS
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
     )
     config = TrainConfig(
         epochs=epochs,
@@ -157,11 +158,9 @@ def train(
         result = run(job, progress)
     except KeyboardInterrupt:
         progress.close()
-        kept = (
-            f"; last good checkpoint: {job.out} (continue with --resume)"
-            if job.out.exists()
-            else ""
-        )
+        kept = ""
+        if progress.last_checkpoint is not None:  # written by this run, not an older file
+            kept = f"; last good checkpoint: {job.out} (continue with --resume)"
         raise Interrupted(f"interrupted{kept}") from None
     finally:
         progress.close()

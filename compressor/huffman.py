@@ -290,6 +290,16 @@ def _escape(gap_bits: int) -> int:
     return (1 << int(gap_bits)) - 1
 
 
+def _int_vector(a: np.ndarray, what: str) -> np.ndarray:
+    """`a` as a 1-D int64 array; ValueError naming `what` otherwise."""
+    a = np.asarray(a)
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D array, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got dtype {a.dtype}")
+    return a.astype(np.int64)
+
+
 def encode_gaps(positions: np.ndarray, gap_bits: int) -> np.ndarray:
     """Gap symbols (uint16, 0..M with M = 2**gap_bits - 1) of a flattened tensor's non-zeros.
 
@@ -298,14 +308,9 @@ def encode_gaps(positions: np.ndarray, gap_bits: int) -> np.ndarray:
     ESCAPE (= M, "skip M zeros, no entry") per whole M zeros of a long run.
     """
     escape = _escape(gap_bits)
-    positions = np.asarray(positions)
-    if positions.ndim != 1:
-        raise ValueError(f"positions must be a 1-D array, got shape {positions.shape}")
+    positions = _int_vector(positions, "positions")
     if positions.size == 0:
         return np.empty(0, dtype=np.uint16)
-    if positions.dtype.kind not in "iu":
-        raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
-    positions = positions.astype(np.int64)
     if positions[0] < 0:
         raise ValueError(f"positions must be >= 0, got {positions[0]}")
     skipped = np.diff(positions, prepend=-1) - 1
@@ -324,16 +329,11 @@ def decode_gaps(gaps: np.ndarray, gap_bits: int) -> np.ndarray:
     ValueError if a symbol exceeds M or the stream ends with ESCAPE (an entry must follow).
     """
     escape = _escape(gap_bits)
-    gaps = np.asarray(gaps)
-    if gaps.ndim != 1:
-        raise ValueError(f"gaps must be a 1-D array, got shape {gaps.shape}")
+    gaps = _int_vector(gaps, "gaps")
     if gaps.size == 0:
         return np.empty(0, dtype=np.int64)
-    if gaps.dtype.kind not in "iu":
-        raise ValueError(f"gaps must be integers, got dtype {gaps.dtype}")
     if gaps.min() < 0 or gaps.max() > escape:
         raise ValueError(f"gap symbols must lie in 0..{escape} for gap_bits={gap_bits}")
-    gaps = gaps.astype(np.int64)
     is_entry = gaps != escape
     if not is_entry[-1]:
         raise ValueError("gap stream ends with ESCAPE: an entry must follow it (truncated?)")

@@ -90,13 +90,13 @@ def _move_into(tmp: Path, out: Path) -> None:
             (out / name).unlink()
 
 
-def decode_to_checkpoint(path: Path, out: Path) -> dict[str, Any]:
+def decode_to_checkpoint(path: Path, out: Path, allow_import: str | None = None) -> dict[str, Any]:
     """Rebuild a checkpoint from a .dcz archive; the model spec inside must build and fit."""
     check_writable(out)
     decoded = archive.read(path)
     spec = ModelSpec.from_dict(decoded.spec)
     ck = checkpoint.Checkpoint(spec, decoded.state_dict, decoded.metadata, path=path)
-    model = ck.build_model()
+    model = ck.build_model(allow_import=allow_import == spec.name)
     checkpoint.save(out, model, spec, {**decoded.metadata, "decoded_from": str(path)})
     return {
         "checkpoint": str(out),

@@ -41,13 +41,16 @@ def run(job: TrainJob, events: Events | None = None) -> TrainResult:
     if stored is not None:
         job, ck = stored
         ds = data.load(job.data)
-        model = ck.build_model()
+        model = ck.build_model(allow_import="model" in job.explicit)
         data.check_fits(model, ds, job.model)
         spec, resume = ck.spec, ck.train_state
-        events.info(
-            f"resuming {job.out} at epoch {resume['epoch'] + 1}, step {resume['step']} "
-            f"of {job.config.epochs} epochs"
-        )
+        if resume["epoch"] >= job.config.epochs:
+            events.info(f"{job.out} has finished its {job.config.epochs} epochs; nothing to train")
+        else:
+            events.info(
+                f"resuming {job.out} at epoch {resume['epoch'] + 1}, step {resume['step']} "
+                f"of {job.config.epochs} epochs"
+            )
     else:
         ds = data.load(job.data)
         spec = zoo.resolve_spec(job.model, job.model_kwargs, ds.in_shape, ds.num_classes)
@@ -83,7 +86,17 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
         "data": ck.metadata.get("data", job.data),
         **{f.name: getattr(stored_cfg, f.name) for f in dataclasses.fields(TrainConfig)},
     }
-    given = {"model": job.model, "data": job.data, **dataclasses.asdict(job.config)}
+    stored["model_kwargs"] = {
+        k: v for k, v in ck.spec.kwargs.items() if k not in ("in_shape", "num_classes")
+    }
+    stored["lr"] = stored_cfg.learning_rate  # compare what trains, not how it was written
+    given = {
+        "model": job.model,
+        "data": job.data,
+        "model_kwargs": job.model_kwargs,
+        **dataclasses.asdict(job.config),
+        "lr": job.config.learning_rate,
+    }
     for name in sorted(job.explicit & stored.keys()):
         if name not in _RESUME_MAY_CHANGE and given[name] != stored[name]:
             flag = "--" + name.replace("_", "-")

@@ -10,12 +10,15 @@ from torch import nn
 
 def check_shape(in_shape: Sequence[int], num_classes: int) -> tuple[int, int, int]:
     """Validate (C, H, W) or (F,) and the class count; return (C, H, W)."""
-    shape = tuple(int(s) for s in in_shape)
+    try:
+        shape = tuple(int(s) for s in in_shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"in_shape must be a list like [C, H, W], got {in_shape!r}") from None
     if len(shape) == 1:
         shape = (1, 1, shape[0])
     if len(shape) != 3 or min(shape) < 1:
         raise ValueError(f"in_shape must be (C, H, W) or (F,) of positive sizes, got {in_shape}")
-    if int(num_classes) < 2:
+    if not isinstance(num_classes, int) or num_classes < 2:
         raise ValueError(f"num_classes must be at least 2, got {num_classes}")
     return shape  # type: ignore[return-value]
 

@@ -49,12 +49,22 @@ class Checkpoint:
     train_state: dict[str, Any] | None = None
     path: Path | None = None
 
-    def build_model(self, spec: ModelSpec | None = None) -> nn.Module:
-        """Build the model and load the weights (strictly: every key must match)."""
+    def build_model(self, spec: ModelSpec | None = None, allow_import: bool = False) -> nn.Module:
+        """Build the model and load the weights (strictly: every key must match).
+
+        A checkpoint that names the user's own class (`pkg.module:Class`) is only imported when
+        the caller allows it (the user named the same class with --model): a file alone never
+        decides which code runs.
+        """
         spec = spec or self.spec
         if spec is None:
             raise InputError(
                 f"{self.path}: a bare state_dict does not name its model; pass --model NAME"
+            )
+        if spec is self.spec and spec.is_import_path and not allow_import:
+            raise InputError(
+                f"{self.path}: names model code {spec.name}; pass --model {spec.name} "
+                "to allow importing it"
             )
         model = build(spec)
         try:
@@ -113,7 +123,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
     except pickle.UnpicklingError as e:
         # weights_only refuses any global it does not allow-list, before calling it.
         what = _refused_global(str(e))
-        if not what and not _looks_like_torch_file(path):  # garbage, not a pickle at all
+        if not what:  # no callable named: corrupt or unsupported data, not code
             raise InputError(
                 f"{path}: not a readable PyTorch checkpoint: {_diagnose(path)}"
             ) from None
@@ -126,17 +136,13 @@ def load(path: str | os.PathLike) -> Checkpoint:
     return _interpret(path, obj)
 
 
-def _looks_like_torch_file(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(2)
-    return head == b"PK" or head[:1] == b"\x80"  # zip container, or a pickle protocol >= 2
-
-
 def _diagnose(path: Path) -> str:
     with open(path, "rb") as f:
         head = f.read(4)
     if head.startswith(b"PK"):
-        return "a zip archive that is truncated or corrupt; write it again"
+        return "a zip archive that is truncated, corrupt or not written by torch.save"
+    if head.startswith(b"\x80"):
+        return "pickle data that is corrupt or holds more than tensors and plain containers"
     if not head:
         return "the file is empty"
     return "not a torch.save file (wrong format); pass a .pt written by torch.save"

@@ -14,7 +14,9 @@ Splits are fixed so every run and every stage sees the same test set, whatever `
     npz             x_test/y_test when present, else every 5th sample (i % 5 == 4) is test
 
 Images are (N, C, H, W); (N, H, W) gains a channel and (N, F) features become (N, 1, 1, F).
-Integer pixels are scaled by their type's maximum (uint8 / 255) or, for digits, by 16.
+Unsigned integer pixels are scaled by their type's maximum (uint8 / 255), signed ones (0..255)
+by 255, digits by 16; float arrays are used as given. npz labels are classes 0..K-1, each
+present in the training split.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from models.errors import InputError
 
 SPECS_HELP = "digits, digits:28, mnist:DIR or npz:FILE"
+MAX_CLASSES = 100_000
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,13 @@ def load(spec: str) -> Dataset:
     if kind == "digits":
         side = _parse_side(spec, arg) if sep else 8
         return _digits(spec, side)
-    if kind == "mnist" and arg:
+    if kind in ("mnist", "npz") and not arg:
+        raise InputError(
+            f"--data {spec!r}: {kind} needs a path, e.g. {kind}:{'DIR' if kind == 'mnist' else 'FILE.npz'}"
+        )
+    if kind == "mnist":
         return _mnist(spec, Path(arg).expanduser())
-    if kind == "npz" and arg:
+    if kind == "npz":
         return _npz(spec, Path(arg).expanduser())
     raise InputError(f"--data {spec!r}: unknown data spec; use {SPECS_HELP}")
 
@@ -175,6 +182,9 @@ def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 def _npz(spec: str, path: Path) -> Dataset:
     if not path.is_file():
         raise InputError(f"--data {spec!r}: file {path} does not exist")
+    with open(path, "rb") as f:
+        if f.read(2) != b"PK":
+            raise InputError(f"--data {spec!r}: {path} is not an .npz file (a zip of .npy arrays)")
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
@@ -214,8 +224,19 @@ def _npz_x(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
         raise InputError(
             f"--data {spec!r}: array {name} has shape {a.shape}; use (N, F), (N, H, W) or (N, C, H, W)"
         )
-    if a.dtype.kind in "iu":
-        a = a.astype(np.float32) / (np.iinfo(a.dtype).max if a.dtype.kind == "u" else 255.0)
+    elif a.shape[-1] in (1, 3, 4) and a.shape[1] not in (1, 3, 4):
+        raise InputError(
+            f"--data {spec!r}: array {name} of shape {a.shape} looks channels-last (N, H, W, C); "
+            "store it as (N, C, H, W), e.g. x.transpose(0, 3, 1, 2)"
+        )
+    if a.dtype.kind == "u":
+        a = a.astype(np.float32) / np.iinfo(a.dtype).max
+    elif a.dtype.kind in "ib":
+        if a.size and (a.min() < 0 or a.max() > 255):
+            raise InputError(
+                f"--data {spec!r}: integer pixels of {name} must be 0..255; store uint8 or floats"
+            )
+        a = a.astype(np.float32) / 255.0
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
 
@@ -253,8 +274,22 @@ def _checked(
             f"--data {spec!r}: train images are {tuple(x_train.shape[1:])} "
             f"but test images {tuple(x_test.shape[1:])}"
         )
-    if num_classes is None:
-        num_classes = max(int(y_train.max()) + 1, 2)
+    if num_classes is None:  # npz: classes are 0..K-1, every one present in training
+        lo, hi = int(y_train.min()), int(y_train.max())
+        if lo < 0 or hi >= MAX_CLASSES:
+            raise InputError(
+                f"--data {spec!r}: train labels out of range [{lo}, {hi}]; "
+                f"number classes 0..K-1 (K <= {MAX_CLASSES})"
+            )
+        num_classes = max(hi + 1, 2)
+        present = torch.bincount(y_train, minlength=num_classes) > 0
+        if not bool(present.all()):
+            missing = torch.nonzero(~present).flatten().tolist()
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            raise InputError(
+                f"--data {spec!r}: labels out of range: classes must be 0..{num_classes - 1} with "
+                f"every class in training, but class {shown} never occurs; renumber the labels"
+            )
     for part, y in (("train", y_train), ("test", y_test)):
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= num_classes:
@@ -291,17 +326,18 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
     try:
         with torch.no_grad():
             out = model(data.x_train[:2])
-    except RuntimeError as e:
-        detail = str(e).strip().splitlines()[0]
+    except Exception as e:  # the model's own code decides what it raises
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InputError(
             f"--data {data.spec!r}: images of shape {tuple(data.in_shape)} do not fit model "
-            f"{model_name} ({detail})"
+            f"{model_name} ({type(e).__name__}: {detail})"
         ) from None
     finally:
         model.train(was_training)
-    if out.ndim != 2 or out.shape[0] != 2:
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != 2:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise InputError(
-            f"model {model_name} returns shape {tuple(out.shape)} for a batch of 2; "
-            "a classifier returns (batch, classes)"
+            f"model {model_name} returns {got} for a batch of 2; "
+            "a classifier returns one tensor of shape (batch, classes)"
         )
     check_labels(data, out.shape[1], model_name)

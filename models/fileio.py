@@ -23,8 +23,10 @@ def check_writable(path: str | os.PathLike, flag: str = "--out") -> Path:
     Probes by creating a file rather than with `os.access`, which says yes to root for
     read-only mounts and no for ACL-granted users.
     """
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
+    path = Path(os.path.realpath(path))  # write through a symlink to its target
+    parent = path.parent
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise InputError(f"{flag} {path}: exists and is not a regular file; choose another path")
     if path.is_dir():
         raise InputError(f"{flag} {path}: is a folder; give a file name, e.g. {path / 'model.pt'}")
     if not parent.exists():
@@ -56,8 +58,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     On any exception (KeyboardInterrupt included) the temporary file is removed and `path`
     keeps whatever it held before.
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    path = Path(os.path.realpath(path))  # replace a symlink's target, not the link
+    if path.exists() and not path.is_file():
+        raise InputError(f"{path}: exists and is not a regular file; refusing to replace it")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:

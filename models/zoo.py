@@ -23,6 +23,7 @@ from torch import nn
 
 from models.errors import InputError
 
+_OWN_PACKAGES = {"cli", "compressor", "distrib", "models"}
 _ZOO: dict[str, type[nn.Module]] = {}
 _TINY: dict[str, dict[str, Any]] = {}
 _ABOUT: dict[str, str] = {}
@@ -135,7 +136,12 @@ def resolve(name: str) -> type[nn.Module]:
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise InputError(f"model {name!r}: module {module_name!r} has no attribute {attr!r}")
+            clash = ""
+            if module_name.split(".")[0] in _OWN_PACKAGES:
+                clash = f" ({module_name.split('.')[0]!r} is one of compress's own packages; rename your module)"
+            raise InputError(
+                f"model {name!r}: module {module_name!r} has no attribute {attr!r}{clash}"
+            )
         obj = getattr(obj, part)
     if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
         raise InputError(f"model {name!r}: {attr} is not a torch.nn.Module subclass")
@@ -163,7 +169,9 @@ def resolve_spec(
         if not _accepts(cls, key):
             continue
         if key in kwargs:
-            given = list(kwargs[key]) if key == "in_shape" else kwargs[key]
+            given = kwargs[key]
+            if key == "in_shape" and isinstance(given, list | tuple):
+                given = list(given)
             if given != value:
                 raise InputError(
                     f"--model-kwargs {key}={kwargs[key]!r} but the data gives {value!r}; "
@@ -182,8 +190,12 @@ def build(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
         return cls(**spec.kwargs)
     except TypeError as e:
         raise InputError(f"model {spec.name!r} does not take these kwargs: {e}") from None
-    except ValueError as e:  # our zoo validates its arguments with ValueError
-        raise InputError(f"model {spec.name!r}: {e}") from None
+    except Exception as e:  # bad kwargs values surface as anything from the constructor
+        detail = (str(e).strip().splitlines() or [""])[0]
+        raise InputError(
+            f"model {spec.name!r} could not be built with {_jsonable(spec.kwargs)}: "
+            f"{type(e).__name__}: {detail}"
+        ) from None
 
 
 def tiny(name: str, *, in_shape=(1, 8, 8), num_classes: int = 10, seed: int = 0) -> nn.Module:

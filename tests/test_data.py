@@ -89,12 +89,23 @@ def _npz(tmp_path, **arrays):
             lambda t: _npz(
                 t,
                 x=np.zeros((10, 8, 8)),
-                y=np.zeros(10),
+                y=np.arange(10) % 2,
                 x_test=np.zeros((5, 8, 8)),
                 y_test=np.full(5, 7),
             ),
             "test labels out of range",
         ),
+        (
+            lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.arange(10) % 3 * 2),
+            "class 1, 3 never occurs",
+        ),
+        (lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.arange(10) + 2**40), "K <= 100000"),
+        (lambda t: _npz(t, x=np.zeros((10, 8, 8, 3)), y=np.arange(10) % 2), "channels-last"),
+        (
+            lambda t: _npz(t, x=np.full((10, 8, 8), -5, np.int16), y=np.arange(10) % 2),
+            "must be 0..255",
+        ),
+        (lambda t: "mnist:", "needs a path"),
         (lambda t: _npz(t, x=np.full((10, 8, 8), np.nan), y=np.zeros(10)), "NaN"),
         (lambda t: _npz(t, x=np.zeros((0, 8, 8)), y=np.zeros(0)), "empty"),
         (lambda t: _npz(t, x=np.zeros((10,)), y=np.zeros(10)), r"shape \(10,\)"),
@@ -113,6 +124,12 @@ def test_bad_data_gives_one_line_naming_the_problem(tmp_path, make, message):
     with pytest.raises(InputError, match=message) as info:
         load(make(tmp_path))
     assert "\n" not in str(info.value)
+
+
+def test_npz_that_is_not_a_zip(tmp_path):
+    (tmp_path / "t.npz").write_text("hello")
+    with pytest.raises(InputError, match="not an .npz file"):
+        load(f"npz:{tmp_path / 't.npz'}")
 
 
 def test_idx_wrong_magic(mnist_dir):

@@ -27,3 +27,10 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_lists_every_zoo_model():
     for name in available():
         assert f"| `{name}` |" in README
+
+
+def test_archive_format_doc_matches_the_module():
+    import compressor.archive
+
+    doc = (ROOT / "docs" / "archive-format.md").read_text()
+    assert compressor.archive.__doc__.strip() in doc

@@ -187,7 +187,7 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
             ModelSpec("flatnets:Scale"),
             {"data": "digits"},
         )
-        args = [tmp_path / "flat.pt"]
+        args = [tmp_path / "flat.pt", "--model", "flatnets:Scale"]
     elif case == "unknown recipe key":
         args += _write_recipe(tmp_path, "[prune]\nsparsty = 0.9\n")
     elif case == "bits 0":

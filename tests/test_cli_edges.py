@@ -1,0 +1,158 @@
+"""Edge cases a demanding user hits: odd --out paths, misbehaving models, resume details."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from models import checkpoint
+
+
+@pytest.fixture
+def usermod(tmp_path, monkeypatch):
+    marker = tmp_path / "imported"
+    (tmp_path / "odd_models.py").write_text(
+        textwrap.dedent(f"""
+        import pathlib
+        import torch
+        from torch import nn
+        pathlib.Path({str(marker)!r}).write_text("imported")
+
+        class Net(nn.Module):
+            def __init__(self, in_shape=(1, 8, 8), num_classes=10):
+                super().__init__()
+                self.fc = nn.Linear(64, num_classes)
+            def forward(self, x):
+                return self.fc(x.flatten(1))
+
+        class ReturnsTuple(Net):
+            def forward(self, x):
+                return (self.fc(x.flatten(1)),)
+
+        class ForwardRaises(Net):
+            def forward(self, x):
+                raise ValueError("bad input in my model")
+
+        class FailsInTraining(Net):
+            def forward(self, x):
+                if self.training and x.shape[0] > 2:
+                    raise IndexError("index 7 is out of bounds")
+                return self.fc(x.flatten(1))
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sys
+
+    monkeypatch.delitem(sys.modules, "odd_models", raising=False)
+    yield marker
+    sys.modules.pop("odd_models", None)
+
+
+def _one_line(result, code, message):
+    assert result.exit_code == code, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--model", "odd_models:ReturnsTuple"], 2, "returns tuple"),
+        (["--model", "odd_models:ForwardRaises"], 2, "ValueError: bad input in my model"),
+        (["--model", "odd_models:FailsInTraining"], 1, "IndexError: index 7 is out of bounds"),
+        (["--model", "vgg", "--model-kwargs", '{"width": -1}'], 2, "could not be built"),
+        (["--model", "lenet300", "--model-kwargs", '{"in_shape": 5}'], 2, "in_shape"),
+        (["--seed", "99999999999999999999"], 2, "--seed"),
+        (["--bogus"], 2, "No such option"),
+    ],
+)
+def test_user_mistakes_and_model_failures_are_one_line(run, tmp_path, usermod, args, code, message):
+    result = run("train", "--epochs", "1", "--out", tmp_path / "m.pt", *args, "--json", "-q")
+    _one_line(result, code, message)
+    assert json.loads(result.stdout)["exit_code"] == code
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_bare_compress_shows_help(run):
+    result = run()
+    assert result.exit_code == 0 and "Commands:" in result.stdout
+
+
+def test_out_through_a_symlink_writes_the_target(run, tmp_path):
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.pt"
+    link.symlink_to(tmp_path / "real" / "m.pt")
+    result = run("train", "--model", "mlp", "--epochs", "1", "--out", link, "-q")
+    assert result.exit_code == 0, result.stderr
+    assert link.is_symlink() and checkpoint.load(tmp_path / "real" / "m.pt").spec.name == "mlp"
+    assert oct((tmp_path / "real" / "m.pt").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_out_that_is_not_a_regular_file_is_refused(run, tmp_path):
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    result = run("train", "--epochs", "1", "--out", fifo)
+    _one_line(result, 2, "not a regular file")
+
+
+def test_checkpoint_naming_user_code_needs_consent(run, tmp_path, usermod):
+    out = tmp_path / "m.pt"
+    assert (
+        run("train", "--model", "odd_models:Net", "--epochs", "1", "--out", out, "-q").exit_code
+        == 0
+    )
+    usermod.unlink()
+    import sys
+
+    sys.modules.pop("odd_models", None)
+    result = run("train", "--epochs", "2", "--out", out, "--resume")
+    _one_line(result, 2, "pass --model odd_models:Net to allow importing it")
+    assert not usermod.exists()  # the module named by the file was not imported
+    result = run(
+        "train", "--model", "odd_models:Net", "--epochs", "2", "--out", out, "--resume", "-q"
+    )
+    assert result.exit_code == 0, result.stderr
+
+
+def test_resume_checks_model_kwargs_and_resolves_lr(run, tmp_path):
+    out = tmp_path / "m.pt"
+    base = ["train", "--model", "mlp", "--epochs", "1", "--out", out, "-q"]
+    assert run(*base, "--model-kwargs", '{"hidden": [8]}').exit_code == 0
+    result = run(*base, "--model-kwargs", '{"hidden": [256]}', "--resume", "--epochs", "2")
+    _one_line(result, 2, "--model-kwargs")
+    # An explicit --lr equal to the default it was trained with is the same setting.
+    result = run(*base, "--lr", "0.003", "--resume", "--epochs", "2")
+    assert result.exit_code == 0, result.stderr
+
+
+def test_ctrl_c_does_not_point_at_an_older_file(run, tmp_path, monkeypatch):
+    from distrib import trainer
+
+    out = tmp_path / "m.pt"
+    out.write_bytes(b"an older run's file")
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "evaluate", interrupt)  # Ctrl-C before the first checkpoint
+    result = run("train", "--model", "mlp", "--epochs", "1", "--out", out, "-q")
+    assert result.exit_code == 130
+    assert "last good checkpoint" not in result.stderr
+    assert out.read_bytes() == b"an older run's file"
+
+
+def test_json_has_no_nan():
+    from cli.main import _finite
+
+    assert (
+        json.dumps(_finite({"a": float("nan"), "b": [1.0, float("inf")]}))
+        == '{"a": null, "b": [1.0, null]}'
+    )
