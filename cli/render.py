@@ -123,7 +123,7 @@ def shrink_summary(report: dict) -> None:
             f"{r['kept_fraction']:.1%}",
             str(r["weight_bits"]),
             f"{h:.2f}" if h is not None else "–",
-            str(r["index_bits"]),
+            f"{r['index_bits']:.2f}",
             f"{r['index_bits_huffman']:.2f}" if h is not None else "–",
             f"{r['size_fraction']:.2%}" if h is not None else "–",
         )

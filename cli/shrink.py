@@ -89,7 +89,7 @@ def shrink(
     train = recipe["train"]
     n_val = max(len(ds.y_train) // 10, 1)  # sensitivity runs on held-out *training* data
 
-    def retrain(m, epochs: int, lr: float) -> None:
+    def retrain(m, epochs: int, lr: float, loss_fn=None) -> None:
         cfg = TrainConfig(
             epochs=epochs,
             lr=lr,
@@ -97,7 +97,7 @@ def shrink(
             optimizer=train["optimizer"],
             seed=train["seed"],
         )
-        fit(m, ds, cfg, events=progress)
+        fit(m, ds, cfg, events=progress, **({"loss_fn": loss_fn} if loss_fn else {}))
 
     hooks = Hooks(
         retrain=retrain,

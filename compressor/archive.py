@@ -21,7 +21,7 @@ Tensor record:
     u8  encoding: 0 = dense, 1 = shared
     dense:   u8 stored dtype (DTYPES; float16 only when the values are exactly
              representable), u32 byte count, raw little-endian values
-    shared:  u16 k, k x f32 codebook (sorted ascending)
+    shared:  u16 k, k x f32 codebook (in index order)
              u8  gap bits b (0: no zeros, every position is an entry, no gap stream)
              u32 entries n (non-zero weights), u32 gap symbols g (entries + escapes)
              k bytes: Huffman code length of each codebook index (0 = unused)
@@ -96,7 +96,7 @@ class Shared:
 
     name: str
     shape: tuple[int, ...]
-    codebook: np.ndarray  # float32 (k,), sorted
+    codebook: np.ndarray  # float32 (k,)
     index: np.ndarray  # int (n,) into codebook, entries in row-major order
     positions: np.ndarray  # int (n,) flat positions of the entries
     gap_bits: int  # 0: dense (positions are 0..N-1)

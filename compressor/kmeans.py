@@ -126,8 +126,8 @@ class QuantizeConfig:
             ("fc_bits", self.fc_bits),
             *self.bits.items(),
         ]:
-            if not (isinstance(b, int) and 1 <= b <= 16):
-                raise InputError(f"quantize: {name} = {b!r} is impossible; give whole bits 1..16")
+            if not (isinstance(b, int) and 1 <= b <= 12):
+                raise InputError(f"quantize: {name} = {b!r} is impossible; give whole bits 1..12")
         if self.mode not in ("centroids", "weights"):
             raise InputError(f"quantize: mode {self.mode!r} must be 'centroids' or 'weights'")
 

@@ -36,6 +36,11 @@ def check_out_dir(out: Path) -> Path:
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder; give a folder path")
     check_writable(out.parent / f"{out.name}.probe")
+    if out.is_dir():  # we replace our files inside it: each must be replaceable
+        check_writable(out / ".compress.probe")
+        for name in OUTPUTS:
+            if (out / name).exists() and not (out / name).is_file():
+                raise InputError(f"--out {out}: {name} there is not a regular file; remove it")
     return out
 
 

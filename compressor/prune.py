@@ -179,18 +179,25 @@ def target_sparsities(
     return {n: float(cfg.sparsity) * fraction for n in params}  # type: ignore[arg-type]
 
 
-def prune_(model: nn.Module, cfg: PruneConfig, fraction: float = 1.0) -> dict[str, float]:
+def prune_(
+    model: nn.Module,
+    cfg: PruneConfig,
+    fraction: float = 1.0,
+    stds: dict[str, float] | None = None,
+) -> dict[str, float]:
     """Prune `model` in place to `fraction` of the configured target; returns kept fraction per
-    parameter. Existing masks are kept (they only tighten)."""
+    parameter. Existing masks are kept (they only tighten).
+
+    For the quality rule, `stds` holds each layer's std before any pruning (`weight_stds`), so
+    later rounds do not measure a std shrunk by the zeros of earlier ones.
+    """
     params = prunable(model, cfg)
     if not params:
         raise InputError("prune: the model has no prunable layers (Linear or Conv)")
     if cfg.quality is not None:
         # The paper's rule, applied gradually: threshold = fraction x quality x std(w).
-        masks = {
-            n: threshold_mask(w, fraction * cfg.quality * float(w.detach().std()))
-            for n, w in params.items()
-        }
+        stds = stds or weight_stds(model, cfg)
+        masks = {n: threshold_mask(w, fraction * cfg.quality * stds[n]) for n, w in params.items()}
     elif cfg.scope == "global":
         t = global_threshold(list(params.values()), float(cfg.sparsity) * fraction)  # type: ignore[arg-type]
         masks = {n: threshold_mask(w, t) for n, w in params.items()}
@@ -199,9 +206,20 @@ def prune_(model: nn.Module, cfg: PruneConfig, fraction: float = 1.0) -> dict[st
             n: magnitude_mask(params[n], s)
             for n, s in target_sparsities(model, cfg, fraction).items()
         }
+    emptied = [n for n, m in masks.items() if not bool(m.any())]
+    if emptied:
+        raise InputError(
+            f"prune: this would remove every weight of {', '.join(emptied)}; "
+            "lower its sparsity or quality"
+        )
     for n, m in masks.items():
         set_mask_(model, n, m)
     return {n: float(m.float().mean()) for n, m in masks_of(model).items()}
+
+
+def weight_stds(model: nn.Module, cfg: PruneConfig | None = None) -> dict[str, float]:
+    """Std of each prunable parameter as it is now (call before the first round)."""
+    return {n: float(w.detach().std()) for n, w in prunable(model, cfg).items()}
 
 
 def schedule(rounds: int) -> list[float]:

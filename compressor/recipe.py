@@ -1,13 +1,13 @@
 """Recipes: the stages of `compress shrink` and their parameters, as TOML or JSON.
 
-A recipe has one section per stage, run in the pipeline's only valid order
+A recipe (TOML, YAML or JSON, by the file's suffix) has one section per stage, run in the pipeline's only valid order
 (prune -> quantize -> huffman): each stage works on the weights the previous one left, and the
 Huffman archive is emitted from the final weights. Every key has a default, so an empty recipe
 is a complete one; an unknown key or an impossible value is refused, naming the key, before
 any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
 
     version = 1
-    [train]     batch_size = 32, optimizer = "adam"          # for retraining / fine-tuning
+    [train]     batch_size, optimizer, seed, distill (alpha), temperature  # retraining
     [prune]     enabled, sparsity ("default" | "auto" | 0.9 | {layer = 0.9}) or quality,
                 scope, rounds, retrain_epochs, lr, budget, include_bias
     [quantize]  enabled, conv_bits = 8, fc_bits = 5, bits = {layer = n}, mode, finetune_epochs,
@@ -27,10 +27,13 @@ from typing import Any
 from models.errors import InputError
 
 VERSION = 1
+MAX_BITS = 12  # 4,096 shared values per layer; more is no longer weight *sharing*
 
 DEFAULTS: dict[str, Any] = {
     "version": VERSION,
-    "train": {"batch_size": 32, "optimizer": "adam", "seed": 0},
+    # distill: alpha of the soft-target loss against the dense model while retraining and
+    # fine-tuning (0 = plain cross-entropy, as the paper); temperature: Hinton's T.
+    "train": {"batch_size": 32, "optimizer": "adam", "seed": 0, "distill": 0.0, "temperature": 4.0},
     "prune": {
         "enabled": True,
         # "default": per-layer fractions by role (see compressor.shrink.default_sparsity);
@@ -80,12 +83,20 @@ def load(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--recipe {path}: no such file")
+    kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix, "TOML")
     try:
         text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        kind = "JSON" if path.suffix == ".json" else "TOML"
-        raise InputError(f"--recipe {path}: not valid {kind}: {e}") from None
+        if kind == "JSON":
+            raw = json.loads(text)
+        elif kind == "YAML":
+            import yaml
+
+            raw = yaml.safe_load(text)
+        else:
+            raw = tomllib.loads(text)
+    except Exception as e:  # each parser raises its own error types
+        detail = " ".join(str(e).split())
+        raise InputError(f"--recipe {path}: not valid {kind}: {detail}") from None
     return resolve(raw, source=str(path))
 
 
@@ -130,11 +141,19 @@ def _validate(r: dict[str, Any], source: str) -> None:
     for (section, key), choices in _CHOICES.items():
         if r[section][key] not in choices:
             raise _bad(source, f"{section}.{key}", r[section][key], f"one of {', '.join(choices)}")
-    for section in ("prune", "quantize", "huffman"):
-        if not isinstance(r[section]["enabled"], bool):
-            raise _bad(source, f"{section}.enabled", r[section]["enabled"], "true or false")
+    for section, key in (
+        ("prune", "enabled"),
+        ("quantize", "enabled"),
+        ("huffman", "enabled"),
+        ("prune", "include_bias"),
+    ):
+        if not isinstance(r[section][key], bool):
+            raise _bad(source, f"{section}.{key}", r[section][key], "true or false")
     _int(r, source, "train", "batch_size", 1)
-    _int(r, source, "train", "seed", None)
+    _int(r, source, "train", "seed", 0, 2**32 - 1)
+    if not (_number(r["train"]["distill"]) and 0 <= r["train"]["distill"] <= 1):
+        raise _bad(source, "train.distill", r["train"]["distill"], "an alpha in [0, 1]")
+    _positive(r, source, "train", "temperature")
     p = r["prune"]
     s, q = p["sparsity"], p["quality"]
     if (s is None) == (q is None):
@@ -155,12 +174,12 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise _bad(source, "prune.budget", p["budget"], "an accuracy drop in [0, 1), e.g. 0.02")
     qz = r["quantize"]
     for key in ("conv_bits", "fc_bits"):
-        _int(r, source, "quantize", key, 1, 16)
+        _int(r, source, "quantize", key, 1, MAX_BITS)
     if not isinstance(qz["bits"], dict):
         raise _bad(source, "quantize.bits", qz["bits"], "a table {layer = bits}")
     for layer, b in qz["bits"].items():
-        if not (isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 16):
-            raise _bad(source, f"quantize.bits.{layer}", b, "whole bits 1..16")
+        if not (isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_BITS):
+            raise _bad(source, f"quantize.bits.{layer}", b, f"whole bits 1..{MAX_BITS}")
     _int(r, source, "quantize", "finetune_epochs", 0)
     _positive(r, source, "quantize", "lr")
     for key in ("fc_gap_bits", "conv_gap_bits"):

@@ -55,11 +55,11 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
         h = r.get("weight_bits_huffman")
         lines.append(
             f"| {r['name']} | {r['weights']:,} | {r['kept_fraction']:.1%} | {r['weight_bits']} | "
-            f"{h:.2f} | {r['index_bits']} | {r['index_bits_huffman']:.2f} | {r['gap_bits']} | "
+            f"{h:.2f} | {r['index_bits']:.2f} | {r['index_bits_huffman']:.2f} | {r['gap_bits']} | "
             f"{r['size_fraction']:.2%} |"
             if h is not None
             else f"| {r['name']} | {r['weights']:,} | {r['kept_fraction']:.1%} | {r['weight_bits']} | – "
-            f"| {r['index_bits']} | – | – | – |"
+            f"| {r['index_bits']:.2f} | – | – | – |"
         )
     lines += [
         "",

@@ -13,6 +13,8 @@ the archive file itself, header and checksum included.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import archive, huffman, kmeans, prune
+from compressor import archive, distill, huffman, kmeans, prune
 from models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
@@ -34,7 +36,8 @@ GAP_BITS_SEARCH = range(1, 13)
 class Hooks:
     """What the pipeline needs from the outside world."""
 
-    retrain: Callable[[nn.Module, int, float], None]  # train in place: (model, epochs, lr)
+    # Train in place: (model, epochs, lr, loss_fn or None for cross-entropy).
+    retrain: Callable[[nn.Module, int, float, Callable | None], None]
     test_accuracy: Callable[[nn.Module], float]
     val_accuracy: Callable[[nn.Module], float]  # held-out training data (sensitivity analysis)
     info: Callable[[str], None] = lambda message: None
@@ -55,10 +58,6 @@ def default_sparsity(model: nn.Module) -> dict[str, float]:
         else:
             out[name] = 0.35 if m.in_channels <= 3 else 0.85
     return out
-
-
-def _dense_bytes(model: nn.Module) -> int:
-    return 4 * sum(p.numel() for p in model.parameters())
 
 
 def shrink(
@@ -85,6 +84,14 @@ def shrink(
         f"test accuracy {baseline['test_accuracy']:.4f}"
     )
 
+    t = recipe["train"]
+    if t["distill"] > 0:  # retrain against the dense model's soft targets
+        teacher = copy.deepcopy(model)
+        loss_fn = distill.loss_with_teacher(teacher, t["temperature"], t["distill"])
+        retrain = hooks.retrain
+        hooks = dataclasses.replace(
+            hooks, retrain=lambda m, e, lr, _=None: retrain(m, e, lr, loss_fn)
+        )
     p = recipe["prune"]
     if p["enabled"]:
         ts = time.perf_counter()
@@ -109,7 +116,7 @@ def shrink(
         )
 
     entries, layer_info = _entries(model, recipe)
-    _account(stages, entries, layer_info, model, recipe)
+    _account(stages, entries, layer_info, baseline["bytes"], recipe)
     if recipe["huffman"]["enabled"]:
         ts = time.perf_counter()
         path = out_dir / "model.dcz"
@@ -129,10 +136,10 @@ def shrink(
             }
         )
         report["archive"] = _archive_report(path, stats, baseline["bytes"])
-        report["layers"] = _layer_rows(layer_info, stats, recipe)
+        report["layers"] = _layer_rows(layer_info, stats)
     else:
         prune.bake_(model)
-        report["layers"] = _layer_rows(layer_info, None, recipe)
+        report["layers"] = _layer_rows(layer_info, None)
     report["seconds"] = time.perf_counter() - t0
     return report
 
@@ -146,7 +153,8 @@ def check_fits_recipe(model: nn.Module, recipe: dict[str, Any]) -> None:
     named = []
     if isinstance(recipe["prune"]["sparsity"], dict):
         named += [
-            ("prune.sparsity", k.removesuffix(".weight")) for k in recipe["prune"]["sparsity"]
+            ("prune.sparsity", k.removesuffix(".weight").removesuffix(".bias"))
+            for k in recipe["prune"]["sparsity"]
         ]
     named += [("quantize.bits", k) for k in recipe["quantize"]["bits"]]
     for where, layer in named:
@@ -171,11 +179,6 @@ def _prune(model: nn.Module, p: dict[str, Any], hooks: Hooks) -> dict[str, Any] 
         hooks.info(
             "sensitivity proposal: " + ", ".join(f"{n} {s:.2f}" for n, s in sparsity.items())
         )
-    if isinstance(sparsity, dict):  # per-layer recipes name layers; masks key on their weights
-        sparsity = {
-            (k if k.endswith((".weight", ".bias")) else f"{k}.weight"): v
-            for k, v in sparsity.items()
-        }
     cfg = prune.PruneConfig(
         sparsity=sparsity if p["quality"] is None else None,
         quality=p["quality"],
@@ -183,17 +186,17 @@ def _prune(model: nn.Module, p: dict[str, Any], hooks: Hooks) -> dict[str, Any] 
         rounds=p["rounds"],
         include_bias=p["include_bias"],
     )
+    stds = prune.weight_stds(model, cfg)
     for r, fraction in enumerate(prune.schedule(cfg.rounds), 1):
-        kept = prune.prune_(model, cfg, fraction)
+        prune.prune_(model, cfg, fraction, stds)
         if p["retrain_epochs"]:
-            hooks.retrain(model, p["retrain_epochs"], p["lr"])
+            hooks.retrain(model, p["retrain_epochs"], p["lr"], None)
         total = sum(m.numel() for m in prune.masks_of(model).values())
         nnz = sum(int(m.sum()) for m in prune.masks_of(model).values())
         hooks.info(
             f"prune round {r}/{cfg.rounds}: {nnz / total:.1%} of prunable weights kept, "
             f"test accuracy {hooks.test_accuracy(model):.4f}"
         )
-        del kept
     return sens.to_dict() if sens else None
 
 
@@ -220,7 +223,7 @@ def _quantize(model: nn.Module, q: dict[str, Any], seed: int, hooks: Hooks) -> d
     }
     hooks.info(f"weight sharing: test accuracy before fine-tuning {hooks.test_accuracy(model):.4f}")
     if q["finetune_epochs"]:
-        hooks.retrain(model, q["finetune_epochs"], q["lr"])
+        hooks.retrain(model, q["finetune_epochs"], q["lr"], None)
     kmeans.freeze_sharing_(model)
     histogram["centroids"] = kmeans.shared_of(model)[largest[0]].codebook.detach().tolist()
     _round_dense(model, q)
@@ -234,7 +237,11 @@ def _round_dense(model: nn.Module, q: dict[str, Any]) -> None:
         shared = {f"{n}.weight" for n in kmeans.shared_of(model)}
         with torch.no_grad():
             for name, t in _plain_tensors(model).items():
-                if name not in shared and t.dtype == torch.float32:
+                # Values beyond float16's range stay float32 (the archive stores those so).
+                finite16 = (
+                    bool(t.abs().max() <= torch.finfo(torch.float16).max) if t.numel() else True
+                )
+                if name not in shared and t.dtype == torch.float32 and finite16:
                     t.copy_(t.half().float())
 
 
@@ -270,54 +277,57 @@ def _choose_gap_bits(positions: np.ndarray, numel: int, fixed: int, mode: str) -
 
 
 def _entries(model: nn.Module, recipe: dict[str, Any]):
+    """Archive entries in state_dict order, and for every Linear/Conv weight the facts the
+    report needs (kept, bits, codebook size, gap widths and escapes at the fixed width)."""
     h = recipe["huffman"]
     shared = kmeans.shared_of(model)
-    masks = prune.masks_of(model)
     entries: list[archive.Dense | archive.Shared] = []
     info: dict[str, dict[str, Any]] = {}
-    baked_keys = _baked_state_keys(model)
     modules = dict(model.named_modules())
-    for key in baked_keys:
+    for key in _baked_state_keys(model):
         mname, _, pname = key.rpartition(".")
+        layer = modules.get(mname)
+        value = _baked_value(model, key).detach()
+        if pname == "weight" and isinstance(layer, prune.PRUNABLE):
+            positions = torch.nonzero(value.flatten() != 0).flatten().numpy()
+            fixed = h["fc_gap_bits"] if isinstance(layer, nn.Linear) else h["conv_gap_bits"]
+            sparse = len(positions) < value.numel()
+            info[key] = {
+                "weights": value.numel(),
+                "kept": len(positions),
+                "fixed_gap_bits": fixed if sparse else 0,
+                "escapes_fixed": _escapes(positions, fixed) if sparse else 0,
+                "bits": 32,
+                "codebook": 0,
+                "gap_bits": 0,
+            }
         if pname == "weight" and mname in shared:
             s = shared[mname]
             mask = s.mask.flatten()
             positions = torch.nonzero(mask).flatten().numpy()
-            index = s.index.flatten()[mask].numpy()
-            is_fc = isinstance(modules[mname], nn.Linear)
-            fixed = h["fc_gap_bits"] if is_fc else h["conv_gap_bits"]
-            b = _choose_gap_bits(positions, mask.numel(), fixed, h["gap_bits"])
             codebook = s.codebook.detach().numpy().astype(np.float32)
-            entries.append(archive.Shared(key, tuple(s.mask.shape), codebook, index, positions, b))
-            info[key] = {
-                "weights": mask.numel(),
-                "kept": len(positions),
-                "bits": math.ceil(math.log2(max(len(codebook), 2))),
-                "codebook": len(codebook),
-                "gap_bits": b,
-                "fixed_gap_bits": fixed,
-                "escapes_fixed": _escapes(positions, fixed),
-                "quantized": True,
-            }
-        else:
-            t = _baked_value(model, key)
+            b = _choose_gap_bits(
+                positions, mask.numel(), info[key]["fixed_gap_bits"], h["gap_bits"]
+            )
+            info[key].update(
+                bits=math.ceil(math.log2(max(len(codebook), 2))), codebook=len(codebook), gap_bits=b
+            )
             entries.append(
-                archive.Dense(
-                    key, t.detach().clone(), store_fp16=recipe["quantize"]["dense"] == "float16"
+                archive.Shared(
+                    key,
+                    tuple(s.mask.shape),
+                    codebook,
+                    s.index.flatten()[mask].numpy(),
+                    positions,
+                    b,
                 )
             )
-            if key in masks or (
-                pname == "weight" and isinstance(modules.get(mname), prune.PRUNABLE)
-            ):
-                kept = int((t != 0).sum())
-                info[key] = {
-                    "weights": t.numel(),
-                    "kept": kept,
-                    "bits": 32,
-                    "codebook": 0,
-                    "gap_bits": 0,
-                    "quantized": False,
-                }
+        else:
+            entries.append(
+                archive.Dense(
+                    key, value.clone(), store_fp16=recipe["quantize"]["dense"] == "float16"
+                )
+            )
     return entries, info
 
 
@@ -344,29 +354,23 @@ def _baked_value(model: nn.Module, key: str) -> torch.Tensor:
     return getattr(module, pname)
 
 
-def _account(stages, entries, info, model, recipe) -> None:
-    """Paper-style bytes for the P and P+Q stages (fixed-width codes, no Huffman)."""
+def _account(stages, entries, info, base: int, recipe) -> None:
+    """Paper-style bytes for the P and P+Q stages: fixed-width codes, no Huffman. A pruned
+    layer costs its kept weights (32 bits, or `bits` plus a 32-bit codebook once shared) and
+    its relative indices at the fixed gap width, escapes included."""
     dense16 = recipe["quantize"]["dense"] == "float16"
     p_bits = q_bits = 0
     for e in entries:
-        if isinstance(e, archive.Shared):
-            i = info[e.name]
-            entries_fixed = (
-                i["kept"] + i["escapes_fixed"] if i["kept"] < i["weights"] else i["kept"]
-            )
-            index_bits = entries_fixed * i["fixed_gap_bits"] if i["kept"] < i["weights"] else 0
+        i = info.get(e.name)
+        if i is not None:
+            index_bits = (i["kept"] + i["escapes_fixed"]) * i["fixed_gap_bits"]
             p_bits += 32 * i["kept"] + index_bits
             q_bits += i["bits"] * i["kept"] + index_bits + 32 * i["codebook"]
         else:
             t = e.tensor
             width = t.element_size() * 8
-            if e.name in info and info[e.name]["kept"] < t.numel():  # pruned, not shared
-                p_bits += 32 * info[e.name]["kept"] + 8 * info[e.name]["kept"]
-                q_bits += 32 * info[e.name]["kept"] + 8 * info[e.name]["kept"]
-                continue
             p_bits += width * t.numel()
             q_bits += (16 if dense16 and t.is_floating_point() else width) * t.numel()
-    base = _dense_bytes(model)
     for st in stages:
         if st["name"] == "prune":
             st["bytes"] = math.ceil(p_bits / 8)
@@ -402,6 +406,9 @@ def _archive_report(path: Path, stats: archive.Encoded, base: int) -> dict[str, 
     )
     bound = stats.bytes - stream_bytes + math.ceil(entropy_bits / 8)
     return {
+        # the coded streams alone against their order-0 entropy, and the whole file against
+        # the entropy of its streams plus everything else it holds verbatim
+        "streams_vs_entropy": stream_bytes / max(entropy_bits / 8, 1),
         "path": str(path),
         "bytes": stats.bytes,
         "ratio": base / stats.bytes,
@@ -412,22 +419,23 @@ def _archive_report(path: Path, stats: archive.Encoded, base: int) -> dict[str, 
     }
 
 
-def _layer_rows(info, stats: archive.Encoded | None, recipe) -> list[dict[str, Any]]:
+def _layer_rows(info, stats: archive.Encoded | None) -> list[dict[str, Any]]:
     rows = []
     for name, i in info.items():
+        n = max(i["kept"], 1)
         row = {
             "name": name,
             "weights": i["weights"],
             "kept": i["kept"],
             "kept_fraction": i["kept"] / i["weights"],
             "weight_bits": i["bits"],
-            "index_bits": i.get("fixed_gap_bits", 0) if i["kept"] < i["weights"] else 0,
+            # fixed-width relative index per kept weight, escapes included
+            "index_bits": (i["kept"] + i["escapes_fixed"]) * i["fixed_gap_bits"] / n,
             "gap_bits": i["gap_bits"],
             "codebook": i["codebook"],
         }
         s = stats.layers.get(name) if stats else None
         if s and "index_stream_bits" in s:
-            n = max(i["kept"], 1)
             row.update(
                 weight_bits_huffman=s["index_stream_bits"] / n,
                 index_bits_huffman=s["gap_stream_bits"] / n,

@@ -111,3 +111,28 @@ def test_model_without_prunable_layers_is_an_input_error():
 def test_config_validation(kwargs, message):
     with pytest.raises(InputError, match=message):
         prune.PruneConfig(**kwargs)
+
+
+def test_a_layer_pruned_away_entirely_is_refused():
+    model = tiny("lenet300", in_shape=(1, 8, 8))
+    with pytest.raises(InputError, match="remove every weight of fc3.weight"):
+        prune.prune_(model, prune.PruneConfig(sparsity={"fc3": 0.9999}))
+    with pytest.raises(InputError, match="remove every weight"):
+        prune.prune_(model, prune.PruneConfig(quality=100.0))
+
+
+def test_quality_rounds_use_the_dense_std():
+    model = tiny("mlp", in_shape=(1, 8, 8))
+    w = model.fc1.weight.detach().clone()
+    cfg = prune.PruneConfig(quality=1.0, rounds=3)
+    stds = prune.weight_stds(model, cfg)
+    for f in prune.schedule(3):
+        prune.prune_(model, cfg, f, stds)
+    assert torch.equal(prune.masks_of(model)["fc1.weight"], w.abs() > w.std())
+
+
+def test_include_bias_with_per_layer_sparsity():
+    model = tiny("mlp", in_shape=(1, 8, 8))
+    cfg = prune.PruneConfig(sparsity={"fc1": 0.5}, include_bias=True)
+    kept = prune.prune_(model, cfg)
+    assert kept["fc1.bias"] == pytest.approx(0.5) and kept["fc1.weight"] == pytest.approx(0.5)

@@ -76,6 +76,8 @@ def test_shrink_json_and_files(trained):
     assert a["path"] == str(out / "model.dcz") and a["bytes"] == (out / "model.dcz").stat().st_size
     assert a["ratio"] == pytest.approx(report["baseline"]["bytes"] / a["bytes"])
     assert a["bytes"] <= 1.02 * a["entropy_bound_bytes"]
+    for s in report["stages"]:  # every stage against the same dense FP32 baseline
+        assert s["ratio"] == pytest.approx(report["baseline"]["bytes"] / s["bytes"])
     ratios = [s["ratio"] for s in report["stages"]]
     assert ratios == sorted(ratios) and ratios[-1] > 15
     assert {r["name"] for r in report["layers"]} == {"fc1.weight", "fc2.weight", "fc3.weight"}
@@ -88,6 +90,38 @@ def test_shrink_json_and_files(trained):
     saved = json.loads((out / "report.json").read_text())
     assert saved["recipe"]["prune"]["rounds"] == 2
     assert not [p for p in folder.iterdir() if p.name.startswith(".shrunk")]  # no temp folder left
+
+
+def test_index_bits_count_escapes(trained):
+    _, out, report = trained
+    from compressor import huffman
+
+    state = checkpoint.load(out / "model.pt").state_dict
+    for row in report["layers"]:
+        positions = torch.nonzero(state[row["name"]].flatten()).flatten().numpy()
+        gaps = huffman.encode_gaps(positions, 5)  # the recipe's fixed FC width
+        assert row["index_bits"] == pytest.approx(5 * len(gaps) / row["kept"])
+
+
+def test_prune_stage_bytes_do_not_depend_on_later_stages(run, trained, tmp_path):
+    folder, _, report = trained
+    (tmp_path / "p.toml").write_text(
+        FAST.replace("[quantize]", "[quantize]\nenabled = false") + "[huffman]\nenabled = false\n"
+    )
+    result = run(
+        "shrink",
+        folder / "lenet300.pt",
+        "--recipe",
+        tmp_path / "p.toml",
+        "--out",
+        tmp_path / "p",
+        "--json",
+        "-q",
+    )
+    assert result.exit_code == 0, result.stderr
+    only_p = result.json()
+    assert [s["name"] for s in only_p["stages"]] == ["prune"]
+    assert only_p["stages"][0]["bytes"] == report["stages"][0]["bytes"]
 
 
 def test_compressed_model_obeys_its_recipe(trained):
@@ -127,6 +161,12 @@ def test_dry_run_resolves_a_recipe_file(run, tmp_path):
     assert r["prune"] == recipe.DEFAULTS["prune"]
 
 
+def test_yaml_recipe(run, tmp_path):
+    (tmp_path / "r.yaml").write_text("quantize:\n  fc_bits: 4\n")
+    result = run("shrink", "x.pt", "--dry-run", "--recipe", tmp_path / "r.yaml", "--json")
+    assert result.exit_code == 0 and result.json()["recipe"]["quantize"]["fc_bits"] == 4
+
+
 def test_golden_archive_still_decodes():
     from tests.test_archive import _entries
 
@@ -158,6 +198,10 @@ def _write_recipe(tmp_path, text):
         ("out not writable", "not writable"),
         ("out is a file", "is not a folder"),
         ("recipe names a missing layer", "names layer 'fc9'"),
+        ("seed out of range", "train.seed = -1 is impossible"),
+        ("include_bias not bool", "prune.include_bias = 'no' is impossible"),
+        ("bits 13", "quantize.fc_bits = 13 is impossible"),
+        ("out holds a folder named like an output", "report.json there is not a regular file"),
     ],
 )
 def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
@@ -196,6 +240,14 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
         args += _write_recipe(tmp_path, "[prune]\nsparsity = 1.5\n")
     elif case == "recipe names a missing layer":
         args += _write_recipe(tmp_path, "[quantize]\nbits = {fc9 = 4}\n")
+    elif case == "seed out of range":
+        args += _write_recipe(tmp_path, "[train]\nseed = -1\n")
+    elif case == "include_bias not bool":
+        args += _write_recipe(tmp_path, "[prune]\ninclude_bias = 'no'\n")
+    elif case == "bits 13":
+        args += _write_recipe(tmp_path, "[quantize]\nfc_bits = 13\n")
+    elif case == "out holds a folder named like an output":
+        (out / "report.json").mkdir(parents=True)
     elif case == "recipe not toml":
         args += _write_recipe(tmp_path, "[prune\n")
     elif case == "out not writable":
