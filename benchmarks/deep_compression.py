@@ -156,7 +156,7 @@ def report(model: str, name: str, rep: dict, seconds: float, recipe: Path | None
         print(
             f"| {row['name']} | {row['weights']:,} | {row['kept_fraction']:.1%} ({kept}%) | "
             f"{row['weight_bits']} / {row.get('weight_bits_huffman', 0):.2f} | "
-            f"{row['index_bits']} / {row.get('index_bits_huffman', 0):.2f} | "
+            f"{row['index_bits']:.2f} / {row.get('index_bits_huffman', 0):.2f} | "
             f"{row.get('size_fraction', 0):.2%} |"
         )
 
