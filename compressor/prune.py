@@ -228,11 +228,20 @@ def schedule(rounds: int) -> list[float]:
 
 
 def bake_(model: nn.Module) -> nn.Module:
-    """Remove every parametrization, leaving plain weights with their zeros (for export)."""
+    """Replace every parametrization by a plain parameter holding its current value (zeros and
+    shared values included), for export and checkpoints.
+
+    Not torch's `remove_parametrizations`: it deletes the property from the generated
+    `Parametrized<Layer>` class, which a `copy.deepcopy` of the model shares, so baking a copy
+    would break the original. Here only the instance is changed.
+    """
     for module in model.modules():
         if parametrize.is_parametrized(module):
-            for pname in list(module.parametrizations):
-                parametrize.remove_parametrizations(module, pname, leave_parametrized=True)
+            values = {n: getattr(module, n).detach().clone() for n in module.parametrizations}
+            module.__class__ = module.__class__.__bases__[0]  # the layer's own class
+            del module._modules["parametrizations"]
+            for name, value in values.items():
+                module.register_parameter(name, nn.Parameter(value))
     return model
 
 

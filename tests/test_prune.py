@@ -136,3 +136,17 @@ def test_include_bias_with_per_layer_sparsity():
     cfg = prune.PruneConfig(sparsity={"fc1": 0.5}, include_bias=True)
     kept = prune.prune_(model, cfg)
     assert kept["fc1.bias"] == pytest.approx(0.5) and kept["fc1.weight"] == pytest.approx(0.5)
+
+
+def test_baking_a_copy_leaves_the_original_working():
+    import copy
+
+    model = tiny("lenet5", in_shape=(1, 8, 8)).eval()
+    prune.prune_(model, prune.PruneConfig(sparsity=0.5))
+    x = torch.rand(3, 1, 8, 8)
+    ref = model(x)
+    for _ in range(2):
+        plain = prune.bake_(copy.deepcopy(model))
+        assert type(plain.conv1) is nn.Conv2d and torch.equal(plain(x), ref)
+        assert "conv1.weight" in plain.state_dict()
+    assert prune.masks_of(model) and torch.equal(model(x), ref)

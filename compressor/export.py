@@ -1,0 +1,380 @@
+"""PyTorch -> ONNX FP32 -> INT8 ONNX, with ONNX Runtime's own quantizer, and the checks that
+say the files still answer like the model.
+
+* `export_onnx`: `torch.onnx.export` (the dynamo exporter) to one self-contained file (no
+  external data), a dynamic batch axis, a chosen opset; optionally IR 9 so ONNX Runtime <= 1.17
+  loads it. Every file passes `onnx.checker.check_model(full_check=True)` and loads in ORT.
+* `quantize_int8`: `quant_pre_process`, then static QDQ quantization calibrated on training
+  inputs: uint8 activations, int8 per-channel weights (U8S8, `reduce_range=False`), MinMax by
+  default, Entropy or Percentile on request.
+* `choose_precision`: latency- and accuracy-aware mixed precision. INT8 is not always faster:
+  a 1->6-channel first conv runs 2.4x slower in INT8 on our CPU (KNOW-HOW). Each quantizable
+  node is tried in FP32, measured against the current best, and kept in FP32 when that is
+  faster or answers closer to FP32; if the result is still slower than the FP32 model, every
+  node stays FP32. What is returned is never slower than FP32 on the measured batch size.
+* `parity`: accuracy, top-1 agreement and max |delta logit| of a file against the model.
+* `weight_invariants`: pruned zeros stay zero and shared layers keep <= 2^bits values, read
+  back from the exported file.
+
+onnx and onnxruntime are imported inside functions, so `import compressor` stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor import prune
+from models.errors import InputError, StageError
+from models.fileio import atomic_path
+
+QUANTIZABLE = ("Conv", "Gemm", "MatMul")
+METHODS = ("minmax", "entropy", "percentile")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """opset: ONNX opset of the file; ir_version: 9 for ONNX Runtime <= 1.17 (None: the
+    exporter's); dynamic_batch: a symbolic batch axis (else the example's batch is fixed)."""
+
+    opset: int = 18
+    ir_version: int | None = None
+    dynamic_batch: bool = True
+
+    def __post_init__(self) -> None:
+        if not 13 <= self.opset <= 23:
+            raise InputError(f"opset {self.opset} is out of range; give 13..23 (default 18)")
+        if self.ir_version is not None and self.ir_version not in (8, 9, 10, 11):
+            raise InputError(f"ir_version {self.ir_version} is not one of 8, 9, 10, 11")
+        if self.ir_version == 9 and self.opset > 20:
+            raise InputError(f"IR 9 (ONNX Runtime <= 1.17) reads opsets up to 20, not {self.opset}")
+
+
+def _session(path: Path | str, threads: int = 1):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def run(session, x: np.ndarray, batch: int = 256) -> np.ndarray:
+    name = session.get_inputs()[0].name
+    outs = [session.run(None, {name: x[i : i + batch]})[0] for i in range(0, len(x), batch)]
+    return np.concatenate(outs) if outs else np.zeros((0,))
+
+
+def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: ExportConfig) -> Path:
+    """Write `model` (masks and shared weights baked in) as one ONNX file at `path`."""
+    import onnx
+
+    model = prune.bake_(copy.deepcopy(model)).eval()
+    dynamic = ({0: torch.export.Dim("batch")},) if cfg.dynamic_batch else None
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "model.onnx"
+        try:
+            # The exporter reports progress on stdout/stderr and through torch's loggers; the
+            # library stays silent.
+            with (
+                _quiet(),
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
+                torch.onnx.export(
+                    model,
+                    (example,),
+                    str(raw),
+                    dynamic_shapes=dynamic,
+                    external_data=False,
+                    opset_version=cfg.opset,
+                )
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise StageError(f"ONNX export failed: {type(e).__name__}: {first}") from None
+        proto = onnx.load(str(raw))
+        if cfg.ir_version is not None:
+            proto.ir_version = cfg.ir_version
+        with atomic_path(path) as out:
+            onnx.save(proto, str(out))
+            check(out)
+    return path
+
+
+@contextlib.contextmanager
+def _quiet():
+    import logging
+
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def check(path: Path) -> None:
+    """onnx.checker with full_check, and a load in ONNX Runtime; StageError otherwise."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    except Exception as e:
+        raise StageError(f"{path}: fails onnx.checker: {' '.join(str(e).split())[:300]}") from None
+    try:
+        _session(path)
+    except Exception as e:
+        raise InputError(
+            f"{path}: ONNX Runtime cannot load it ({' '.join(str(e).split())[:200]}); "
+            "choose a lower opset"
+        ) from None
+
+
+# --- INT8 -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Static INT8 quantization. `calibration`: samples from the training set; `method`:
+    minmax, entropy or percentile; `latency_aware`: keep slower or harmful nodes in FP32;
+    `min_agreement`: top-1 agreement with FP32 below which nodes go back to FP32;
+    `batch`: the batch size latency is measured at."""
+
+    calibration: int = 256
+    method: str = "minmax"
+    per_channel: bool = True
+    latency_aware: bool = True
+    min_agreement: float = 0.995
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InputError(f"quantization method {self.method!r}: one of {', '.join(METHODS)}")
+        if self.calibration < 1:
+            raise InputError(f"calibration samples {self.calibration}: give 1 or more")
+        if not 0 <= self.min_agreement <= 1:
+            raise InputError(f"min_agreement {self.min_agreement}: a fraction in [0, 1]")
+
+
+def _reader(x: np.ndarray, input_name: str, batch: int = 32):
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{input_name: x[i : i + batch]} for i in range(0, len(x), batch)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    return Reader()
+
+
+def _check_calibration(path: Path, calib: np.ndarray) -> str:
+    session = _session(path)
+    inp = session.get_inputs()[0]
+    want = [d if isinstance(d, int) else None for d in inp.shape[1:]]
+    if len(calib) == 0:
+        raise InputError("calibration data is empty; give at least one training sample")
+    got = list(calib.shape[1:])
+    if len(want) != len(got) or any(
+        w is not None and w != g for w, g in zip(want, got, strict=False)
+    ):
+        raise InputError(
+            f"calibration data of shape {tuple(calib.shape)} does not fit the model "
+            f"input {inp.shape}"
+        )
+    return inp.name
+
+
+def preprocess(fp32: Path, out: Path) -> Path:
+    """ORT's quant_pre_process (shape inference + graph optimisation) before quantizing."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
+    return out
+
+
+def quantizable_nodes(path: Path) -> list[str]:
+    import onnx
+
+    return [n.name for n in onnx.load(str(path)).graph.node if n.op_type in QUANTIZABLE]
+
+
+def quantize_int8(
+    prepared: Path, out: Path, calib: np.ndarray, cfg: QuantConfig, exclude: Iterable[str] = ()
+) -> Path:
+    """Static QDQ U8S8 quantization of a `preprocess`ed model; `exclude` nodes stay FP32."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    name = _check_calibration(prepared, calib)
+    method = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }[cfg.method]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+        q = Path(tmp) / "int8.onnx"
+        quantize_static(
+            str(prepared),
+            str(q),
+            _reader(calib, name),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=cfg.per_channel,
+            reduce_range=False,
+            calibrate_method=method,
+            nodes_to_exclude=list(exclude),
+        )
+        with atomic_path(out) as dst:
+            dst.write_bytes(q.read_bytes())
+            check(dst)
+    return out
+
+
+def latency_ms(
+    paths: list[Path], batch: int, shape: tuple[int, ...], seconds: float = 0.6
+) -> list[float]:
+    """p50 latency (ms) of each model at `batch`, runs interleaved A B C A B C ... so drift
+    hits all alike; one thread each."""
+    sessions = [_session(p) for p in paths]
+    x = np.random.default_rng(0).random((batch, *shape), dtype=np.float32)
+    feeds = [{s.get_inputs()[0].name: x} for s in sessions]
+    for s, f in zip(sessions, feeds, strict=True):
+        for _ in range(10):
+            s.run(None, f)
+    times: list[list[float]] = [[] for _ in sessions]
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times[0]) < 30:
+        for t, s, f in zip(times, sessions, feeds, strict=True):
+            t0 = time.perf_counter()
+            s.run(None, f)
+            t.append(time.perf_counter() - t0)
+    return [1000 * float(np.median(t)) for t in times]
+
+
+def agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(a.argmax(1) == b.argmax(1)))
+
+
+@dataclass
+class PrecisionChoice:
+    path: Path
+    fp32_nodes: dict[str, str] = field(default_factory=dict)  # node -> why it stayed FP32
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    agreement: float = 1.0
+
+
+def choose_precision(
+    fp32: Path, out: Path, calib: np.ndarray, check_x: np.ndarray, cfg: QuantConfig
+) -> PrecisionChoice:
+    """Quantize, then keep in FP32 each node where INT8 is slower or less faithful."""
+    shape = tuple(check_x.shape[1:])
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        prepared = preprocess(fp32, tmp / "prepared.onnx")
+        nodes = quantizable_nodes(prepared)
+        reference = run(_session(fp32), check_x)
+        best = quantize_int8(prepared, tmp / "best.onnx", calib, cfg)
+        best_agree = agreement(run(_session(best), check_x), reference)
+        excluded: dict[str, str] = {}
+        if cfg.latency_aware:
+            for i, node in enumerate(nodes):
+                cand = quantize_int8(prepared, tmp / f"c{i}.onnx", calib, cfg, [*excluded, node])
+                t_best, t_cand = latency_ms([best, cand], cfg.batch, shape)
+                cand_agree = agreement(run(_session(cand), check_x), reference)
+                if t_cand < 0.95 * t_best:
+                    why = f"INT8 slower: {t_best:.3f} ms with it in INT8, {t_cand:.3f} ms in FP32"
+                elif best_agree < cfg.min_agreement and cand_agree > best_agree:
+                    why = f"accuracy: top-1 agreement {best_agree:.4f} -> {cand_agree:.4f} in FP32"
+                else:
+                    continue
+                excluded[node] = why
+                best, best_agree = cand, cand_agree
+        t_fp32, t_best = latency_ms([fp32, best], cfg.batch, shape)
+        if cfg.latency_aware and t_best > t_fp32 and nodes:
+            # Mixed precision still loses to FP32: ship FP32 weights in the "INT8" file.
+            excluded = {
+                n: f"whole model: INT8 {t_best:.3f} ms vs FP32 {t_fp32:.3f} ms" for n in nodes
+            }
+            best = quantize_int8(prepared, tmp / "all_fp32.onnx", calib, cfg, nodes)
+            best_agree = 1.0
+            t_best = latency_ms([best], cfg.batch, shape)[0]
+        with atomic_path(out) as dst:
+            dst.write_bytes(best.read_bytes())
+        return PrecisionChoice(out, excluded, {"fp32": t_fp32, "int8": t_best}, best_agree)
+
+
+# --- parity and invariants --------------------------------------------------------------------
+
+
+def parity(model: nn.Module, path: Path, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """The file's test accuracy, its top-1 agreement with the PyTorch model, max |delta logit|."""
+    model = prune.bake_(copy.deepcopy(model)).eval()
+    with torch.no_grad():
+        ref = torch.cat([model(x[i : i + 512]) for i in range(0, len(x), 512)]).numpy()
+    got = run(_session(path), x.numpy())
+    return {
+        "test_accuracy": float(np.mean(got.argmax(1) == y.numpy())),
+        "top1_agreement": agreement(got, ref),
+        "max_abs_diff": float(np.abs(got - ref).max()),
+    }
+
+
+def weight_invariants(path: Path, model: nn.Module, bits: dict[str, int]) -> dict[str, Any]:
+    """Read each Linear/Conv weight back from the file: its zeros must be where the model's
+    are, and a shared layer (named in `bits`) must hold <= 2^bits distinct values (per output
+    channel for INT8 files, whose per-channel scales multiply the shared values)."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    state = prune.bake_(copy.deepcopy(model)).state_dict()
+    out: dict[str, Any] = {}
+    for name, w in state.items():
+        if not name.endswith(".weight") or w.ndim < 2:
+            continue
+        found = _find_weight(inits, name, w)
+        if found is None:
+            continue
+        arr, quantized = found
+        # Pruned weights must stay exactly zero (INT8 may also round tiny survivors to zero).
+        zeros_ok = bool(np.all(arr.reshape(w.shape)[(w == 0).numpy()] == 0))
+        layer = name.removesuffix(".weight")
+        per_row = arr.reshape(w.shape[0], -1)
+        distinct = max(len(np.unique(r)) for r in per_row) if quantized else len(np.unique(arr))
+        limit = 2 ** bits[layer] if layer in bits else None
+        out[name] = {
+            "zeros_kept": zeros_ok,
+            "distinct_values": int(distinct),
+            "limit": limit,
+            "ok": zeros_ok and (limit is None or distinct <= limit),
+            "int8": quantized,
+        }
+    return out
+
+
+def _find_weight(inits: dict[str, np.ndarray], name: str, w: torch.Tensor):
+    """The initializer holding `name`: by name (FP32 export keeps parameter names), else by
+    shape among int8 initializers (QDQ renames them `<name>_quantized`)."""
+    for key, arr in inits.items():
+        if key == name or key.startswith(name + "_quantized"):
+            return arr, arr.dtype == np.int8
+        if key.replace("/", ".").endswith(name) and arr.shape == tuple(w.shape):
+            return arr, arr.dtype == np.int8
+    return None

@@ -1,0 +1,139 @@
+"""ONNX export and INT8 quantization against their references: PyTorch outputs, FP32 ONNX."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from compressor import export as E
+from compressor import kmeans, prune
+from models import available, tiny
+
+
+def _export(model, tmp_path: Path, shape=(1, 8, 8), **cfg) -> Path:
+    path = tmp_path / "m.onnx"
+    E.export_onnx(model, torch.rand(2, *shape), path, E.ExportConfig(**cfg))
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(available()))
+def test_every_zoo_model_exports_and_answers_like_pytorch(tmp_path, name):
+    model = tiny(name, in_shape=(1, 8, 8)).eval()
+    path = _export(model, tmp_path)
+    assert not list(tmp_path.glob("*.data"))  # one self-contained file
+    session = E._session(path)
+    for batch in (1, 7):  # the batch axis is dynamic
+        x = torch.rand(batch, 1, 8, 8)
+        with torch.no_grad():
+            ref = model(x).numpy()
+        np.testing.assert_allclose(E.run(session, x.numpy()), ref, rtol=1e-4, atol=1e-5)
+
+
+class Residual(nn.Module):
+    """A user's class with BatchNorm and a residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 8 * 8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.head((h + self.conv2(h)).flatten(1))
+
+
+def test_user_class_with_batchnorm_and_residual(tmp_path):
+    model = Residual()
+    model.train()(torch.rand(16, 1, 8, 8))  # non-trivial running statistics
+    model.eval()
+    x = torch.rand(5, 1, 8, 8)
+    got = E.run(E._session(_export(model, tmp_path)), x.numpy())
+    np.testing.assert_allclose(got, model(x).detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_ir9_for_older_runtimes(tmp_path):
+    import onnx
+
+    path = _export(tiny("mlp"), tmp_path, opset=17, ir_version=9)
+    proto = onnx.load(str(path))
+    assert proto.ir_version == 9 and proto.opset_import[0].version == 17
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [({"opset": 30}, "out of range"), ({"opset": 21, "ir_version": 9}, "up to 20")],
+)
+def test_bad_export_settings(cfg, message):
+    with pytest.raises(E.InputError, match=message):
+        E.ExportConfig(**cfg)
+
+
+def test_onnx_path_in_a_missing_folder(tmp_path):
+    with pytest.raises((FileNotFoundError, E.InputError)):
+        E.export_onnx(
+            tiny("mlp"), torch.rand(2, 1, 8, 8), tmp_path / "missing" / "m.onnx", E.ExportConfig()
+        )
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.fixture(scope="module")
+def int8(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("int8")
+    g = torch.Generator().manual_seed(0)
+    model = tiny("lenet5", in_shape=(1, 8, 8)).eval()
+    prune.prune_(model, prune.PruneConfig(sparsity=0.5))
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(conv_bits=4, fc_bits=3))
+    fp32 = tmp / "fp32.onnx"
+    E.export_onnx(model, torch.rand(2, 1, 8, 8), fp32, E.ExportConfig())
+    calib = torch.rand(64, 1, 8, 8, generator=g).numpy()
+    choice = E.choose_precision(
+        fp32, tmp / "int8.onnx", calib, calib, E.QuantConfig(min_agreement=0.9)
+    )
+    return model, fp32, choice, calib
+
+
+def test_int8_answers_like_fp32_on_calibration_data(int8):
+    import onnx
+
+    _, fp32, choice, calib = int8
+    ref = E.run(E._session(fp32), calib)
+    got = E.run(E._session(choice.path), calib)
+    assert E.agreement(got, ref) >= 0.9 and choice.agreement >= 0.9
+    ops = {n.op_type for n in onnx.load(str(choice.path)).graph.node}
+    if len(choice.fp32_nodes) < 4:  # some node is INT8: QDQ pairs are in the graph
+        assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    assert set(choice.latency_ms) == {"fp32", "int8"}
+    assert all(isinstance(v, str) and v for v in choice.fp32_nodes.values())
+
+
+def test_compression_survives_export(int8):
+    model, fp32, choice, _ = int8
+    bits = {"conv1": 4, "conv2": 4, "fc1": 3, "fc2": 3}
+    for path in (fp32, choice.path):
+        checks = E.weight_invariants(path, model, bits)
+        assert set(checks) == {"conv1.weight", "conv2.weight", "fc1.weight", "fc2.weight"}
+        assert all(c["ok"] for c in checks.values()), checks
+
+
+def test_calibration_data_must_fit(int8, tmp_path):
+    _, fp32, _, calib = int8
+    prepared = E.preprocess(fp32, tmp_path / "p.onnx")
+    with pytest.raises(E.InputError, match="does not fit"):
+        E.quantize_int8(prepared, tmp_path / "q.onnx", calib[:, :, :4], E.QuantConfig())
+    with pytest.raises(E.InputError, match="empty"):
+        E.quantize_int8(prepared, tmp_path / "q.onnx", calib[:0], E.QuantConfig())
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_parity_against_pytorch(int8):
+    model, fp32, _, calib = int8
+    x = torch.from_numpy(calib)
+    with torch.no_grad():
+        y = prune.bake_(copy.deepcopy(model))(x).argmax(1)
+    p = E.parity(model, fp32, x, y)
+    assert p["top1_agreement"] == 1.0 and p["test_accuracy"] == 1.0 and p["max_abs_diff"] < 1e-4
