@@ -134,4 +134,20 @@ def shrink_summary(report: dict) -> None:
             f"archive {a['path']}: {a['bytes']:,} bytes, {a['ratio']:.1f}× smaller; "
             f"{a['vs_entropy_bound']:.3f}× the order-0 entropy bound ({a['entropy_bound_bytes']:,} bytes)"
         )
+    for kind, o in report.get("onnx", {}).items():
+        extra = ""
+        if kind == "int8":
+            lat = o["latency_ms_batch1"]
+            extra = (
+                f", batch-1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms, "
+                f"{len(o['fp32_nodes'])} node(s) kept FP32"
+            )
+        stdout.print(
+            f"onnx {kind}: {o['bytes']:,} bytes, test acc {o['test_accuracy']:.2%}, "
+            f"top-1 agreement {o['top1_agreement']:.2%}, max |Δ| {o['max_abs_diff']:.3g}{extra}"
+        )
+    if "mobile" in report:
+        stdout.print(
+            f"mobile: NNAPI {report['mobile']['nnapi']}, CoreML {report['mobile']['coreml']}"
+        )
     stdout.print("wrote " + ", ".join(Path(f).name for f in report.get("files", [])))

@@ -107,14 +107,24 @@ def shrink(
     )
     meta = {"data": ds.spec, "source": str(model_path)}
     try:
-        report = pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta)
+        report = pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta, ds)
     finally:
         progress.close()
     if as_json:
         emit_json(
             {
                 k: report[k]
-                for k in ("baseline", "stages", "archive", "layers", "files", "seconds")
+                for k in (
+                    "baseline",
+                    "stages",
+                    "archive",
+                    "onnx",
+                    "ort",
+                    "mobile",
+                    "layers",
+                    "files",
+                    "seconds",
+                )
                 if k in report
             }
         )

@@ -11,17 +11,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from compressor import archive
+from compressor import archive, export, mobile
 from compressor import report as report_mod
 from compressor import shrink as shrink_mod
 from models import checkpoint
+from models.data import Dataset
 from models.errors import InputError
 from models.fileio import atomic_path, check_writable, umask
 from models.zoo import ModelSpec, build
 
 OUTPUTS = (
+    "model.fp32.onnx",
+    "model.int8.onnx",
+    "model.int8.ort",
+    "model.int8.required_operators.config",
     "model.dcz",
     "model.pt",
     "report.json",
@@ -51,6 +57,7 @@ def shrink_to_folder(
     hooks: shrink_mod.Hooks,
     out: Path,
     metadata: dict[str, Any],
+    data: Dataset | None = None,
 ) -> dict[str, Any]:
     """Run the pipeline and write model.dcz, model.pt, report.json/.md and plots into `out`."""
     check_out_dir(out)
@@ -58,6 +65,19 @@ def shrink_to_folder(
     os.chmod(tmp, 0o777 & ~umask())
     try:
         report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+        if recipe["export"]["enabled"]:
+            if data is None:
+                raise InputError("export needs the data set (calibration and parity)")
+            report["onnx"] = _export(model, recipe["export"], report, data, tmp, out)
+            if recipe["export"]["ort"] and "int8" in report["onnx"]:
+                int8 = tmp / "model.int8.onnx"
+                ort_file = mobile.to_ort(int8, tmp / "model.int8.ort")
+                report["ort"] = {
+                    **ort_file,
+                    "path": str(out / "model.int8.ort"),
+                    "config": str(out / Path(ort_file["config"]).name),
+                }
+                report["mobile"] = mobile.usability(int8)
         final_acc = report["stages"][-1]["test_accuracy"] if report["stages"] else None
         # Save through a freshly built model so the checkpoint's keys are in the order a plain
         # model has (removing parametrizations re-registers weights last).
@@ -81,6 +101,48 @@ def shrink_to_folder(
         shutil.rmtree(tmp, ignore_errors=True)
     report["files"] = sorted(str(out / p.name) for p in out.iterdir() if p.name in OUTPUTS)
     return report
+
+
+def _export(model, e: dict[str, Any], report, data: Dataset, tmp: Path, out: Path) -> dict:
+    """FP32 ONNX, then INT8 ONNX (ORT static QDQ, latency-aware); parity and invariants."""
+    cfg = export.ExportConfig(opset=e["opset"], ir_version=e["ir_version"] or None)
+    fp32 = export.export_onnx(model, data.x_train[:2], tmp / "model.fp32.onnx", cfg)
+    bits = {
+        r["name"].removesuffix(".weight"): r["weight_bits"]
+        for r in report["layers"]
+        if r.get("codebook")
+    }
+
+    def describe(path: Path) -> dict[str, Any]:
+        checks = export.weight_invariants(path, model, bits)
+        return {
+            "path": str(out / path.name),
+            "bytes": path.stat().st_size,
+            **export.parity(model, path, data.x_test, data.y_test),
+            "weights_ok": all(c["ok"] for c in checks.values()),
+            "weights": checks,
+        }
+
+    result = {"fp32": describe(fp32)}
+    if e["int8"]:
+        q = export.QuantConfig(
+            calibration=e["calibration"],
+            method=e["method"],
+            latency_aware=e["latency_aware"],
+            min_agreement=e["min_agreement"],
+        )
+        # Calibration: a seeded random draw from the training set; checks on test inputs.
+        pick = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
+        calib = data.x_train[pick[: q.calibration]].numpy()
+        choice = export.choose_precision(
+            fp32, tmp / "model.int8.onnx", calib, data.x_test[:1000].numpy(), q
+        )
+        result["int8"] = {
+            **describe(choice.path),
+            "fp32_nodes": choice.fp32_nodes,
+            "latency_ms_batch1": choice.latency_ms,
+        }
+    return result
 
 
 def _move_into(tmp: Path, out: Path) -> None:

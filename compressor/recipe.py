@@ -1,7 +1,7 @@
 """Recipes: the stages of `compress shrink` and their parameters, as TOML or JSON.
 
 A recipe (TOML, YAML or JSON, by the file's suffix) has one section per stage, run in the pipeline's only valid order
-(prune -> quantize -> huffman): each stage works on the weights the previous one left, and the
+(prune -> quantize -> huffman -> export): each stage works on the weights the previous one left, and the
 Huffman archive is emitted from the final weights. Every key has a default, so an empty recipe
 is a complete one; an unknown key or an impossible value is refused, naming the key, before
 any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
@@ -13,6 +13,8 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
     [quantize]  enabled, conv_bits = 8, fc_bits = 5, bits = {layer = n}, mode, finetune_epochs,
                 lr, dense = "float16" | "float32"
     [huffman]   enabled, fc_gap_bits = 5, conv_gap_bits = 8, gap_bits = "auto" | "fixed"
+    [export]    enabled, opset = 18, ir_version, int8, method, calibration, latency_aware,
+                min_agreement                                  # ONNX FP32 and INT8 files
 """
 
 from __future__ import annotations
@@ -67,6 +69,18 @@ DEFAULTS: dict[str, Any] = {
         # smallest; "fixed": the fc/conv widths above, as the paper.
         "gap_bits": "auto",
     },
+    "export": {
+        "enabled": True,
+        "opset": 18,
+        "ir_version": 0,  # 0: the exporter's; 9 for ONNX Runtime <= 1.17
+        "int8": True,
+        "method": "minmax",
+        "calibration": 256,
+        # keep nodes in FP32 where INT8 is slower (or less faithful than min_agreement)
+        "latency_aware": True,
+        "min_agreement": 0.995,
+        "ort": True,  # also the .ort file for mobile ORT builds, and the NNAPI/CoreML verdicts
+    },
 }
 
 _CHOICES = {
@@ -75,6 +89,7 @@ _CHOICES = {
     ("quantize", "mode"): ("centroids", "weights"),
     ("quantize", "dense"): ("float16", "float32"),
     ("huffman", "gap_bits"): ("auto", "fixed"),
+    ("export", "method"): ("minmax", "entropy", "percentile"),
 }
 
 
@@ -146,6 +161,10 @@ def _validate(r: dict[str, Any], source: str) -> None:
         ("quantize", "enabled"),
         ("huffman", "enabled"),
         ("prune", "include_bias"),
+        ("export", "enabled"),
+        ("export", "int8"),
+        ("export", "latency_aware"),
+        ("export", "ort"),
     ):
         if not isinstance(r[section][key], bool):
             raise _bad(source, f"{section}.{key}", r[section][key], "true or false")
@@ -184,6 +203,16 @@ def _validate(r: dict[str, Any], source: str) -> None:
     _positive(r, source, "quantize", "lr")
     for key in ("fc_gap_bits", "conv_gap_bits"):
         _int(r, source, "huffman", key, 1, 16)
+    _int(r, source, "export", "opset", 13, 23)
+    if r["export"]["ir_version"] not in (0, 8, 9, 10, 11):
+        raise _bad(
+            source, "export.ir_version", r["export"]["ir_version"], "0 (default), 8, 9, 10 or 11"
+        )
+    _int(r, source, "export", "calibration", 1)
+    if not (_number(r["export"]["min_agreement"]) and 0 <= r["export"]["min_agreement"] <= 1):
+        raise _bad(
+            source, "export.min_agreement", r["export"]["min_agreement"], "a fraction in [0, 1]"
+        )
     if r["huffman"]["enabled"] and not qz["enabled"]:
         raise InputError(f"{source}: huffman codes the shared weights; enable quantize too")
 
@@ -214,7 +243,7 @@ def _positive(r, source, section, key) -> None:
 def dumps(recipe: dict[str, Any]) -> str:
     """The recipe as TOML (what --dry-run prints; loads back to the same recipe)."""
     lines = [f"version = {recipe['version']}"]
-    for section in ("train", "prune", "quantize", "huffman"):
+    for section in ("train", "prune", "quantize", "huffman", "export"):
         lines.append(f"\n[{section}]")
         tables = []
         for key, value in recipe[section].items():

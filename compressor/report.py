@@ -43,6 +43,7 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
             f"{a['entropy_bound_bytes']:,} bytes: the archive is {a['vs_entropy_bound']:.4f}× "
             "the bound. It decodes to the compressed model bit for bit (checked).",
         ]
+    lines += _onnx_lines(report)
     lines += [
         "",
         "## Per layer",
@@ -74,6 +75,48 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _onnx_lines(report: dict[str, Any]) -> list[str]:
+    if "onnx" not in report:
+        return []
+    lines = [
+        "",
+        "## ONNX",
+        "",
+        "| file | bytes | test accuracy | top-1 agreement with PyTorch | max abs Δ logit "
+        "| pruned zeros and ≤ 2^bits values kept |",
+        "|---|---|---|---|---|---|",
+    ]
+    for o in report["onnx"].values():
+        lines.append(
+            f"| `{Path(o['path']).name}` | {o['bytes']:,} | {o['test_accuracy']:.2%} | "
+            f"{o['top1_agreement']:.2%} | {o['max_abs_diff']:.4g} | "
+            f"{'yes' if o['weights_ok'] else 'NO'} |"
+        )
+    int8 = report["onnx"].get("int8")
+    if int8:
+        lat = int8["latency_ms_batch1"]
+        lines += [
+            "",
+            f"Batch-1 latency on ORT CPU (1 thread): FP32 {lat['fp32']:.3f} ms, "
+            f"shipped INT8 {lat['int8']:.3f} ms.",
+        ]
+        if int8["fp32_nodes"]:
+            lines += ["Kept in FP32:"] + [
+                f"- `{n}`: {why}" for n, why in int8["fp32_nodes"].items()
+            ]
+        else:
+            lines.append("Every quantizable node runs in INT8.")
+    if "mobile" in report:
+        m, o = report["mobile"], report["ort"]
+        lines += [
+            "",
+            f"Mobile (`check_onnx_model_mobile_usability`): NNAPI {m['nnapi']}, CoreML "
+            f"{m['coreml']}. `{Path(o['path']).name}`: {o['bytes']:,} bytes, answers like "
+            f"the .onnx (max abs Δ {o['max_abs_diff']:.2g}).",
+        ]
+    return lines
 
 
 def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -92,6 +92,26 @@ def test_shrink_json_and_files(trained):
     assert not [p for p in folder.iterdir() if p.name.startswith(".shrunk")]  # no temp folder left
 
 
+def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
+    _, out, report = trained
+    onnx = report["onnx"]
+    for kind in ("fp32", "int8"):
+        o = onnx[kind]
+        assert {"path", "bytes", "test_accuracy", "top1_agreement", "max_abs_diff"} <= o.keys()
+        assert Path(o["path"]).stat().st_size == o["bytes"]
+        assert o["weights_ok"], o["weights"]  # pruned zeros and shared values survive export
+    assert onnx["fp32"]["top1_agreement"] == 1.0 and onnx["fp32"]["max_abs_diff"] < 1e-4
+    assert onnx["int8"]["top1_agreement"] >= 0.99
+    assert onnx["fp32"]["test_accuracy"] == pytest.approx(report["stages"][-1]["test_accuracy"])
+    lat = onnx["int8"]["latency_ms_batch1"]
+    assert set(lat) == {"fp32", "int8"} and all(v > 0 for v in lat.values())
+    assert isinstance(onnx["int8"]["fp32_nodes"], dict)
+    assert report["ort"]["bytes"] == (out / "model.int8.ort").stat().st_size
+    assert (out / "model.int8.required_operators.config").is_file()
+    assert report["mobile"]["nnapi"] in ("yes", "partial", "no")
+    assert "## ONNX" in (out / "report.md").read_text()
+
+
 def test_index_bits_count_escapes(trained):
     _, out, report = trained
     from compressor import huffman

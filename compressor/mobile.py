@@ -1,0 +1,369 @@
+"""Mobile deployment of an ONNX model with ONNX Runtime's own tools (ORT 1.31).
+
+    to_ort(onnx_path, out_path)          .onnx -> .ort + required_operators.config, checked
+    usability(onnx_path)                 NNAPI / CoreML verdicts of check_onnx_model_mobile_usability
+    fixed_batch(onnx_path, out, batch)   a copy with the dynamic batch dimension fixed
+
+How each tool is driven, and why:
+- `convert_onnx_models_to_ort` runs in a subprocess. Its function API prints to stdout, and
+  importing it calls `logging.basicConfig`, which would give the host process (the CLI) a root
+  log handler that prints; ORT's native logger also writes to stderr. A child process keeps all of
+  that captured and away from the caller.
+- `check_onnx_model_mobile_usability` runs in-process through
+  `mobile_helpers.usability_checker.analyze_model`, which takes a logger: we hand it a private
+  one whose records we collect and parse (nothing reaches stderr).
+- Fixing the batch uses `onnx_model_utils.make_dim_param_fixed` and `fix_output_shapes`, the
+  functions behind `make_dynamic_shape_fixed`.
+
+onnx and onnxruntime are imported inside the functions so that `import compressor.mobile` stays
+light. Nothing here prints or exits; a bad file or argument raises `InputError`, a tool that
+fails or a converted model that answers differently raises `StageError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from models.errors import InputError, StageError
+from models.fileio import atomic_path, check_writable
+
+TOOL_TIMEOUT_S = 600  # conversion of a mobile-sized model takes seconds; this only catches hangs
+MAX_ABS_DIFF = 1e-4  # .ort vs .onnx on the same inputs: same kernels, so any gap is a defect
+CHECK_ROUNDS = 3  # random inputs tried when checking the .ort
+DYNAMIC_BATCH = (
+    2  # batch used for a dynamic first dimension: 2 catches batch-mixing bugs that 1 hides
+)
+
+# check_onnx_model_mobile_usability's verdicts (PartitioningInfo.TryWithEP) -> ours.
+_VERDICTS = {"YES": "yes", "MAYBE": "partial", "NO": "no"}
+_RANK = {"no": 0, "partial": 1, "yes": 2}
+_EPS = ("NNAPI", "CoreML NeuralNetwork", "CoreML MLProgram")
+
+
+def _validated(path: Path) -> Path:
+    """The model file, checked to exist and to be a well-formed ONNX model (else InputError)."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise InputError(f"{path}: {what}; give the path of an .onnx model file")
+    try:
+        # Checking by path (not a loaded proto) also works for models over 2 GB.
+        onnx.checker.check_model(str(path))
+    except Exception as e:  # DecodeError for non-protobuf bytes, ValidationError for the rest
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(
+            f"{path}: not a valid ONNX model ({reason}); export it again, e.g. torch.onnx.export"
+        ) from None
+    return path
+
+
+def _random_inputs(session: Any, seed: int) -> dict[str, np.ndarray]:
+    """Random feeds shaped like the session's inputs: a dynamic first dimension becomes
+    DYNAMIC_BATCH, any other dynamic dimension 1 (we cannot guess a sequence length)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for arg in session.get_inputs():
+        shape = [
+            d if isinstance(d, int) and d > 0 else (DYNAMIC_BATCH if i == 0 else 1)
+            for i, d in enumerate(arg.shape)
+        ]
+        kind = arg.type.removeprefix("tensor(").removesuffix(")")
+        if kind in {"float", "float16", "double"}:
+            dtype = {"float": np.float32, "float16": np.float16, "double": np.float64}[kind]
+            feeds[arg.name] = rng.standard_normal(shape).astype(dtype)
+        elif kind in {"int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"}:
+            # 0 and 1 are valid for indices, token ids and quantized values alike.
+            feeds[arg.name] = rng.integers(0, 2, shape).astype(kind)
+        elif kind == "bool":
+            feeds[arg.name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            raise StageError(
+                f"input {arg.name!r} has type {arg.type}; cannot make a random check input"
+            )
+    return feeds
+
+
+def _max_abs_diff(onnx_path: Path, ort_path: Path) -> float:
+    """Largest |difference| between the outputs of the .onnx and the .ort on random inputs.
+
+    The reference runs with ORT's default optimizations, as an app would: for QDQ models the
+    unoptimized graph (float Conv between Q/DQ) rounds differently from the fused integer
+    kernels by up to a quantization step, which is not a conversion defect.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: the library never writes to stderr itself
+    cpu = ["CPUExecutionProvider"]
+    try:
+        reference = ort.InferenceSession(str(onnx_path), options, providers=cpu)
+        converted = ort.InferenceSession(str(ort_path), options, providers=cpu)
+    except Exception as e:
+        raise StageError(f"{ort_path}: ONNX Runtime cannot load the converted model ({e})") from e
+    worst = 0.0
+    for seed in range(CHECK_ROUNDS):
+        feeds = _random_inputs(reference, seed)
+        try:
+            expected = reference.run(None, feeds)
+            got = converted.run(None, feeds)
+        except Exception as e:
+            raise StageError(f"{ort_path}: running the converted model failed ({e})") from e
+        for name, a, b in zip(
+            [o.name for o in reference.get_outputs()], expected, got, strict=True
+        ):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.shape != b.shape:
+                raise StageError(
+                    f"{ort_path}: output {name!r} has shape {b.shape}, the .onnx gives {a.shape}"
+                )
+            if a.size:
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).max()
+                worst = max(worst, float(diff))
+    return worst
+
+
+def _replace_from(src: Path, dst: Path) -> None:
+    """Move `src` onto `dst` atomically (both in one folder), flushed to disk first."""
+    with open(src, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(src, dst)
+
+
+def to_ort(onnx_path: Path, out_path: Path) -> dict:
+    """Convert an ONNX model to ORT format for ONNX Runtime Mobile and check the result.
+
+    Runs `python -m onnxruntime.tools.convert_onnx_models_to_ort MODEL --optimization_style
+    Fixed` into a temporary folder beside `out_path`. Fixed style bakes the CPU graph
+    optimizations into the file (ORT's advice when not using NNAPI/CoreML); the NCHWc layout,
+    which only x86 can run, is left out by the tool, so the file is portable to ARM.
+
+    Writes `out_path` (must end in `.ort`, as ORT picks the format by extension) and, beside it,
+    the operator list for a reduced-operator ORT build as
+    `out_path.with_suffix(".required_operators.config")` (for `model.ort`:
+    `model.required_operators.config`, the tool's own naming). The config is moved into place
+    first and the .ort last, each with an atomic rename, so a present .ort always has its config.
+
+    Before anything is moved, the .ort is loaded in `onnxruntime.InferenceSession` and run
+    against the .onnx on CHECK_ROUNDS random inputs shaped like the model's inputs (batch
+    DYNAMIC_BATCH where it is dynamic); a max |diff| above MAX_ABS_DIFF raises StageError.
+
+    Returns {"path", "bytes", "config", "max_abs_diff"}.
+    """
+    onnx_path = _validated(onnx_path)
+    name = onnx_path.name.lower()
+    if not name.endswith(".onnx") or name.endswith(".optimized.onnx"):
+        # The converter silently skips other names (it reads *.optimized.onnx as its own output).
+        raise InputError(
+            f"{onnx_path}: ONNX Runtime's converter only reads files named *.onnx "
+            "(not *.optimized.onnx); rename or copy it"
+        )
+    out_path = Path(out_path)
+    if out_path.suffix.lower() != ".ort":
+        raise InputError(f"{out_path}: an ORT model must end in .ort; use {out_path.stem}.ort")
+    out = check_writable(out_path)  # resolves a symlink to its target, like atomic_path
+    config = out.with_suffix(".required_operators.config")
+
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        command = [
+            sys.executable,
+            "-m",
+            "onnxruntime.tools.convert_onnx_models_to_ort",
+            str(onnx_path.resolve()),  # first: --optimization_style takes several values
+            "--optimization_style",
+            "Fixed",
+            "--output_dir",
+            tmp,
+        ]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise StageError(
+                f"{onnx_path}: convert_onnx_models_to_ort did not finish in {TOOL_TIMEOUT_S} s"
+            ) from None
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+            raise StageError(f"{onnx_path}: convert_onnx_models_to_ort failed: {lines[-1]}")
+        # Glob rather than predict names: ORT_CONVERT_ONNX_MODELS_TO_ORT_OPTIMIZATION_LEVEL
+        # in the environment adds the level to both names (model.basic.ort).
+        orts, configs = sorted(Path(tmp).glob("*.ort")), sorted(Path(tmp).glob("*.config"))
+        if len(orts) != 1 or len(configs) != 1:
+            raise StageError(
+                f"{onnx_path}: convert_onnx_models_to_ort wrote {[p.name for p in orts + configs]},"
+                " expected one .ort and one .config"
+            )
+        max_abs_diff = _max_abs_diff(onnx_path, orts[0])
+        if not max_abs_diff <= MAX_ABS_DIFF:  # `not <=` also catches NaN
+            raise StageError(
+                f"{onnx_path}: the .ort answers differently from the .onnx "
+                f"(max |diff| {max_abs_diff:.3g} > {MAX_ABS_DIFF:g}); not written"
+            )
+        # The config's header names the model it came from: point it at the final file, not
+        # at the temporary folder that is about to disappear.
+        text = configs[0].read_text()
+        configs[0].write_text(text.replace(str(orts[0]), str(out)))
+        _replace_from(configs[0], config)
+        _replace_from(orts[0], out)
+    return {
+        "path": str(out),
+        "bytes": out.stat().st_size,
+        "config": str(config),
+        "max_abs_diff": max_abs_diff,
+    }
+
+
+class _Collect(logging.Handler):
+    """Keeps the messages logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def usability(onnx_path: Path) -> dict:
+    """How well NNAPI (Android) and CoreML (iOS) could run the model, per ORT's checker.
+
+    Runs `check_onnx_model_mobile_usability`'s analysis (model optimized to the BASIC level
+    first, as the CLI does) and parses its log lines, per EP section `Checking <EP>`:
+
+        Model should perform well with <EP> as is: YES|MAYBE|NO
+        <p> partitions with a total of <n>/<total> nodes can be handled by the <EP> EP.
+        \tUnsupported ops: ai.onnx:DequantizeLinear,...
+        Model should perform well with <EP> if modified to have fixed input shapes: YES|...
+
+    The verdict is the "as is" line, mapped YES -> "yes", MAYBE -> "partial", NO -> "no". The
+    tool says YES for one partition with > 75% of nodes, MAYBE for one with > 50% or two with
+    > 75%, NO otherwise. A dynamic batch dimension alone makes every node unsupported
+    (NNAPI needs fixed shapes, and the checker demands them of CoreML too), so such a model gets
+    "no" here and `details` tells whether fixing shapes (see `fixed_batch`) would give "yes".
+    CoreML has two model formats (NeuralNetwork, MLProgram): "coreml" is the better of the two.
+
+    Returns {"nnapi", "coreml", "details"}; a "no" is an answer, not an error. StageError only
+    when the tool itself fails or prints something this parser does not recognise.
+    """
+    onnx_path = _validated(onnx_path)
+    from onnxruntime.tools.mobile_helpers import usability_checker
+
+    # A Logger made directly (not via getLogger) has no parent, so nothing propagates to the
+    # root logger and no global logging state changes.
+    logger = logging.Logger("compressor.mobile.usability", logging.INFO)
+    collect = _Collect()
+    logger.addHandler(collect)
+    try:
+        usability_checker.analyze_model(onnx_path.resolve(), skip_optimize=False, logger=logger)
+    except Exception as e:
+        raise StageError(f"{onnx_path}: check_onnx_model_mobile_usability failed ({e})") from e
+
+    found: dict[str, dict[str, str]] = {}
+    section = None
+    for message in collect.messages:
+        if message.startswith("Checking ") and message[len("Checking ") :] in _EPS:
+            section = found.setdefault(message[len("Checking ") :], {})
+        elif section is None:
+            continue
+        elif m := re.match(
+            r"(\d+) partitions with a total of (\d+/\d+) nodes can be handled", message
+        ):
+            section.setdefault("nodes", f"{m[2]} nodes in {m[1]} partition(s)")  # first: as is
+        elif m := re.match(r"\s*Unsupported ops: (.+)", message):
+            section["unsupported"] = m[1].replace("ai.onnx:", "")
+        elif m := re.match(r"Model should perform well with .+ as is: (\w+)", message):
+            section["as_is"] = m[1]
+        elif m := re.match(r"Model should perform well with .+ fixed input shapes: (\w+)", message):
+            section["fixed"] = m[1]
+    missing = [ep for ep in _EPS if found.get(ep, {}).get("as_is") not in _VERDICTS]
+    if missing:
+        raise StageError(
+            f"{onnx_path}: check_onnx_model_mobile_usability printed no verdict for "
+            f"{', '.join(missing)}; its output format may have changed"
+        )
+
+    parts = []
+    for ep in _EPS:
+        info = found[ep]
+        extra = [info.get("nodes", "")]
+        if "fixed" in info:
+            extra.append(f"{info['fixed']} with fixed shapes")
+        if "unsupported" in info:
+            extra.append(f"unsupported ops {info['unsupported']}")
+        parts.append(f"{ep} {info['as_is']} ({'; '.join(e for e in extra if e)})")
+    coreml = max(
+        (_VERDICTS[found[ep]["as_is"]] for ep in _EPS[1:]),
+        key=_RANK.__getitem__,
+    )
+    return {
+        "nnapi": _VERDICTS[found["NNAPI"]["as_is"]],
+        "coreml": coreml,
+        "details": "; ".join(parts),
+    }
+
+
+def fixed_batch(onnx_path: Path, out_path: Path, batch: int) -> Path:
+    """Write a copy of the model whose inputs have their first (batch) dimension fixed to `batch`.
+
+    A named dimension (`batch` from torch.export.Dim) is replaced everywhere in the graph with
+    `onnx_model_utils.make_dim_param_fixed`, as `make_dynamic_shape_fixed --dim_param` does; an
+    unnamed one is set on the input itself. Output shapes are then re-inferred
+    (`fix_output_shapes`). The copy is written atomically and must pass
+    `onnx.checker.check_model(full_check=True)` (else StageError, nothing written).
+
+    InputError if `batch` < 1 or no input has a dynamic first dimension. Returns the path.
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InputError(f"batch {batch!r}: must be a whole number >= 1, e.g. 1")
+    onnx_path = _validated(onnx_path)
+    out = check_writable(out_path)
+
+    import onnx
+    from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
+
+    model = onnx.load(str(onnx_path))
+    initializers = {t.name for t in model.graph.initializer}  # IR < 4 lists them as inputs
+    changed = []
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else []
+        if value.name in initializers or not dims:
+            continue
+        first = dims[0]
+        if first.HasField("dim_param"):
+            make_dim_param_fixed(model.graph, first.dim_param, batch)
+            changed.append(value.name)
+        elif not (first.HasField("dim_value") and first.dim_value > 0):
+            first.Clear()  # unknown or an exporter's -1: only this input carries it
+            first.dim_value = batch
+            changed.append(value.name)
+    if not changed:
+        shapes = ", ".join(
+            f"{v.name}{[d.dim_value or d.dim_param or '?' for d in v.type.tensor_type.shape.dim]}"
+            for v in model.graph.input
+            if v.name not in initializers
+        )
+        raise InputError(
+            f"{onnx_path}: no input has a dynamic batch dimension ({shapes}); "
+            "its batch is already fixed, use the model as it is"
+        )
+    try:
+        fix_output_shapes(model)
+    except Exception as e:
+        raise StageError(f"{onnx_path}: shape inference failed after fixing the batch ({e})") from e
+
+    with atomic_path(out) as tmp:
+        onnx.save(model, str(tmp))
+        try:
+            onnx.checker.check_model(str(tmp), full_check=True)
+        except Exception as e:
+            raise StageError(f"{out}: the batch-{batch} model fails onnx.checker ({e})") from e
+    return out
