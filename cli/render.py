@@ -150,4 +150,9 @@ def shrink_summary(report: dict) -> None:
         stdout.print(
             f"mobile: NNAPI {report['mobile']['nnapi']}, CoreML {report['mobile']['coreml']}"
         )
+    if "mobile_fixed_batch" in report:
+        f = report["mobile_fixed_batch"]
+        stdout.print(
+            f"mobile, batch fixed to {f['batch']}: NNAPI {f['nnapi']}, CoreML {f['coreml']}"
+        )
     stdout.print("wrote " + ", ".join(Path(f).name for f in report.get("files", [])))

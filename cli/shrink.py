@@ -48,6 +48,13 @@ Examples:
     help="Recipe file (.toml or .json); unset keys take defaults.",
 )
 @click.option("--dry-run", is_flag=True, help="Print the resolved recipe (TOML) and exit.")
+@click.option(
+    "--fixed-batch",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Also write model.int8.fixed.onnx with batch N (NNAPI needs fixed shapes).",
+)
 @click.option("--model", default=None, help="Model name, for a bare state_dict checkpoint.")
 @click.option("--model-kwargs", default=None, metavar="JSON", help="Kwargs for --model.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
@@ -58,6 +65,7 @@ def shrink(
     out: Path | None,
     recipe_path: Path | None,
     dry_run: bool,
+    fixed_batch: int | None,
     model: str | None,
     model_kwargs: str | None,
     quiet: bool,
@@ -65,6 +73,8 @@ def shrink(
 ) -> None:
     """Deep Compression: prune + retrain, k-means weight sharing, Huffman archive."""
     recipe = recipe_mod.load(recipe_path) if recipe_path else recipe_mod.resolve({})
+    if fixed_batch:
+        recipe["export"]["fixed_batch"] = fixed_batch
     if dry_run:
         if as_json:
             emit_json({"recipe": recipe})
@@ -121,6 +131,7 @@ def shrink(
                     "onnx",
                     "ort",
                     "mobile",
+                    "mobile_fixed_batch",
                     "layers",
                     "files",
                     "seconds",

@@ -28,6 +28,7 @@ OUTPUTS = (
     "model.int8.onnx",
     "model.int8.ort",
     "model.int8.required_operators.config",
+    "model.int8.fixed.onnx",
     "model.dcz",
     "model.pt",
     "report.json",
@@ -78,6 +79,17 @@ def shrink_to_folder(
                     "config": str(out / Path(ort_file["config"]).name),
                 }
                 report["mobile"] = mobile.usability(int8)
+            n = recipe["export"]["fixed_batch"]
+            if n and "int8" in report["onnx"]:
+                fixed = mobile.fixed_batch(
+                    tmp / "model.int8.onnx", tmp / "model.int8.fixed.onnx", n
+                )
+                report["mobile_fixed_batch"] = {
+                    "path": str(out / fixed.name),
+                    "batch": n,
+                    "bytes": fixed.stat().st_size,
+                    **mobile.usability(fixed),
+                }
         final_acc = report["stages"][-1]["test_accuracy"] if report["stages"] else None
         # Save through a freshly built model so the checkpoint's keys are in the order a plain
         # model has (removing parametrizations re-registers weights last).

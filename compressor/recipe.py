@@ -80,6 +80,7 @@ DEFAULTS: dict[str, Any] = {
         "latency_aware": True,
         "min_agreement": 0.995,
         "ort": True,  # also the .ort file for mobile ORT builds, and the NNAPI/CoreML verdicts
+        "fixed_batch": 0,  # N > 0: also model.int8.fixed.onnx with batch N (NNAPI needs it)
     },
 }
 
@@ -209,6 +210,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
             source, "export.ir_version", r["export"]["ir_version"], "0 (default), 8, 9, 10 or 11"
         )
     _int(r, source, "export", "calibration", 1)
+    _int(r, source, "export", "fixed_batch", 0)
     if not (_number(r["export"]["min_agreement"]) and 0 <= r["export"]["min_agreement"] <= 1):
         raise _bad(
             source, "export.min_agreement", r["export"]["min_agreement"], "a fraction in [0, 1]"

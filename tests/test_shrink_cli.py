@@ -58,6 +58,8 @@ def trained(tmp_path_factory):
             str(folder / "fast.toml"),
             "--out",
             str(out),
+            "--fixed-batch",
+            "2",
             "--json",
             "-q",
         ],
@@ -110,6 +112,9 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     assert (out / "model.int8.required_operators.config").is_file()
     assert report["mobile"]["nnapi"] in ("yes", "partial", "no")
     assert "## ONNX" in (out / "report.md").read_text()
+    fixed = report["mobile_fixed_batch"]
+    assert fixed["batch"] == 2 and fixed["nnapi"] == "yes"  # NNAPI needs the fixed shape
+    assert Path(fixed["path"]).is_file()
 
 
 def test_index_bits_count_escapes(trained):
