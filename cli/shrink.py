@@ -156,11 +156,16 @@ Example:
     default=None,
     help="Checkpoint to write [default: MODEL.decoded.pt].",
 )
+@click.option(
+    "--model",
+    default=None,
+    help="Allow importing the pkg.module:Class the archive names (your own model).",
+)
 @json_option
-def decode(archive_path: Path, out: Path | None, as_json: bool) -> None:
+def decode(archive_path: Path, out: Path | None, model: str | None, as_json: bool) -> None:
     """Rebuild a .pt checkpoint from a .dcz archive, bit for bit."""
     out = out or archive_path.with_suffix(".decoded.pt")
-    result = pipeline.decode_to_checkpoint(archive_path, out)
+    result = pipeline.decode_to_checkpoint(archive_path, out, allow_import=model)
     if as_json:
         emit_json(result)
     else:

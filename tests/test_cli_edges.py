@@ -156,3 +156,37 @@ def test_json_has_no_nan():
         json.dumps(_finite({"a": float("nan"), "b": [1.0, float("inf")]}))
         == '{"a": null, "b": [1.0, null]}'
     )
+
+
+def test_decode_of_a_user_model_archive_needs_and_takes_model(run, tmp_path, usermod):
+    ck = tmp_path / "u.pt"
+    assert (
+        run("train", "--model", "odd_models:Net", "--epochs", "1", "--out", ck, "-q").exit_code == 0
+    )
+    (tmp_path / "fast.toml").write_text(
+        "[prune]\nrounds = 1\nretrain_epochs = 0\n[quantize]\nfinetune_epochs = 0\n"
+        "[export]\nenabled = false\n"
+    )
+    result = run(
+        "shrink",
+        ck,
+        "--model",
+        "odd_models:Net",
+        "--recipe",
+        tmp_path / "fast.toml",
+        "--out",
+        tmp_path / "s",
+        "-q",
+    )
+    assert result.exit_code == 0, result.stderr
+    result = run("decode", tmp_path / "s" / "model.dcz", "--out", tmp_path / "d.pt")
+    _one_line(result, 2, "pass --model odd_models:Net")
+    result = run(
+        "decode",
+        tmp_path / "s" / "model.dcz",
+        "--out",
+        tmp_path / "d.pt",
+        "--model",
+        "odd_models:Net",
+    )
+    assert result.exit_code == 0, result.stderr
