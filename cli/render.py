@@ -97,6 +97,12 @@ STAGE_LABELS = {
 
 
 def shrink_summary(report: dict) -> None:
+    if "student" in report:
+        t, st = report["teacher"], report["student"]
+        stdout.print(
+            f"distilled {t['parameters']:,}-parameter teacher ({t['test_accuracy']:.2%}) into "
+            f"{st['name']} with {st['parameters']:,} parameters ({st['test_accuracy']:.2%})"
+        )
     base = report["baseline"]
     table = Table(title="compress shrink", title_justify="left")
     for col in ("stage", "bytes", "ratio", "test acc", "Δ points"):

@@ -132,6 +132,8 @@ def shrink(
                     "ort",
                     "mobile",
                     "mobile_fixed_batch",
+                    "teacher",
+                    "student",
                     "layers",
                     "files",
                     "seconds",

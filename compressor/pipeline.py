@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compressor import archive, export, mobile
+from compressor import archive, distill, export, mobile
 from compressor import report as report_mod
 from compressor import shrink as shrink_mod
 from models import checkpoint
@@ -65,7 +65,16 @@ def shrink_to_folder(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
     try:
+        distilled = None
+        if recipe["distill"]["student"]:
+            if data is None:
+                raise InputError("distillation needs the data set")
+            model, spec, distilled = distill.distill_student(
+                model, recipe["distill"], data, hooks.retrain, hooks.test_accuracy
+            )
         report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+        if distilled:
+            report.update(distilled)
         if recipe["export"]["enabled"]:
             if data is None:
                 raise InputError("export needs the data set (calibration and parity)")

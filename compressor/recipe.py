@@ -36,6 +36,17 @@ DEFAULTS: dict[str, Any] = {
     # distill: alpha of the soft-target loss against the dense model while retraining and
     # fine-tuning (0 = plain cross-entropy, as the paper); temperature: Hinton's T.
     "train": {"batch_size": 32, "optimizer": "adam", "seed": 0, "distill": 0.0, "temperature": 4.0},
+    # Distil the checkpoint (the teacher, with `teachers` as an ensemble) into `student` before
+    # Deep Compression; student = "" compresses the checkpoint's own model.
+    "distill": {
+        "student": "",
+        "student_kwargs": {},
+        "teachers": [],
+        "epochs": 10,
+        "lr": 3e-3,
+        "temperature": 4.0,
+        "alpha": 0.7,
+    },
     "prune": {
         "enabled": True,
         # "default": per-layer fractions by role (see compressor.shrink.default_sparsity);
@@ -204,6 +215,20 @@ def _validate(r: dict[str, Any], source: str) -> None:
     _positive(r, source, "quantize", "lr")
     for key in ("fc_gap_bits", "conv_gap_bits"):
         _int(r, source, "huffman", key, 1, 16)
+    dd = r["distill"]
+    if not isinstance(dd["student"], str):
+        raise _bad(source, "distill.student", dd["student"], "a zoo name or pkg.module:Class")
+    if not isinstance(dd["student_kwargs"], dict):
+        raise _bad(source, "distill.student_kwargs", dd["student_kwargs"], "a table of kwargs")
+    if not (isinstance(dd["teachers"], list) and all(isinstance(t, str) for t in dd["teachers"])):
+        raise _bad(source, "distill.teachers", dd["teachers"], "a list of checkpoint paths")
+    if dd["teachers"] and not dd["student"]:
+        raise InputError(f"{source}: distill.teachers needs a distill.student to teach")
+    _int(r, source, "distill", "epochs", 1)
+    _positive(r, source, "distill", "lr")
+    _positive(r, source, "distill", "temperature")
+    if not (_number(dd["alpha"]) and 0 <= dd["alpha"] <= 1):
+        raise _bad(source, "distill.alpha", dd["alpha"], "a weight in [0, 1]")
     _int(r, source, "export", "opset", 13, 23)
     if r["export"]["ir_version"] not in (0, 8, 9, 10, 11):
         raise _bad(
@@ -245,7 +270,7 @@ def _positive(r, source, section, key) -> None:
 def dumps(recipe: dict[str, Any]) -> str:
     """The recipe as TOML (what --dry-run prints; loads back to the same recipe)."""
     lines = [f"version = {recipe['version']}"]
-    for section in ("train", "prune", "quantize", "huffman", "export"):
+    for section in ("train", "distill", "prune", "quantize", "huffman", "export"):
         lines.append(f"\n[{section}]")
         tables = []
         for key, value in recipe[section].items():

@@ -22,6 +22,14 @@ def _kb(n: int) -> str:
 def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
     base = report["baseline"]
     lines = [f"# {title}", ""]
+    if "student" in report:
+        t, st = report["teacher"], report["student"]
+        lines += [
+            f"Distilled a {t['parameters']:,}-parameter teacher ({t['test_accuracy']:.2%}, "
+            f"{t['members']} model(s)) into `{st['name']}`, {st['parameters']:,} parameters "
+            f"({st['test_accuracy']:.2%}); Deep Compression below starts from that student.",
+            "",
+        ]
     lines += [
         "| stage | bytes | compression | test accuracy | Δ accuracy (points) |",
         "|---|---|---|---|---|",

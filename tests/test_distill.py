@@ -30,3 +30,20 @@ def test_loss_with_teacher_trains_the_student_only():
     assert all(p.grad is None for p in teacher.parameters())
     assert all(p.grad is not None for p in student.parameters())
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+
+
+def test_ensemble_averages_soft_targets():
+    from compressor.distill import Ensemble
+
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(4, 3, generator=g)
+    t1, t2 = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    y = torch.tensor([0, 1, 2, 0])
+    T = 2.0
+    p = (F.softmax(t1 / T, 1) + F.softmax(t2 / T, 1)) / 2
+    kl = (p * (p.log() - F.log_softmax(s / T, 1))).sum(1).mean()
+    got = kd_loss(s, torch.stack([t1, t2]), y, T, 1.0)
+    assert got.item() == pytest.approx((T * T * kl).item(), rel=1e-5)
+    a, b = tiny("mlp", seed=1), tiny("mlp", seed=2)
+    x = torch.rand(2, 1, 8, 8)
+    assert Ensemble([a, b])(x).shape == (2, 2, 10)

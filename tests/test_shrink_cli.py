@@ -322,3 +322,60 @@ def test_decode_newer_version(run, tmp_path):
     (tmp_path / "new.dcz").write_bytes(bytes(data) + struct.pack("<I", zlib.crc32(bytes(data))))
     result = run("decode", tmp_path / "new.dcz", "--out", tmp_path / "m.pt")
     assert result.exit_code == 2 and "newer than this compress reads" in result.stderr
+
+
+def test_shrink_distils_the_teacher_into_a_student(run, trained, tmp_path):
+    folder, _, _ = trained
+    (tmp_path / "d.toml").write_text(
+        '[distill]\nstudent = "mlp"\nstudent_kwargs = {hidden = [32]}\nepochs = 3\n'
+        + FAST
+        + "[export]\nint8 = false\nort = false\n"
+    )
+    result = run(
+        "shrink",
+        folder / "lenet300.pt",
+        "--recipe",
+        tmp_path / "d.toml",
+        "--out",
+        tmp_path / "s",
+        "--json",
+        "-q",
+    )
+    assert result.exit_code == 0, result.stderr
+    r = result.json()
+    assert r["student"]["name"] == "mlp" and r["teacher"]["members"] == 1
+    assert r["student"]["parameters"] * 10 < r["teacher"]["parameters"]
+    assert r["student"]["test_accuracy"] > 0.5  # far above chance (0.1) after 3 epochs
+    assert r["baseline"]["parameters"] == r["student"]["parameters"]
+    assert checkpoint.load(tmp_path / "s" / "model.pt").spec.name == "mlp"
+    assert "Distilled" in (tmp_path / "s" / "report.md").read_text()
+
+
+def test_ensemble_members_must_agree(run, trained, tmp_path):
+    folder, _, _ = trained
+    other = tmp_path / "five.pt"
+    import numpy as np
+
+    x, y = np.random.default_rng(0).random((50, 8, 8)), (np.arange(50) // 5) % 5
+    np.savez(tmp_path / "five.npz", x=x, y=y)
+    assert (
+        run(
+            "train",
+            "--model",
+            "mlp",
+            "--data",
+            f"npz:{tmp_path / 'five.npz'}",
+            "--epochs",
+            "1",
+            "--out",
+            other,
+            "-q",
+        ).exit_code
+        == 0
+    )
+    (tmp_path / "e.toml").write_text(f'[distill]\nstudent = "mlp"\nteachers = ["{other}"]\n')
+    result = run(
+        "shrink", folder / "lenet300.pt", "--recipe", tmp_path / "e.toml", "--out", tmp_path / "s"
+    )
+    assert result.exit_code == 2 and "five.pt predicts 5 classes" in result.stderr
+    assert not (tmp_path / "s").exists()
