@@ -1,13 +1,14 @@
 """Recipes: the stages of `compress shrink` and their parameters, as TOML or JSON.
 
 A recipe (TOML, YAML or JSON, by the file's suffix) has one section per stage, run in the pipeline's only valid order
-(prune -> quantize -> huffman -> export): each stage works on the weights the previous one left, and the
+(distill -> prune -> quantize -> huffman -> export): each stage works on the weights the previous one left, and the
 Huffman archive is emitted from the final weights. Every key has a default, so an empty recipe
 is a complete one; an unknown key or an impossible value is refused, naming the key, before
 any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
 
     version = 1
     [train]     batch_size, optimizer, seed, distill (alpha), temperature  # retraining
+    [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha
     [prune]     enabled, sparsity ("default" | "auto" | 0.9 | {layer = 0.9}) or quality,
                 scope, rounds, retrain_epochs, lr, budget, include_bias
     [quantize]  enabled, conv_bits = 8, fc_bits = 5, bits = {layer = n}, mode, finetune_epochs,
