@@ -146,7 +146,7 @@ def shrink_summary(report: dict) -> None:
             lat = o["latency_ms_batch1"]
             extra = (
                 f", batch-1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms, "
-                f"{len(o['fp32_nodes'])} node(s) kept FP32"
+                f"{o['int8_nodes']} of {o['quantizable_nodes']} nodes in INT8"
             )
         stdout.print(
             f"onnx {kind}: {o['bytes']:,} bytes, test acc {o['test_accuracy']:.2%}, "

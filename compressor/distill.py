@@ -62,6 +62,13 @@ class Ensemble(nn.Module):
         return torch.stack([m(x) for m in self.members])
 
 
+class AveragedEnsemble(Ensemble):
+    """The ensemble as one classifier: log of the members' averaged softmax (for accuracy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(super().forward(x), dim=-1).mean(0).log()
+
+
 def loss_with_teacher(teacher: nn.Module, temperature: float, alpha: float):
     """A training-loop loss `(model, x, y) -> (loss, logits)` that distils from `teacher`."""
     teacher.eval()
@@ -107,10 +114,14 @@ def distill_student(
             f"distill: student {spec.name} predicts {got} classes, the teacher {classes[0]}"
         )
     ensemble = members[0] if len(members) == 1 else Ensemble(members)
+    sizes = [sum(p.numel() for p in m.parameters()) for m in members]
     record = {
         "teacher": {
-            "parameters": sum(p.numel() for m in members for p in m.parameters()),
-            "test_accuracy": accuracy(members[0]),
+            "parameters": sum(sizes),  # the ensemble as a whole; member_parameters each
+            "member_parameters": sizes,
+            "test_accuracy": accuracy(
+                members[0] if len(members) == 1 else AveragedEnsemble(members)
+            ),
             "members": len(members),
         }
     }

@@ -152,15 +152,19 @@ def _export(model, e: dict[str, Any], report, data: Dataset, tmp: Path, out: Pat
             latency_aware=e["latency_aware"],
             min_agreement=e["min_agreement"],
         )
-        # Calibration: a seeded random draw from the training set; checks on test inputs.
+        # Calibration: a seeded random draw from the training set. Precision is chosen on other
+        # training images, never on the test set the parity figures come from.
         pick = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
         calib = data.x_train[pick[: q.calibration]].numpy()
-        choice = export.choose_precision(
-            fp32, tmp / "model.int8.onnx", calib, data.x_test[:1000].numpy(), q
-        )
+        check_x = data.x_train[pick[q.calibration : q.calibration + 1000]].numpy()
+        if len(check_x) == 0:
+            check_x = calib
+        choice = export.choose_precision(fp32, tmp / "model.int8.onnx", calib, check_x, q)
         result["int8"] = {
             **describe(choice.path),
             "fp32_nodes": choice.fp32_nodes,
+            "int8_nodes": choice.int8_nodes,
+            "quantizable_nodes": choice.quantizable,
             "latency_ms_batch1": choice.latency_ms,
         }
     return result

@@ -116,6 +116,8 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
             ]
         else:
             lines.append("Every quantizable node runs in INT8.")
+        if int8.get("int8_nodes") == 0:
+            lines.append("No node runs in INT8: this file is an FP32 graph (INT8 was slower).")
     if "mobile" in report:
         m, o = report["mobile"], report["ort"]
         lines += [

@@ -47,3 +47,12 @@ def test_ensemble_averages_soft_targets():
     a, b = tiny("mlp", seed=1), tiny("mlp", seed=2)
     x = torch.rand(2, 1, 8, 8)
     assert Ensemble([a, b])(x).shape == (2, 2, 10)
+
+
+def test_averaged_ensemble_classifies_by_mean_probability():
+    from compressor.distill import AveragedEnsemble
+
+    a, b = tiny("mlp", seed=1), tiny("mlp", seed=2)
+    x = torch.rand(5, 1, 8, 8)
+    mean = (F.softmax(a(x), 1) + F.softmax(b(x), 1)) / 2
+    assert torch.allclose(AveragedEnsemble([a, b])(x).exp(), mean, atol=1e-6)

@@ -137,3 +137,22 @@ def test_parity_against_pytorch(int8):
         y = prune.bake_(copy.deepcopy(model))(x).argmax(1)
     p = E.parity(model, fp32, x, y)
     assert p["top1_agreement"] == 1.0 and p["test_accuracy"] == 1.0 and p["max_abs_diff"] < 1e-4
+
+
+def test_small_latency_differences_are_ties():
+    assert E.clearly_faster(0.050, 0.100)
+    assert not E.clearly_faster(0.007, 0.008)  # 1 us on a 10 us model is noise
+    assert not E.clearly_faster(0.95, 1.0)  # within 10%
+
+
+def test_shared_conv_with_folded_batchnorm_keeps_its_values_per_channel(tmp_path):
+    model = Residual()
+    model.train()(torch.rand(16, 1, 8, 8))
+    model.eval()
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(conv_bits=2, fc_bits=2))
+    path = _export(model, tmp_path)
+    checks = E.weight_invariants(path, model, {"conv": 2, "conv2": 2, "head": 2})
+    assert checks["conv.weight"]["ok"], checks["conv.weight"]
+    assert checks["conv.weight"]["distinct_values_per_channel"] <= 4
+    # BatchNorm folding scales each channel: the whole tensor has more values than one channel.
+    assert checks["conv.weight"]["distinct_values"] > 4

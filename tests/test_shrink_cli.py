@@ -108,6 +108,8 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     lat = onnx["int8"]["latency_ms_batch1"]
     assert set(lat) == {"fp32", "int8"} and all(v > 0 for v in lat.values())
     assert isinstance(onnx["int8"]["fp32_nodes"], dict)
+    assert onnx["int8"]["quantizable_nodes"] == 3  # fc1..fc3
+    assert onnx["int8"]["int8_nodes"] == 3 - len(onnx["int8"]["fp32_nodes"])
     assert report["ort"]["bytes"] == (out / "model.int8.ort").stat().st_size
     assert (out / "model.int8.required_operators.config").is_file()
     assert report["mobile"]["nnapi"] in ("yes", "partial", "no")
