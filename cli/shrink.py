@@ -13,7 +13,7 @@ from cli.main import emit_json, json_option
 from compressor import pipeline
 from compressor import recipe as recipe_mod
 from compressor.shrink import Hooks
-from distrib.trainer import TrainConfig, evaluate, fit
+from distrib.trainer import TrainConfig, cross_entropy_loss, evaluate, fit
 from models import checkpoint, zoo
 from models import data as data_mod
 from models.errors import InputError
@@ -107,7 +107,7 @@ def shrink(
             optimizer=train["optimizer"],
             seed=train["seed"],
         )
-        fit(m, ds, cfg, events=progress, **({"loss_fn": loss_fn} if loss_fn else {}))
+        fit(m, ds, cfg, events=progress, loss_fn=loss_fn or cross_entropy_loss)
 
     hooks = Hooks(
         retrain=retrain,

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from compressor.prune import PRUNABLE, Mask, masks_of
+from compressor.prune import PRUNABLE, masks_of
 from models.errors import InputError
 
 # --- pure maths -----------------------------------------------------------------------------
@@ -198,7 +198,6 @@ def distinct_values(w: torch.Tensor) -> int:
 
 
 __all__ = [
-    "Mask",
     "QuantizeConfig",
     "SharedWeights",
     "distinct_values",

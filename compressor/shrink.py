@@ -96,24 +96,12 @@ def shrink(
     if p["enabled"]:
         ts = time.perf_counter()
         report["sensitivity"] = _prune(model, p, hooks)
-        stages.append(
-            {
-                "name": "prune",
-                "seconds": time.perf_counter() - ts,
-                "test_accuracy": hooks.test_accuracy(model),
-            }
-        )
+        stages.append(_stage("prune", ts, hooks.test_accuracy(model)))
     q = recipe["quantize"]
     if q["enabled"]:
         ts = time.perf_counter()
         report["histogram"] = _quantize(model, q, recipe["train"]["seed"], hooks)
-        stages.append(
-            {
-                "name": "quantize",
-                "seconds": time.perf_counter() - ts,
-                "test_accuracy": hooks.test_accuracy(model),
-            }
-        )
+        stages.append(_stage("quantize", ts, hooks.test_accuracy(model)))
 
     entries, layer_info = _entries(model, recipe)
     _account(stages, entries, layer_info, baseline["bytes"], recipe)
@@ -127,13 +115,7 @@ def shrink(
         baked = prune.bake_(model)
         acc = hooks.test_accuracy(baked)
         stages.append(
-            {
-                "name": "huffman",
-                "seconds": time.perf_counter() - ts,
-                "test_accuracy": acc,
-                "bytes": stats.bytes,
-                "ratio": baseline["bytes"] / stats.bytes,
-            }
+            _stage("huffman", ts, acc, bytes=stats.bytes, ratio=baseline["bytes"] / stats.bytes)
         )
         report["archive"] = _archive_report(path, stats, baseline["bytes"])
         report["layers"] = _layer_rows(layer_info, stats)
@@ -142,6 +124,15 @@ def shrink(
         report["layers"] = _layer_rows(layer_info, None)
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def _stage(name: str, started: float, accuracy: float, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "seconds": time.perf_counter() - started,
+        "test_accuracy": accuracy,
+        **extra,
+    }
 
 
 def check_fits_recipe(model: nn.Module, recipe: dict[str, Any]) -> None:
@@ -236,30 +227,14 @@ def _round_dense(model: nn.Module, q: dict[str, Any]) -> None:
         # the archive decodes to exactly the model we measured.
         shared = {f"{n}.weight" for n in kmeans.shared_of(model)}
         with torch.no_grad():
-            for name, t in _plain_tensors(model).items():
+            for name in _baked_state_keys(model):
+                t = _baked_value(model, name)
                 # Values beyond float16's range stay float32 (the archive stores those so).
                 finite16 = (
                     bool(t.abs().max() <= torch.finfo(torch.float16).max) if t.numel() else True
                 )
                 if name not in shared and t.dtype == torch.float32 and finite16:
                     t.copy_(t.half().float())
-
-
-def _plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by their baked names, excluding parametrization internals."""
-    out = {}
-    for mname, module in model.named_modules():
-        for pname, t in [
-            *module.named_parameters(recurse=False),
-            *module.named_buffers(recurse=False),
-        ]:
-            if "parametrizations" in mname:
-                continue
-            out[f"{mname}.{pname}" if mname else pname] = t
-    return out
-
-
-# --- archive entries and accounting ---------------------------------------------------------
 
 
 def _choose_gap_bits(positions: np.ndarray, numel: int, fixed: int, mode: str) -> int:

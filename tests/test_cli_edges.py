@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from models import checkpoint
+from models.fileio import umask
 
 
 @pytest.fixture
@@ -87,13 +88,7 @@ def test_out_through_a_symlink_writes_the_target(run, tmp_path):
     result = run("train", "--model", "mlp", "--epochs", "1", "--out", link, "-q")
     assert result.exit_code == 0, result.stderr
     assert link.is_symlink() and checkpoint.load(tmp_path / "real" / "m.pt").spec.name == "mlp"
-    assert oct((tmp_path / "real" / "m.pt").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
-
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    assert oct((tmp_path / "real" / "m.pt").stat().st_mode & 0o777) == oct(0o666 & ~umask())
 
 
 def test_out_that_is_not_a_regular_file_is_refused(run, tmp_path):
