@@ -124,11 +124,12 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from cli import shrink, train, unavailable
+    from cli import demo, shrink, train, unavailable
 
     cli.add_command(train.train)
     cli.add_command(shrink.shrink)
     cli.add_command(shrink.decode)
+    cli.add_command(demo.demo)
     for command in unavailable.COMMANDS:
         cli.add_command(command)
 

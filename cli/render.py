@@ -97,12 +97,26 @@ STAGE_LABELS = {
 
 
 def shrink_summary(report: dict) -> None:
-    if "student" in report:
+    if report.get("student", {}).get("distilled"):
         t, st = report["teacher"], report["student"]
         stdout.print(
-            f"distilled {t['parameters']:,}-parameter teacher ({t['test_accuracy']:.2%}) into "
-            f"{st['name']} with {st['parameters']:,} parameters ({st['test_accuracy']:.2%})"
+            f"distilled {t['parameters']:,}-parameter teacher {t['name']} "
+            f"({t['test_accuracy']:.2%}) into {st['name']} with {st['parameters']:,} "
+            f"parameters ({st['dense_test_accuracy']:.2%} before Deep Compression)"
         )
+        if "hint" in report:
+            h = report["hint"]
+            stdout.print(
+                f"FitNets hint {h['student_layer']} -> teacher {h['teacher_layer']}: "
+                f"loss {h['loss_before']:.4f} -> {h['loss_after']:.4f}"
+            )
+        if "transfer" in report:
+            tr = report["transfer"]
+            stdout.print(
+                f"transfer set ({tr['kind']}): {tr['examples']:,} examples, "
+                f"{tr['labelled']:,} with their labels, {tr['teacher_labelled']:,} labelled by "
+                "the teacher"
+            )
     base = report["baseline"]
     table = Table(title="compress shrink", title_justify="left")
     for col in ("stage", "bytes", "ratio", "test acc", "Δ points"):
@@ -162,3 +176,50 @@ def shrink_summary(report: dict) -> None:
             f"mobile, batch fixed to {f['batch']}: NNAPI {f['nnapi']}, CoreML {f['coreml']}"
         )
     stdout.print("wrote " + ", ".join(Path(f).name for f in report.get("files", [])))
+
+
+def demo_summary(report: dict) -> None:
+    """Teacher against shipped student: size, accuracy, batch-1 latency."""
+    t, st = report["teacher"], report["student"]
+    lat = report["latency_ms_batch1"]
+    table = Table(title="compress demo: teacher vs student", title_justify="left")
+    for col in (
+        "model",
+        "runtime",
+        "parameters",
+        "bytes",
+        "test acc",
+        "batch-1 ms",
+        "speed-up",
+    ):
+        table.add_column(col, justify="right")
+    base = lat["teacher_pytorch"]
+    table.add_row(
+        f"teacher {t['name']}",
+        "PyTorch FP32",
+        f"{t['parameters']:,}",
+        f"{t['bytes']:,}",
+        f"{t['test_accuracy']:.2%}",
+        f"{base:.3f}",
+        "1.0×",
+    )
+    rows = [("student_pytorch", "PyTorch FP32", None)]
+    rows += [(f"student_onnx_{k}", f"ORT {k.upper()}", k) for k in ("fp32", "int8")]
+    for key, runtime, kind in rows:
+        if key not in lat:
+            continue
+        o = report["onnx"][kind] if kind else None
+        table.add_row(
+            f"student {st['name']}",
+            runtime,
+            f"{st['parameters']:,}",
+            f"{o['bytes']:,}"
+            if o
+            else f"{report['archive']['bytes']:,} (.dcz)"
+            if "archive" in report
+            else "–",
+            f"{(o or st)['test_accuracy']:.2%}",
+            f"{lat[key]:.3f}",
+            f"{base / lat[key]:.1f}×",
+        )
+    stdout.print(table)

@@ -53,7 +53,35 @@ Examples:
     type=click.IntRange(min=1),
     default=None,
     metavar="N",
-    help="Also write model.int8.fixed.onnx with batch N (NNAPI needs fixed shapes).",
+    help="Also write student.int8.fixed.onnx with batch N (NNAPI needs fixed shapes).",
+)
+@click.option(
+    "--student",
+    default=None,
+    metavar="NAME",
+    help="Distil into this zoo model or pkg.module:Class first (recipe distill.student).",
+)
+@click.option("--student-kwargs", default=None, metavar="JSON", help="Kwargs for --student.")
+@click.option(
+    "--teacher",
+    "teachers",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    metavar="PATH",
+    help="Another teacher checkpoint: with MODEL.pt, an ensemble (repeatable).",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="FILE.npy",
+    help="INT8 calibration inputs [default: drawn from the training set].",
+)
+@click.option(
+    "--opset",
+    type=int,
+    default=None,
+    help="ONNX opset of the exported files [default: 18; 13..23].",
 )
 @click.option("--model", default=None, help="Model name, for a bare state_dict checkpoint.")
 @click.option("--model-kwargs", default=None, metavar="JSON", help="Kwargs for --model.")
@@ -66,15 +94,39 @@ def shrink(
     recipe_path: Path | None,
     dry_run: bool,
     fixed_batch: int | None,
+    student: str | None,
+    student_kwargs: str | None,
+    teachers: tuple[Path, ...],
+    calibration: Path | None,
+    opset: int | None,
     model: str | None,
     model_kwargs: str | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Deep Compression: prune + retrain, k-means weight sharing, Huffman archive."""
-    recipe = recipe_mod.load(recipe_path) if recipe_path else recipe_mod.resolve({})
-    if fixed_batch:
-        recipe["export"]["fixed_batch"] = fixed_batch
+    """Teacher -> distilled student -> Deep Compression -> INT8 ONNX and .ort for mobile."""
+    raw = recipe_mod.read(recipe_path) if recipe_path else {}
+    # Flags override the recipe file (--teacher replaces its teachers list); the result is
+    # validated as a whole, and its errors name the file and the flags.
+    flags = {
+        ("export", "fixed_batch", "--fixed-batch"): fixed_batch,
+        ("distill", "student", "--student"): student,
+        ("distill", "student_kwargs", "--student-kwargs"): zoo.parse_kwargs(
+            student_kwargs, "--student-kwargs"
+        )
+        if student_kwargs
+        else None,
+        ("distill", "teachers", "--teacher"): [str(t) for t in teachers] or None,
+        ("export", "calibration_data", "--calibration"): str(calibration) if calibration else None,
+        ("export", "opset", "--opset"): opset,
+    }
+    given = []
+    for (section, key, flag), value in flags.items():
+        if value is not None and isinstance(raw.setdefault(section, {}), dict):
+            raw[section][key] = value
+            given.append(flag)
+    source = str(recipe_path) if recipe_path else "recipe"
+    recipe = recipe_mod.resolve(raw, source=source + (f" with {', '.join(given)}" if given else ""))
     if dry_run:
         if as_json:
             emit_json({"recipe": recipe})
@@ -82,6 +134,47 @@ def shrink(
             click.echo(recipe_mod.dumps(recipe), nl=False)
         return
     out = out or model_path.with_name(model_path.stem + "-shrunk")
+    report = run_shrink(model_path, data, out, recipe, model, model_kwargs, quiet)
+    if as_json:
+        emit_json(json_view(report))
+    else:
+        render.shrink_summary(report)
+
+
+JSON_KEYS = (
+    "baseline",
+    "stages",
+    "archive",
+    "onnx",
+    "ort",
+    "mobile",
+    "mobile_fixed_batch",
+    "teacher",
+    "student",
+    "hint",
+    "transfer",
+    "layers",
+    "files",
+    "seconds",
+)
+
+
+def json_view(report: dict) -> dict:
+    """What `--json` prints of the report (report.json keeps everything, the recipe too)."""
+    return {k: report[k] for k in JSON_KEYS if k in report}
+
+
+def run_shrink(
+    model_path: Path,
+    data: str | None,
+    out: Path,
+    recipe: dict,
+    model: str | None = None,
+    model_kwargs: str | None = None,
+    quiet: bool = False,
+) -> dict:
+    """Load the checkpoint and data, hand `distrib`'s training loop to the pipeline as hooks,
+    run it with progress on stderr; return the report."""
     pipeline.check_out_dir(out)
     ck = checkpoint.load(model_path)
     ds = data_mod.load(data or ck.metadata.get("data") or "digits")
@@ -99,7 +192,7 @@ def shrink(
     train = recipe["train"]
     n_val = max(len(ds.y_train) // 10, 1)  # sensitivity runs on held-out *training* data
 
-    def retrain(m, epochs: int, lr: float, loss_fn=None) -> None:
+    def retrain(m, epochs: int, lr: float, loss_fn=None, data=None) -> None:
         cfg = TrainConfig(
             epochs=epochs,
             lr=lr,
@@ -107,7 +200,7 @@ def shrink(
             optimizer=train["optimizer"],
             seed=train["seed"],
         )
-        fit(m, ds, cfg, events=progress, loss_fn=loss_fn or cross_entropy_loss)
+        fit(m, data or ds, cfg, events=progress, loss_fn=loss_fn or cross_entropy_loss)
 
     hooks = Hooks(
         retrain=retrain,
@@ -117,38 +210,15 @@ def shrink(
     )
     meta = {"data": ds.spec, "source": str(model_path)}
     try:
-        report = pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta, ds)
+        return pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta, ds)
     finally:
         progress.close()
-    if as_json:
-        emit_json(
-            {
-                k: report[k]
-                for k in (
-                    "baseline",
-                    "stages",
-                    "archive",
-                    "onnx",
-                    "ort",
-                    "mobile",
-                    "mobile_fixed_batch",
-                    "teacher",
-                    "student",
-                    "layers",
-                    "files",
-                    "seconds",
-                )
-                if k in report
-            }
-        )
-    else:
-        render.shrink_summary(report)
 
 
 @click.command(
     epilog="""\b
 Example:
-  compress decode lenet300-shrunk/model.dcz --out lenet300-decoded.pt
+  compress decode lenet300-shrunk/student.dcz --out lenet300-decoded.pt
 """
 )
 @click.argument("archive_path", metavar="MODEL.dcz", type=click.Path(path_type=Path))

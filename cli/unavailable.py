@@ -11,10 +11,6 @@ _PLANNED = {
         "Latency, throughput, size and accuracy of PyTorch FP32, ONNX FP32 and ONNX INT8.",
         "compress bench shrunk/ --data digits",
     ),
-    "demo": (
-        "train -> shrink -> bench end to end on the bundled digits.",
-        "compress demo",
-    ),
 }
 
 

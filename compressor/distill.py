@@ -1,17 +1,30 @@
 """Knowledge distillation: Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural
-Network" (2015).
+Network" (2015), with the ensemble teacher and transfer set of Bucilua, Caruana &
+Niculescu-Mizil, "Model Compression" (KDD 2006) and the hint training of Romero et al.,
+"FitNets: Hints for Thin Deep Nets" (ICLR 2015, arXiv 1412.6550).
 
 `kd_loss` is the pure loss: soft targets at temperature T (the KL term scaled by T^2, so its
 gradients keep their size as T changes) mixed with the hard-label cross-entropy by alpha.
 `shrink` uses it to retrain a pruned or weight-shared model against the dense model it came
 from (`[train] distill = alpha`): the dense model's soft targets carry what pruning removed.
+
+`distill_student` is the `[distill]` stage: optionally a FitNets hint phase (a student layer
+regressed onto a teacher layer through a learned adapter), then KD on the training set or on a
+transfer set. The transfer set is for scarce labels: the training inputs whose labels are kept
+(`labels`, a fraction) keep them, the rest and `transfer_size` x N synthetic inputs are labelled
+by the teacher. Synthetic inputs are either MUNGE (Bucilua 2006, Algorithm 1: swap each feature
+with the nearest neighbour's, plus Gaussian noise of the pair's local spread) or mixup
+(Zhang et al. 2018: convex combinations of two random training inputs).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +32,7 @@ from torch import nn
 from models import checkpoint, zoo
 from models import data as data_mod
 from models.data import Dataset
-from models.errors import InputError
+from models.errors import InputError, StageError
 from models.zoo import ModelSpec
 
 
@@ -84,15 +97,220 @@ def loss_with_teacher(teacher: nn.Module, temperature: float, alpha: float):
     return loss_fn
 
 
+# --- transfer sets --------------------------------------------------------------------------
+
+TRANSFER = ("none", "mixup", "munge")
+
+
+def munge(
+    x: np.ndarray, neighbour: np.ndarray, p: float, s: float, rng: np.random.Generator
+) -> np.ndarray:
+    """One MUNGE pass (Bucilua et al. 2006, continuous attributes): for each example e and its
+    nearest neighbour e' = x[neighbour], each attribute a is, with probability p, replaced by a
+    draw from N(e'_a, |e_a - e'_a| / s); otherwise kept. Returns len(x) new examples."""
+    flat = x.reshape(len(x), -1)
+    other = flat[neighbour]
+    swap = rng.random(flat.shape) < p
+    sd = np.abs(flat - other) / s
+    drawn = other + sd * rng.standard_normal(flat.shape)
+    return np.where(swap, drawn, flat).astype(x.dtype).reshape(x.shape)
+
+
+def mixup(x: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """n convex combinations lam * x_i + (1 - lam) * x_j of random pairs, lam ~ U(0, 1).
+    Returns the inputs and their lambdas."""
+    i, j = rng.integers(0, len(x), n), rng.integers(0, len(x), n)
+    lam = rng.random(n).astype(x.dtype)
+    shape = (n,) + (1,) * (x.ndim - 1)
+    return lam.reshape(shape) * x[i] + (1 - lam.reshape(shape)) * x[j], lam
+
+
+def synthetic_inputs(x: np.ndarray, kind: str, size: float, seed: int) -> np.ndarray:
+    """round(size * len(x)) synthetic inputs of `kind` (mixup or munge), clipped to the
+    training inputs' range."""
+    n = round(size * len(x))
+    rng = np.random.default_rng(seed)
+    if kind == "none" or n == 0:
+        return x[:0]
+    if kind == "mixup":
+        out = mixup(x, n, rng)[0]
+    else:
+        from sklearn.neighbors import NearestNeighbors
+
+        flat = x.reshape(len(x), -1)
+        # The nearest neighbour other than the example itself.
+        neighbour = NearestNeighbors(n_neighbors=2).fit(flat).kneighbors(flat)[1][:, 1]
+        passes = [munge(x, neighbour, p=0.5, s=1.0, rng=rng) for _ in range(math.ceil(n / len(x)))]
+        out = np.concatenate(passes)[rng.permutation(len(x) * len(passes))[:n]]
+    return np.clip(out, x.min(), x.max())
+
+
+@torch.no_grad()
+def teacher_labels(teacher: nn.Module, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
+    """The teacher's top-1 class for each input (an Ensemble: of its averaged probabilities)."""
+    teacher.eval()
+    out = []
+    for i in range(0, len(x), batch):
+        logits = teacher(x[i : i + batch])
+        out.append((logits.softmax(-1).mean(0) if logits.ndim == 3 else logits).argmax(-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def transfer_set(
+    teacher: nn.Module, data: Dataset, kind: str, size: float, labels: float, seed: int
+) -> tuple[Dataset, dict[str, Any]]:
+    """The training set with only a `labels` fraction of its labels kept (a seeded draw), the
+    rest labelled by the teacher, plus `size` x N synthetic inputs labelled by the teacher."""
+    n = len(data.y_train)
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[torch.randperm(n, generator=g)[: max(1, round(labels * n))]] = True
+    y = torch.where(keep, data.y_train, teacher_labels(teacher, data.x_train))
+    extra = torch.from_numpy(synthetic_inputs(data.x_train.numpy(), kind, size, seed))
+    x = torch.cat([data.x_train, extra])
+    y = torch.cat([y, teacher_labels(teacher, extra)])
+    ds = dataclasses.replace(data, spec=f"{data.spec}+transfer", x_train=x, y_train=y)
+    record = {
+        "kind": kind,
+        "labelled": int(keep.sum()),
+        "teacher_labelled": int((~keep).sum()) + len(extra),
+        "synthetic": len(extra),
+        "examples": len(y),
+    }
+    return ds, record
+
+
+# --- FitNets hints --------------------------------------------------------------------------
+
+
+def _module(model: nn.Module, name: str, who: str) -> nn.Module:
+    found = dict(model.named_modules())
+    if name not in found or not name:
+        names = [n for n, m in found.items() if n and not list(m.children())]
+        raise InputError(
+            f"distill: the {who} has no layer {name!r}; its layers: {', '.join(names)}"
+        )
+    return found[name]
+
+
+class _StopForward(Exception):
+    """Raised by the student's hint hook to end its forward pass at the hint layer."""
+
+
+class _Capture:
+    """A forward hook keeping a module's latest output; with `stop`, it also ends the forward
+    pass there while training (layers after the hint layer neither run nor update BatchNorm
+    statistics in the hint phase)."""
+
+    def __init__(self, module: nn.Module, stop: bool = False) -> None:
+        self.value: torch.Tensor | None = None
+        self.stop = stop
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        self.value = output
+        if self.stop and module.training:
+            raise _StopForward
+
+
+class _HintModel(nn.Module):
+    """The student and FitNets' adapter as one module for the training loop, so its optimizer
+    trains both; the student itself is not modified. In training the forward pass stops at the
+    hint layer (logits are not computed: placeholder zeros); in eval it runs the whole student,
+    so the loop's test accuracy is the student's."""
+
+    def __init__(self, student: nn.Module, adapter: nn.Module, num_classes: int) -> None:
+        super().__init__()
+        self.student, self.adapter, self.num_classes = student, adapter, num_classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.student(x)
+        except _StopForward:
+            return x.new_zeros(len(x), self.num_classes)
+
+
+def hint_adapter(student_feat: torch.Tensor, teacher_feat: torch.Tensor) -> nn.Module:
+    """FitNets' regressor from the student's hint layer to the teacher's: a 1x1 convolution
+    for feature maps (average-pooled to the teacher's map size first), else a linear map."""
+    if student_feat.ndim == 4 and teacher_feat.ndim == 4:
+        size = tuple(teacher_feat.shape[2:])
+        return nn.Sequential(
+            nn.AdaptiveAvgPool2d(size), nn.Conv2d(student_feat.shape[1], teacher_feat.shape[1], 1)
+        )
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(student_feat[0].numel(), teacher_feat[0].numel()),
+        nn.Unflatten(1, tuple(teacher_feat.shape[1:])),
+    )
+
+
+def hint_train(
+    student: nn.Module,
+    teacher: nn.Module,
+    student_layer: str,
+    teacher_layer: str,
+    data: Dataset,
+    retrain: Callable[..., None],
+    epochs: int,
+    lr: float,
+) -> dict[str, Any]:
+    """FitNets stage 1: train the student up to `student_layer` so that a learned adapter of
+    its output regresses the teacher's `teacher_layer` output (MSE). Returns the hint loss
+    before (student at its initialisation, adapter untrained) and after the phase."""
+    s_mod = _module(student, student_layer, "student")
+    t_mod = _module(teacher, teacher_layer, "teacher")
+    s_cap, t_cap = _Capture(s_mod, stop=True), _Capture(t_mod)
+    try:
+        x = data.x_train[:2]
+        with torch.no_grad():
+            classes = student.eval()(x).shape[1]
+            teacher.eval()(x)
+        adapter = hint_adapter(s_cap.value, t_cap.value)
+        wrapped = _HintModel(student, adapter, classes)
+
+        def hint_loss(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor):
+            with torch.no_grad():
+                teacher(xb)
+            logits = model(xb)
+            return 0.5 * F.mse_loss(adapter(s_cap.value), t_cap.value.float()), logits
+
+        probe = data.x_train[:512]
+
+        def measure() -> float:
+            with torch.no_grad():
+                return float(hint_loss(wrapped.eval(), probe, None)[0])
+
+        before = measure()
+        wrapped.train()
+        retrain(wrapped, epochs, lr, hint_loss)
+        after = measure()
+    finally:
+        s_cap.handle.remove()
+        t_cap.handle.remove()
+    if not math.isfinite(after):
+        raise StageError(f"distill: hint training diverged (loss {after}); lower distill.lr")
+    return {
+        "student_layer": student_layer,
+        "teacher_layer": teacher_layer,
+        "epochs": epochs,
+        "loss_before": before,
+        "loss_after": after,
+    }
+
+
 def distill_student(
     teacher: nn.Module,
     d: dict[str, Any],
     data: Dataset,
-    retrain: Callable[[nn.Module, int, float, Callable | None], None],
+    retrain: Callable[..., None],
     accuracy: Callable[[nn.Module], float],
-) -> tuple[nn.Module, ModelSpec, dict[str, Any]]:
+    seed: int = 0,
+) -> tuple[nn.Module, ModelSpec, dict[str, Any], Dataset]:
     """Train the recipe's student against `teacher` (plus the recipe's extra `teachers`, as an
-    ensemble); return the student, its spec, and the teacher/student record for the report."""
+    ensemble); return the student, its spec, the teacher/student record for the report, and
+    the data it trained on (the transfer set, when the recipe asks for one: later stages must
+    keep to it, or scarce labels would not stay scarce). Hints use the first teacher."""
     members = [teacher] + [checkpoint.load(p).build_model() for p in d["teachers"]]
     x = data.x_train[:2]
     classes = []
@@ -125,13 +343,33 @@ def distill_student(
             "members": len(members),
         }
     }
+    if d["hint_student"]:
+        record["hint"] = hint_train(
+            student,
+            members[0],
+            d["hint_student"],
+            d["hint_teacher"],
+            data,
+            retrain,
+            d["hint_epochs"],
+            d["lr"],
+        )
+    train_on = data
+    if d["transfer"] != "none" or d["labels"] < 1:
+        train_on, record["transfer"] = transfer_set(
+            ensemble, data, d["transfer"], d["transfer_size"], d["labels"], seed=seed
+        )
     student.train()
     retrain(
-        student, d["epochs"], d["lr"], loss_with_teacher(ensemble, d["temperature"], d["alpha"])
+        student,
+        d["epochs"],
+        d["lr"],
+        loss_with_teacher(ensemble, d["temperature"], d["alpha"]),
+        train_on,
     )
     record["student"] = {
         "name": spec.name,
         "parameters": sum(p.numel() for p in student.parameters()),
         "test_accuracy": accuracy(student),
     }
-    return student, spec, record
+    return student, spec, record, train_on

@@ -26,7 +26,6 @@ import contextlib
 import copy
 import io
 import tempfile
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import prune
+from compressor import benchmark, prune
 from models.errors import InputError, StageError
 from models.fileio import atomic_path
 
@@ -62,6 +61,74 @@ class ExportConfig:
             raise InputError(f"IR 9 (ONNX Runtime <= 1.17) reads opsets up to 20, not {self.opset}")
 
 
+def check_runtime_opset(opset: int, ir_version: int | None = None) -> None:
+    """Fail before any work when this ONNX Runtime cannot run `opset` (or `ir_version`): load a
+    one-node model declaring them, which takes milliseconds."""
+    ExportConfig(opset=opset, ir_version=ir_version)  # the exporter's own range first
+    runtime_runs(opset, ir_version)
+
+
+def runtime_runs(opset: int, ir_version: int | None = None) -> None:
+    """InputError unless this ONNX Runtime loads a model of `opset` (and `ir_version`)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "probe",
+        [value],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    opsets = [helper.make_opsetid("", opset)]
+    if ir_version is None:
+        try:  # the lowest IR that can declare the opset, as the exporter writes
+            ir_version = helper.find_min_ir_version_for(opsets)
+        except ValueError:  # an opset newer than this onnx package knows
+            ir_version = onnx.IR_VERSION
+    probe = helper.make_model(graph, opset_imports=opsets, ir_version=ir_version)
+    try:
+        ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise InputError(
+            f"opset {opset}: ONNX Runtime {ort.__version__} cannot run it "
+            f"({' '.join(str(e).split())[-120:]}); choose a lower opset, e.g. 18"
+        ) from None
+
+
+def load_calibration(path: Path, flag: str = "--calibration") -> np.ndarray:
+    """Calibration inputs from a .npy file: a finite float array, samples first, non-empty.
+    Integer arrays are refused: the model sees inputs scaled as in training (pixels / 255
+    for MNIST), which only the user knows how to reproduce."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{flag} {path}: no such file; give a .npy array of inputs")
+    with path.open("rb") as f:
+        if f.read(6) != b"\x93NUMPY":  # numpy would take any other file for a pickle
+            raise InputError(f"{flag} {path}: not a .npy array; save one with numpy.save")
+    try:
+        x = np.load(path, allow_pickle=False)
+    except ValueError:
+        raise InputError(
+            f"{flag} {path}: holds Python objects; save a float array with numpy.save"
+        ) from None
+    except Exception as e:
+        raise InputError(
+            f"{flag} {path}: not a .npy array ({type(e).__name__}); save one with numpy.save"
+        ) from None
+    if not isinstance(x, np.ndarray) or x.dtype.kind != "f" or x.ndim < 2:
+        raise InputError(
+            f"{flag} {path}: needs a float array of inputs scaled as in training, samples "
+            f"first (got {getattr(x, 'dtype', type(x))} of shape {getattr(x, 'shape', '?')})"
+        )
+    if len(x) == 0:
+        raise InputError(f"{flag} {path}: is empty; give at least one input sample")
+    if not np.isfinite(x).all():
+        raise InputError(f"{flag} {path}: holds NaN or infinite values; clean the inputs")
+    return x.astype(np.float32)
+
+
 def _session(path: Path | str, threads: int = 1):
     import onnxruntime as ort
 
@@ -76,6 +143,11 @@ def run(session, x: np.ndarray, batch: int = 256) -> np.ndarray:
     name = session.get_inputs()[0].name
     outs = [session.run(None, {name: x[i : i + batch]})[0] for i in range(0, len(x), batch)]
     return np.concatenate(outs) if outs else np.zeros((0,))
+
+
+def predict(path: Path, x: np.ndarray) -> np.ndarray:
+    """The ONNX file's outputs for `x` on ORT's CPU provider (one thread)."""
+    return run(_session(path), x)
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: ExportConfig) -> Path:
@@ -250,22 +322,9 @@ def quantize_int8(
 def latency_ms(
     paths: list[Path], batch: int, shape: tuple[int, ...], seconds: float = 0.6
 ) -> list[float]:
-    """p50 latency (ms) of each model at `batch`, runs interleaved A B C A B C ... so drift
-    hits all alike; one thread each."""
-    sessions = [_session(p) for p in paths]
+    """p50 latency (ms) of each model at `batch`, measured interleaved, one thread each."""
     x = np.random.default_rng(0).random((batch, *shape), dtype=np.float32)
-    feeds = [{s.get_inputs()[0].name: x} for s in sessions]
-    for s, f in zip(sessions, feeds, strict=True):
-        for _ in range(10):
-            s.run(None, f)
-    times: list[list[float]] = [[] for _ in sessions]
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times[0]) < 30:
-        for t, s, f in zip(times, sessions, feeds, strict=True):
-            t0 = time.perf_counter()
-            s.run(None, f)
-            t.append(time.perf_counter() - t0)
-    return [1000 * float(np.median(t)) for t in times]
+    return benchmark.p50_ms([benchmark.onnx_runner(p, x) for p in paths], seconds)
 
 
 def agreement(a: np.ndarray, b: np.ndarray) -> float:

@@ -4,6 +4,7 @@ at the end, so a failed or interrupted run leaves nothing half-written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,13 +26,13 @@ from models.fileio import atomic_path, check_writable, umask
 from models.zoo import ModelSpec, build
 
 OUTPUTS = (
-    "model.fp32.onnx",
-    "model.int8.onnx",
-    "model.int8.ort",
-    "model.int8.required_operators.config",
-    "model.int8.fixed.onnx",
-    "model.dcz",
-    "model.pt",
+    "student.fp32.onnx",
+    "student.int8.onnx",
+    "student.int8.ort",
+    "student.int8.required_operators.config",
+    "student.int8.fixed.onnx",
+    "student.dcz",
+    "student.pt",
     "report.json",
     "report.md",
     "weights_histogram.png",
@@ -42,6 +44,8 @@ def check_out_dir(out: Path) -> Path:
     """--out must be a folder we can create or fill; fail before any work."""
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder; give a folder path")
+    if not out.parent.is_dir():
+        raise InputError(f"--out {out}: folder {out.parent} does not exist; create it first")
     check_writable(out.parent / f"{out.name}.probe")
     if out.is_dir():  # we replace our files inside it: each must be replaceable
         check_writable(out / ".compress.probe")
@@ -60,38 +64,51 @@ def shrink_to_folder(
     metadata: dict[str, Any],
     data: Dataset | None = None,
 ) -> dict[str, Any]:
-    """Run the pipeline and write model.dcz, model.pt, report.json/.md and plots into `out`."""
+    """Run the pipeline and write student.dcz, student.pt, report.json/.md and plots into `out`."""
     check_out_dir(out)
+    calib = preflight(recipe, data)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
     try:
         distilled = None
+        teacher_name = spec.name
         if recipe["distill"]["student"]:
             if data is None:
                 raise InputError("distillation needs the data set")
-            model, spec, distilled = distill.distill_student(
-                model, recipe["distill"], data, hooks.retrain, hooks.test_accuracy
+            model, spec, distilled, train_on = distill.distill_student(
+                model,
+                recipe["distill"],
+                data,
+                hooks.retrain,
+                hooks.test_accuracy,
+                seed=recipe["train"]["seed"],
             )
+            if train_on is not data:
+                hooks = _keep_to(hooks, train_on, len(data.y_train))
         report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
-        if distilled:
-            report.update(distilled)
+        final_acc = (
+            report["stages"][-1]["test_accuracy"]
+            if report["stages"]
+            else report["baseline"]["test_accuracy"]
+        )
+        _teacher_student(report, distilled, teacher_name, spec.name, model, final_acc)
         if recipe["export"]["enabled"]:
             if data is None:
                 raise InputError("export needs the data set (calibration and parity)")
-            report["onnx"] = _export(model, recipe["export"], report, data, tmp, out)
+            report["onnx"] = _export(model, recipe["export"], report, data, calib, tmp, out)
             if recipe["export"]["ort"] and "int8" in report["onnx"]:
-                int8 = tmp / "model.int8.onnx"
-                ort_file = mobile.to_ort(int8, tmp / "model.int8.ort")
+                int8 = tmp / "student.int8.onnx"
+                ort_file = mobile.to_ort(int8, tmp / "student.int8.ort")
                 report["ort"] = {
                     **ort_file,
-                    "path": str(out / "model.int8.ort"),
+                    "path": str(out / "student.int8.ort"),
                     "config": str(out / Path(ort_file["config"]).name),
                 }
                 report["mobile"] = mobile.usability(int8)
             n = recipe["export"]["fixed_batch"]
             if n and "int8" in report["onnx"]:
                 fixed = mobile.fixed_batch(
-                    tmp / "model.int8.onnx", tmp / "model.int8.fixed.onnx", n
+                    tmp / "student.int8.onnx", tmp / "student.int8.fixed.onnx", n
                 )
                 report["mobile_fixed_batch"] = {
                     "path": str(out / fixed.name),
@@ -99,19 +116,18 @@ def shrink_to_folder(
                     "bytes": fixed.stat().st_size,
                     **mobile.usability(fixed),
                 }
-        final_acc = report["stages"][-1]["test_accuracy"] if report["stages"] else None
         # Save through a freshly built model so the checkpoint's keys are in the order a plain
         # model has (removing parametrizations re-registers weights last).
         plain = build(spec)
         plain.load_state_dict(model.state_dict())
         checkpoint.save(
-            tmp / "model.pt",
+            tmp / "student.pt",
             plain,
             spec,
             {**metadata, "test_accuracy": final_acc, "compressed": True},
         )
         if "archive" in report:
-            report["archive"]["path"] = str(out / "model.dcz")
+            report["archive"]["path"] = str(out / "student.dcz")
         with atomic_path(tmp / "report.json") as f:
             f.write_text(json.dumps(report, indent=2) + "\n")
         with atomic_path(tmp / "report.md") as f:
@@ -124,10 +140,87 @@ def shrink_to_folder(
     return report
 
 
-def _export(model, e: dict[str, Any], report, data: Dataset, tmp: Path, out: Path) -> dict:
+def preflight(recipe: dict[str, Any], data: Dataset | None) -> np.ndarray | None:
+    """Checks that would otherwise fail late, after minutes of training: the opset this ONNX
+    Runtime runs, the calibration file's shape, the ensemble's checkpoints. Returns the
+    calibration inputs when the recipe names a file."""
+    e = recipe["export"]
+    calib = None
+    if e["enabled"]:
+        export.check_runtime_opset(e["opset"], e["ir_version"] or None)
+        if e["calibration_data"]:
+            flag = "--calibration / export.calibration_data"
+            calib = export.load_calibration(Path(e["calibration_data"]), flag)
+            if data is not None and tuple(calib.shape[1:]) != tuple(data.in_shape):
+                raise InputError(
+                    f"{flag} {e['calibration_data']}: inputs of shape "
+                    f"{tuple(calib.shape[1:])}, the model takes {tuple(data.in_shape)}; "
+                    "give samples shaped like the training data"
+                )
+    for path in recipe["distill"]["teachers"]:
+        try:  # exists, is a checkpoint, holds no code; shapes are checked later
+            checkpoint.load(path)
+        except InputError as err:
+            raise InputError(f"--teacher / distill.teachers: {err}") from None
+    return calib
+
+
+def _keep_to(hooks: shrink_mod.Hooks, train_on: Dataset, n_real: int) -> shrink_mod.Hooks:
+    """Hooks whose retraining and validation use the transfer set (its kept labels and the
+    teacher's), not the full labelled training set."""
+    retrain = hooks.retrain
+    n_val = max(n_real // 10, 1)
+    x_val, y_val = (
+        train_on.x_train[n_real - n_val : n_real],
+        train_on.y_train[n_real - n_val : n_real],
+    )
+
+    def retrain_on(m, epochs, lr, loss_fn=None, data=None):
+        retrain(m, epochs, lr, loss_fn, data if data is not None else train_on)
+
+    def val_accuracy(m: nn.Module) -> float:
+        was = m.training
+        with torch.no_grad():
+            acc = float((m.eval()(x_val).argmax(1) == y_val).float().mean())
+        m.train(was)
+        return acc
+
+    return dataclasses.replace(hooks, retrain=retrain_on, val_accuracy=val_accuracy)
+
+
+def _teacher_student(report, distilled, teacher_name, student_name, model, final_acc) -> None:
+    """The `teacher` and `student` records: who taught, and what ships (after compression)."""
+    base = report["baseline"]
+    if distilled:
+        report["teacher"] = {"name": teacher_name, **distilled["teacher"]}
+        dense_acc = distilled["student"]["test_accuracy"]
+    else:  # no distillation: the checkpoint is both the reference and what gets compressed
+        report["teacher"] = {
+            "name": teacher_name,
+            "parameters": base["parameters"],
+            "test_accuracy": base["test_accuracy"],
+            "members": 1,
+        }
+        dense_acc = base["test_accuracy"]
+    report["student"] = {
+        "name": student_name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "nonzero_parameters": int(sum((p != 0).sum().item() for p in model.parameters())),
+        "test_accuracy": final_acc,  # of student.pt, after Deep Compression
+        "dense_test_accuracy": dense_acc,  # before it (after distillation, when distilled)
+        "distilled": bool(distilled),
+    }
+    if distilled:
+        report.update({k: distilled[k] for k in ("hint", "transfer") if k in distilled})
+        report["student"].update(
+            {k: v for k, v in distilled["student"].items() if k not in report["student"]}
+        )
+
+
+def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, out: Path) -> dict:
     """FP32 ONNX, then INT8 ONNX (ORT static QDQ, latency-aware); parity and invariants."""
     cfg = export.ExportConfig(opset=e["opset"], ir_version=e["ir_version"] or None)
-    fp32 = export.export_onnx(model, data.x_train[:2], tmp / "model.fp32.onnx", cfg)
+    fp32 = export.export_onnx(model, data.x_train[:2], tmp / "student.fp32.onnx", cfg)
     bits = {
         r["name"].removesuffix(".weight"): r["weight_bits"]
         for r in report["layers"]
@@ -155,19 +248,35 @@ def _export(model, e: dict[str, Any], report, data: Dataset, tmp: Path, out: Pat
         # Calibration: a seeded random draw from the training set. Precision is chosen on other
         # training images, never on the test set the parity figures come from.
         pick = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
-        calib = data.x_train[pick[: q.calibration]].numpy()
-        check_x = data.x_train[pick[q.calibration : q.calibration + 1000]].numpy()
+        source = e["calibration_data"] or "training set"
+        if calib is None:
+            calib = data.x_train[pick[: q.calibration]].numpy()
+            check_x = data.x_train[pick[q.calibration : q.calibration + 1000]].numpy()
+        else:  # the user's own calibration inputs; precision still checked on training data
+            calib = calib[: q.calibration]
+            check_x = data.x_train[pick[:1000]].numpy()
         if len(check_x) == 0:
             check_x = calib
-        choice = export.choose_precision(fp32, tmp / "model.int8.onnx", calib, check_x, q)
+        choice = export.choose_precision(fp32, tmp / "student.int8.onnx", calib, check_x, q)
         result["int8"] = {
             **describe(choice.path),
+            # against the FP32 ONNX file (the other figures are against PyTorch)
+            **_int8_vs_fp32(fp32, choice.path, data.x_test),
+            "calibration": {"source": source, "samples": len(calib), "method": q.method},
             "fp32_nodes": choice.fp32_nodes,
             "int8_nodes": choice.int8_nodes,
             "quantizable_nodes": choice.quantizable,
             "latency_ms_batch1": choice.latency_ms,
         }
     return result
+
+
+def _int8_vs_fp32(fp32: Path, int8: Path, x: torch.Tensor) -> dict[str, float]:
+    a, b = export.predict(fp32, x.numpy()), export.predict(int8, x.numpy())
+    return {
+        "top1_agreement_fp32": export.agreement(b, a),
+        "max_abs_diff_fp32": float(np.abs(a - b).max()),
+    }
 
 
 def _move_into(tmp: Path, out: Path) -> None:

@@ -1,21 +1,22 @@
 """Recipes: the stages of `compress shrink` and their parameters, as TOML or JSON.
 
-A recipe (TOML, YAML or JSON, by the file's suffix) has one section per stage, run in the pipeline's only valid order
-(distill -> prune -> quantize -> huffman -> export): each stage works on the weights the previous one left, and the
-Huffman archive is emitted from the final weights. Every key has a default, so an empty recipe
+A recipe (TOML, YAML or JSON, by the file's suffix) has one section per stage, run in the
+pipeline's only valid order (distill -> prune -> quantize -> huffman -> export): each stage works
+on the weights the previous one left, and the Huffman archive is emitted from the final weights. Every key has a default, so an empty recipe
 is a complete one; an unknown key or an impossible value is refused, naming the key, before
 any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
 
     version = 1
     [train]     batch_size, optimizer, seed, distill (alpha), temperature  # retraining
-    [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha
+    [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha,
+                hint_student, hint_teacher, hint_epochs, transfer, transfer_size, labels
     [prune]     enabled, sparsity ("default" | "auto" | 0.9 | {layer = 0.9}) or quality,
                 scope, rounds, retrain_epochs, lr, budget, include_bias
     [quantize]  enabled, conv_bits = 8, fc_bits = 5, bits = {layer = n}, mode, finetune_epochs,
                 lr, dense = "float16" | "float32"
     [huffman]   enabled, fc_gap_bits = 5, conv_gap_bits = 8, gap_bits = "auto" | "fixed"
-    [export]    enabled, opset = 18, ir_version, int8, method, calibration, latency_aware,
-                min_agreement                                  # ONNX FP32 and INT8 files
+    [export]    enabled, opset = 18, ir_version, int8, method, calibration, calibration_data,
+                latency_aware, min_agreement, ort, fixed_batch       # ONNX FP32, INT8, .ort
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ DEFAULTS: dict[str, Any] = {
         "lr": 3e-3,
         "temperature": 4.0,
         "alpha": 0.7,
+        # FitNets: first regress layer hint_student onto the teacher's hint_teacher ("" = off).
+        "hint_student": "",
+        "hint_teacher": "",
+        "hint_epochs": 3,
+        # Transfer set: keep a `labels` fraction of the training labels, label the rest and
+        # transfer_size x N synthetic inputs ("mixup" or "munge") with the teacher.
+        "transfer": "none",
+        "transfer_size": 1.0,
+        "labels": 1.0,
     },
     "prune": {
         "enabled": True,
@@ -87,12 +97,13 @@ DEFAULTS: dict[str, Any] = {
         "ir_version": 0,  # 0: the exporter's; 9 for ONNX Runtime <= 1.17
         "int8": True,
         "method": "minmax",
-        "calibration": 256,
+        "calibration": 256,  # samples drawn from the training set...
+        "calibration_data": "",  # ...or a .npy file of inputs (samples first) to draw from
         # keep nodes in FP32 where INT8 is slower (or less faithful than min_agreement)
         "latency_aware": True,
         "min_agreement": 0.995,
         "ort": True,  # also the .ort file for mobile ORT builds, and the NNAPI/CoreML verdicts
-        "fixed_batch": 0,  # N > 0: also model.int8.fixed.onnx with batch N (NNAPI needs it)
+        "fixed_batch": 0,  # N > 0: also student.int8.fixed.onnx with batch N (NNAPI needs it)
     },
 }
 
@@ -103,11 +114,17 @@ _CHOICES = {
     ("quantize", "dense"): ("float16", "float32"),
     ("huffman", "gap_bits"): ("auto", "fixed"),
     ("export", "method"): ("minmax", "entropy", "percentile"),
+    ("distill", "transfer"): ("none", "mixup", "munge"),
 }
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read a recipe file (.toml or .json) and resolve it against the defaults."""
+    """Read a recipe file (.toml, .yaml or .json) and resolve it against the defaults."""
+    return resolve(read(path), source=str(path))
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """A recipe file's raw table, not yet resolved (so flags can be laid over it first)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--recipe {path}: no such file")
@@ -125,7 +142,9 @@ def load(path: str | Path) -> dict[str, Any]:
     except Exception as e:  # each parser raises its own error types
         detail = " ".join(str(e).split())
         raise InputError(f"--recipe {path}: not valid {kind}: {detail}") from None
-    return resolve(raw, source=str(path))
+    if not isinstance(raw, dict):
+        raise InputError(f"--recipe {path}: a recipe is a table of sections")
+    return raw
 
 
 def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> dict[str, Any]:
@@ -230,12 +249,28 @@ def _validate(r: dict[str, Any], source: str) -> None:
     _positive(r, source, "distill", "temperature")
     if not (_number(dd["alpha"]) and 0 <= dd["alpha"] <= 1):
         raise _bad(source, "distill.alpha", dd["alpha"], "a weight in [0, 1]")
+    for key in ("hint_student", "hint_teacher"):
+        if not isinstance(dd[key], str):
+            raise _bad(source, f"distill.{key}", dd[key], "a layer name, e.g. 'features.3'")
+    if bool(dd["hint_student"]) != bool(dd["hint_teacher"]):
+        raise InputError(f"{source}: distill.hint_student and distill.hint_teacher go together")
+    if dd["hint_student"] and not dd["student"]:
+        raise InputError(f"{source}: distill.hint_student needs a distill.student")
+    _int(r, source, "distill", "hint_epochs", 1)
+    if not (_number(dd["transfer_size"]) and 0 <= dd["transfer_size"] <= 100):
+        raise _bad(source, "distill.transfer_size", dd["transfer_size"], "a multiple 0..100 of N")
+    if not (_number(dd["labels"]) and 0 < dd["labels"] <= 1):
+        raise _bad(source, "distill.labels", dd["labels"], "a fraction in (0, 1]")
     _int(r, source, "export", "opset", 13, 23)
     if r["export"]["ir_version"] not in (0, 8, 9, 10, 11):
         raise _bad(
             source, "export.ir_version", r["export"]["ir_version"], "0 (default), 8, 9, 10 or 11"
         )
     _int(r, source, "export", "calibration", 1)
+    if not isinstance(r["export"]["calibration_data"], str):
+        raise _bad(
+            source, "export.calibration_data", r["export"]["calibration_data"], "a .npy path"
+        )
     _int(r, source, "export", "fixed_batch", 0)
     if not (_number(r["export"]["min_agreement"]) and 0 <= r["export"]["min_agreement"] <= 1):
         raise _bad(

@@ -22,14 +22,31 @@ def _kb(n: int) -> str:
 def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
     base = report["baseline"]
     lines = [f"# {title}", ""]
-    if "student" in report:
+    if report.get("student", {}).get("distilled"):
         t, st = report["teacher"], report["student"]
         lines += [
-            f"Distilled a {t['parameters']:,}-parameter teacher ({t['test_accuracy']:.2%}, "
-            f"{t['members']} model(s)) into `{st['name']}`, {st['parameters']:,} parameters "
-            f"({st['test_accuracy']:.2%}); Deep Compression below starts from that student.",
+            f"Distilled a {t['parameters']:,}-parameter teacher `{t['name']}` "
+            f"({t['test_accuracy']:.2%}, {t['members']} model(s)) into `{st['name']}`, "
+            f"{st['parameters']:,} parameters ({st['dense_test_accuracy']:.2%}); Deep "
+            "Compression below starts from that student.",
             "",
         ]
+        if "hint" in report:
+            h = report["hint"]
+            lines += [
+                f"FitNets hint: student `{h['student_layer']}` regressed onto teacher "
+                f"`{h['teacher_layer']}` for {h['epochs']} epoch(s), hint loss "
+                f"{h['loss_before']:.4f} -> {h['loss_after']:.4f}.",
+                "",
+            ]
+        if "transfer" in report:
+            tr = report["transfer"]
+            lines += [
+                f"Transfer set ({tr['kind']}): {tr['examples']:,} examples; {tr['labelled']:,} "
+                f"kept their labels, {tr['teacher_labelled']:,} ({tr['synthetic']:,} synthetic) "
+                "were labelled by the teacher.",
+                "",
+            ]
     lines += [
         "| stage | bytes | compression | test accuracy | Δ accuracy (points) |",
         "|---|---|---|---|---|",

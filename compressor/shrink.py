@@ -36,8 +36,9 @@ GAP_BITS_SEARCH = range(1, 13)
 class Hooks:
     """What the pipeline needs from the outside world."""
 
-    # Train in place: (model, epochs, lr, loss_fn or None for cross-entropy).
-    retrain: Callable[[nn.Module, int, float, Callable | None], None]
+    # Train in place: (model, epochs, lr, loss_fn or None for cross-entropy, data or None for
+    # the training set; distillation passes a transfer set).
+    retrain: Callable[..., None]
     test_accuracy: Callable[[nn.Module], float]
     val_accuracy: Callable[[nn.Module], float]  # held-out training data (sensitivity analysis)
     info: Callable[[str], None] = lambda message: None
@@ -68,7 +69,7 @@ def shrink(
     out_dir: Path,
     metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the recipe on `model` (in place); write `out_dir/model.dcz`; return the report."""
+    """Run the recipe on `model` (in place); write `out_dir/student.dcz`; return the report."""
     check_fits_recipe(model, recipe)
     t0 = time.perf_counter()
     params = sum(p.numel() for p in model.parameters())
@@ -90,7 +91,7 @@ def shrink(
         loss_fn = distill.loss_with_teacher(teacher, t["temperature"], t["distill"])
         retrain = hooks.retrain
         hooks = dataclasses.replace(
-            hooks, retrain=lambda m, e, lr, _=None: retrain(m, e, lr, loss_fn)
+            hooks, retrain=lambda m, e, lr, _=None, data=None: retrain(m, e, lr, loss_fn, data)
         )
     p = recipe["prune"]
     if p["enabled"]:
@@ -107,7 +108,7 @@ def shrink(
     _account(stages, entries, layer_info, baseline["bytes"], recipe)
     if recipe["huffman"]["enabled"]:
         ts = time.perf_counter()
-        path = out_dir / "model.dcz"
+        path = out_dir / "student.dcz"
         meta = {**(metadata or {}), "test_accuracy": stages[-1]["test_accuracy"]}
         stats = archive.write(path, entries, spec, meta)
         decoded = archive.read(path)

@@ -174,11 +174,11 @@ def test_decode_of_a_user_model_archive_needs_and_takes_model(run, tmp_path, use
         "-q",
     )
     assert result.exit_code == 0, result.stderr
-    result = run("decode", tmp_path / "s" / "model.dcz", "--out", tmp_path / "d.pt")
+    result = run("decode", tmp_path / "s" / "student.dcz", "--out", tmp_path / "d.pt")
     _one_line(result, 2, "pass --model odd_models:Net")
     result = run(
         "decode",
-        tmp_path / "s" / "model.dcz",
+        tmp_path / "s" / "student.dcz",
         "--out",
         tmp_path / "d.pt",
         "--model",

@@ -15,9 +15,7 @@ def _commands():
 
 def test_readme_opens_with_run_and_test_commands():
     run, test = _commands()[:2]
-    assert (
-        "pip install torch==2.13.0" in run and "compress train" in run and "compress shrink" in run
-    )
+    assert "pip install torch==2.13.0" in run and run.endswith("compress demo")
     assert "pip install torch==2.13.0" in test and "pytest" in test
 
 

@@ -156,3 +156,50 @@ def test_shared_conv_with_folded_batchnorm_keeps_its_values_per_channel(tmp_path
     assert checks["conv.weight"]["distinct_values_per_channel"] <= 4
     # BatchNorm folding scales each channel: the whole tensor has more values than one channel.
     assert checks["conv.weight"]["distinct_values"] > 4
+
+
+def test_an_opset_the_runtime_cannot_load_is_refused_before_any_work():
+    E.runtime_runs(18)  # what we export by default loads
+    with pytest.raises(E.InputError, match="opset 99: ONNX Runtime .* cannot run it"):
+        E.runtime_runs(99)
+    with pytest.raises(E.InputError, match="opset 30 is out of range"):
+        E.check_runtime_opset(30)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such file"),
+        (b"hello", "not a .npy array"),
+        ("object", "holds Python objects"),  # pickles are refused (allow_pickle=False)
+        ("empty", "is empty"),
+        ("strings", "needs a float array"),
+        ("1d", "needs a float array"),
+        ("uint8", "needs a float array of inputs scaled as in training"),
+        ("nan", "holds NaN or infinite values"),
+    ],
+)
+def test_calibration_files(tmp_path, content, message):
+    path = tmp_path / "c.npy"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content == "object":
+        np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    elif content == "empty":
+        np.save(path, np.zeros((0, 1, 8, 8), np.float32))
+    elif content == "strings":
+        np.save(path, np.array([["a", "b"]]))
+    elif content == "1d":
+        np.save(path, np.zeros(5, np.float32))
+    elif content == "uint8":
+        np.save(path, np.zeros((2, 1, 8, 8), np.uint8))
+    elif content == "nan":
+        np.save(path, np.full((2, 1, 8, 8), np.nan, np.float32))
+    with pytest.raises(E.InputError, match=message):
+        E.load_calibration(path)
+
+
+def test_calibration_file_loads_as_float32(tmp_path):
+    np.save(tmp_path / "c.npy", np.ones((3, 1, 8, 8), np.float64))
+    x = E.load_calibration(tmp_path / "c.npy")
+    assert x.dtype == np.float32 and x.shape == (3, 1, 8, 8)

@@ -75,7 +75,9 @@ def test_shrink_json_and_files(trained):
     for s in report["stages"]:
         assert {"name", "bytes", "ratio", "test_accuracy"} <= s.keys()
     a = report["archive"]
-    assert a["path"] == str(out / "model.dcz") and a["bytes"] == (out / "model.dcz").stat().st_size
+    assert (
+        a["path"] == str(out / "student.dcz") and a["bytes"] == (out / "student.dcz").stat().st_size
+    )
     assert a["ratio"] == pytest.approx(report["baseline"]["bytes"] / a["bytes"])
     assert a["bytes"] <= 1.02 * a["entropy_bound_bytes"]
     for s in report["stages"]:  # every stage against the same dense FP32 baseline
@@ -83,7 +85,7 @@ def test_shrink_json_and_files(trained):
     ratios = [s["ratio"] for s in report["stages"]]
     assert ratios == sorted(ratios) and ratios[-1] > 15
     assert {r["name"] for r in report["layers"]} == {"fc1.weight", "fc2.weight", "fc3.weight"}
-    for name in ("model.dcz", "model.pt", "report.json", "report.md"):
+    for name in ("student.dcz", "student.pt", "report.json", "report.md"):
         assert (out / name).is_file()
     for png in ("weights_histogram.png", "kept_per_layer.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -110,8 +112,8 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     assert isinstance(onnx["int8"]["fp32_nodes"], dict)
     assert onnx["int8"]["quantizable_nodes"] == 3  # fc1..fc3
     assert onnx["int8"]["int8_nodes"] == 3 - len(onnx["int8"]["fp32_nodes"])
-    assert report["ort"]["bytes"] == (out / "model.int8.ort").stat().st_size
-    assert (out / "model.int8.required_operators.config").is_file()
+    assert report["ort"]["bytes"] == (out / "student.int8.ort").stat().st_size
+    assert (out / "student.int8.required_operators.config").is_file()
     assert report["mobile"]["nnapi"] in ("yes", "partial", "no")
     assert "## ONNX" in (out / "report.md").read_text()
     fixed = report["mobile_fixed_batch"]
@@ -123,7 +125,7 @@ def test_index_bits_count_escapes(trained):
     _, out, report = trained
     from compressor import huffman
 
-    state = checkpoint.load(out / "model.pt").state_dict
+    state = checkpoint.load(out / "student.pt").state_dict
     for row in report["layers"]:
         positions = torch.nonzero(state[row["name"]].flatten()).flatten().numpy()
         gaps = huffman.encode_gaps(positions, 5)  # the recipe's fixed FC width
@@ -153,7 +155,7 @@ def test_prune_stage_bytes_do_not_depend_on_later_stages(run, trained, tmp_path)
 
 def test_compressed_model_obeys_its_recipe(trained):
     _, out, report = trained
-    state = checkpoint.load(out / "model.pt").state_dict
+    state = checkpoint.load(out / "student.pt").state_dict
     for row in report["layers"]:
         w = state[row["name"]]
         assert int((w != 0).sum()) == row["kept"]
@@ -164,9 +166,9 @@ def test_compressed_model_obeys_its_recipe(trained):
 
 def test_decode_reproduces_the_weights_bit_for_bit(run, trained):
     folder, out, _ = trained
-    result = run("decode", out / "model.dcz", "--out", folder / "decoded.pt", "--json")
+    result = run("decode", out / "student.dcz", "--out", folder / "decoded.pt", "--json")
     assert result.exit_code == 0, result.stderr
-    a = checkpoint.load(out / "model.pt").state_dict
+    a = checkpoint.load(out / "student.pt").state_dict
     b = checkpoint.load(folder / "decoded.pt").state_dict
     assert list(a) == list(b) and all(bits_equal(a[k], b[k]) for k in a)
     assert result.json()["checkpoint"] == str(folder / "decoded.pt")
@@ -229,6 +231,21 @@ def _write_recipe(tmp_path, text):
         ("include_bias not bool", "prune.include_bias = 'no' is impossible"),
         ("bits 13", "quantize.fc_bits = 13 is impossible"),
         ("out holds a folder named like an output", "report.json there is not a regular file"),
+        ("out in a missing folder", "does not exist; create it first"),
+        ("opset the exporter and runtime cannot run", "export.opset = 30 is impossible"),
+        (
+            "calibration of the wrong shape",
+            "inputs of shape (1, 28, 28), the model takes (1, 8, 8)",
+        ),
+        ("calibration empty", "is empty; give at least one input sample"),
+        ("calibration not an array", "not a .npy array"),
+        ("student of another input shape", "do not fit model fixed:Wide"),
+        ("student with another class count", "predicts 3 classes"),
+        ("ensemble member of another input shape", "was built for (1, 16, 16)"),
+        ("hint layer missing", "has no layer 'nope'"),
+        ("hint without teacher layer", "hint_student and distill.hint_teacher go together"),
+        ("transfer unknown", "distill.transfer = 'gan' is impossible"),
+        ("labels zero", "distill.labels = 0 is impossible"),
     ],
 )
 def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
@@ -286,6 +303,46 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
         out = (ro if os.geteuid() != 0 else Path("/sys")) / "out"
     elif case == "out is a file":
         out.write_text("")
+    elif case == "out in a missing folder":
+        out = tmp_path / "missing" / "out"
+    elif case == "opset the exporter and runtime cannot run":
+        args += ["--opset", "30"]
+    elif case.startswith("calibration"):
+        import numpy as np
+
+        calib = tmp_path / "c.npy"
+        if case == "calibration of the wrong shape":
+            np.save(calib, np.zeros((4, 1, 28, 28), np.float32))
+        elif case == "calibration empty":
+            np.save(calib, np.zeros((0, 1, 8, 8), np.float32))
+        else:
+            calib.write_text("not numpy")
+        args += ["--calibration", calib]
+    elif case in ("student of another input shape", "student with another class count"):
+        (tmp_path / "fixed.py").write_text(
+            "from torch import nn\n"
+            "class Three(nn.Sequential):  # 8x8 inputs, 3 classes\n"
+            "    def __init__(self):\n        super().__init__(nn.Flatten(), nn.Linear(64, 3))\n"
+            "class Wide(nn.Sequential):  # 28x28 inputs, 10 classes\n"
+            "    def __init__(self):\n        super().__init__(nn.Flatten(), nn.Linear(784, 10))\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        args += ["--student", "fixed:Three" if "class" in case else "fixed:Wide"]
+    elif case == "ensemble member of another input shape":
+        big = tmp_path / "big.pt"
+        r = run("train", "--model", "mlp", "--data", "digits:16", "--epochs", "1", "--out", big)
+        assert r.exit_code == 0
+        args += ["--student", "mlp", "--teacher", big]
+    elif case == "hint layer missing":
+        args += _write_recipe(
+            tmp_path, '[distill]\nstudent = "mlp"\nhint_student = "nope"\nhint_teacher = "fc1"\n'
+        )
+    elif case == "hint without teacher layer":
+        args += _write_recipe(tmp_path, '[distill]\nstudent = "mlp"\nhint_student = "fc1"\n')
+    elif case == "transfer unknown":
+        args += _write_recipe(tmp_path, '[distill]\nstudent = "mlp"\ntransfer = "gan"\n')
+    elif case == "labels zero":
+        args += _write_recipe(tmp_path, '[distill]\nstudent = "mlp"\nlabels = 0\n')
     before = {p.name for p in tmp_path.iterdir()}
     result = run("shrink", *args, "--out", out, "--json")
     assert result.exit_code == 2, result.stderr
@@ -308,7 +365,7 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
 def test_decode_bad_archives(run, tmp_path, trained, damage, message):
     _, out, _ = trained
     bad = tmp_path / "bad.dcz"
-    bad.write_bytes(damage((out / "model.dcz").read_bytes()))
+    bad.write_bytes(damage((out / "student.dcz").read_bytes()))
     result = run("decode", bad, "--out", tmp_path / "m.pt")
     assert result.exit_code == 2
     assert result.stderr.startswith("error: ") and message in result.stderr
@@ -326,31 +383,83 @@ def test_decode_newer_version(run, tmp_path):
     assert result.exit_code == 2 and "newer than this compress reads" in result.stderr
 
 
-def test_shrink_distils_the_teacher_into_a_student(run, trained, tmp_path):
+def test_shrink_distils_the_teacher_into_an_int8_student(run, trained, tmp_path):
+    """The whole pipeline from a teacher checkpoint: every output file and the JSON contract."""
+    import onnx
+    import onnxruntime as ort
+
     folder, _, _ = trained
     (tmp_path / "d.toml").write_text(
-        '[distill]\nstudent = "mlp"\nstudent_kwargs = {hidden = [32]}\nepochs = 3\n'
-        + FAST
-        + "[export]\nint8 = false\nort = false\n"
+        '[distill]\nepochs = 3\ntransfer = "mixup"\ntransfer_size = 0.5\n'
+        'hint_student = "fc1"\nhint_teacher = "fc2"\nhint_epochs = 1\n' + FAST
     )
+    out = tmp_path / "s"
     result = run(
         "shrink",
         folder / "lenet300.pt",
+        "--student",
+        "mlp",
+        "--student-kwargs",
+        '{"hidden": [32]}',
         "--recipe",
         tmp_path / "d.toml",
         "--out",
-        tmp_path / "s",
+        out,
         "--json",
         "-q",
     )
     assert result.exit_code == 0, result.stderr
     r = result.json()
-    assert r["student"]["name"] == "mlp" and r["teacher"]["members"] == 1
-    assert r["student"]["parameters"] * 10 < r["teacher"]["parameters"]
-    assert r["student"]["test_accuracy"] > 0.5  # far above chance (0.1) after 3 epochs
-    assert r["baseline"]["parameters"] == r["student"]["parameters"]
-    assert checkpoint.load(tmp_path / "s" / "model.pt").spec.name == "mlp"
-    assert "Distilled" in (tmp_path / "s" / "report.md").read_text()
+    for name in (
+        "student.pt",
+        "student.dcz",
+        "student.fp32.onnx",
+        "student.int8.onnx",
+        "student.int8.ort",
+        "student.int8.required_operators.config",
+        "report.json",
+        "report.md",
+        "weights_histogram.png",
+        "kept_per_layer.png",
+    ):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for kind in ("fp32", "int8"):
+        o = r["onnx"][kind]
+        assert o["path"] == str(out / f"student.{kind}.onnx")
+        assert o["bytes"] == (out / f"student.{kind}.onnx").stat().st_size
+        assert 0.5 < o["test_accuracy"] <= 1
+    i8 = r["onnx"]["int8"]
+    assert {"top1_agreement", "max_abs_diff", "fp32_nodes", "top1_agreement_fp32"} <= i8.keys()
+    assert i8["top1_agreement"] >= 0.95 and i8["bytes"] < r["onnx"]["fp32"]["bytes"]
+    assert r["ort"] == {**r["ort"], "path": str(out / "student.int8.ort")}
+    assert r["ort"]["bytes"] == (out / "student.int8.ort").stat().st_size
+    assert {"nnapi", "coreml"} <= r["mobile"].keys()
+    st, te = r["student"], r["teacher"]
+    assert st["name"] == "mlp" and st["distilled"] and te["name"] == "lenet300"
+    assert st["parameters"] * 10 < te["parameters"] and te["members"] == 1
+    assert st["test_accuracy"] == r["stages"][-1]["test_accuracy"]
+    assert st["dense_test_accuracy"] == r["baseline"]["test_accuracy"] > 0.5
+    assert r["hint"]["loss_after"] < r["hint"]["loss_before"]
+    n = 1437  # digits training images
+    assert r["transfer"]["examples"] == n + round(0.5 * n) and r["transfer"]["kind"] == "mixup"
+    # The INT8 file passes the checker, runs in a plain session at batch 1 and 7.
+    onnx.checker.check_model(onnx.load(str(out / "student.int8.onnx")), full_check=True)
+    session = ort.InferenceSession(str(out / "student.int8.onnx"))
+    name = session.get_inputs()[0].name
+    for batch in (1, 7):
+        x = torch.rand(batch, 1, 8, 8).numpy()
+        assert session.run(None, {name: x})[0].shape == (batch, 10)
+    assert checkpoint.load(out / "student.pt").spec.name == "mlp"
+    md = (out / "report.md").read_text()
+    assert "Distilled" in md and "FitNets hint" in md and "Transfer set (mixup)" in md
+
+
+def test_shrink_without_a_student_reports_the_model_as_teacher_and_student(trained):
+    _, _, r = trained
+    assert r["teacher"]["name"] == r["student"]["name"] == "lenet300"
+    assert not r["student"]["distilled"]
+    assert r["teacher"]["test_accuracy"] == r["baseline"]["test_accuracy"]
+    assert r["student"]["test_accuracy"] == r["stages"][-1]["test_accuracy"]
 
 
 def test_ensemble_members_must_agree(run, trained, tmp_path):
