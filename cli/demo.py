@@ -2,8 +2,8 @@
 
 Trains a VGG teacher (4.7M parameters, 3 epochs), distils it into LeNet-5 (131K parameters at
 8x8), compresses the student (prune, k-means sharing, Huffman archive), exports FP32 and INT8
-ONNX plus the .ort file for mobile, then times the teacher in PyTorch against the student in
-ONNX Runtime at batch 1. About 35 s on 2 cores.
+ONNX plus the .ort file for mobile, then benchmarks the teacher in PyTorch against the student's
+ONNX files in ONNX Runtime (`compress bench`'s method) at batch 1. About 35 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-import torch
 
 from cli import render
 from cli.main import emit_json, json_option
 from cli.shrink import json_view, run_shrink
-from compressor import benchmark, pipeline
+from compressor import benchmark, envinfo, pipeline, variants
 from compressor import recipe as recipe_mod
 from distrib.job import TrainJob, run
 from distrib.trainer import TrainConfig
-from models import checkpoint
 from models import data as data_mod
 
 TEACHER = {"model": "vgg", "epochs": 3}
@@ -70,30 +68,35 @@ def demo(out: Path, quiet: bool, as_json: bool) -> None:
     )
     if not quiet:
         render.stderr.print("3/3 timing teacher (PyTorch) against student (ONNX Runtime)")
-    report["latency_ms_batch1"] = _latency(teacher_path, report)
+    bench = _bench(teacher_path, report, quiet)
+    by = {r["model"]: r["p50_ms"] for r in bench["results"]}
+    report["latency_ms_batch1"] = {
+        "teacher_pytorch": by.get("teacher.pt"),
+        "student_onnx_fp32": by.get("student.fp32.onnx"),
+        "student_onnx_int8": by.get("student.int8.onnx"),
+    }
     report["teacher"]["path"] = str(teacher_path)
     report["teacher"]["bytes"] = 4 * report["teacher"]["parameters"]  # FP32 weights (the .pt
     # file also holds the optimizer state, for --resume)
     if as_json:
-        emit_json({**json_view(report), "latency_ms_batch1": report["latency_ms_batch1"]})
+        emit_json(
+            {**json_view(report), "latency_ms_batch1": report["latency_ms_batch1"], "bench": bench}
+        )
     else:
         render.shrink_summary(report)
-        render.demo_summary(report)
+        render.bench_table(bench)
 
 
-def _latency(teacher_path: Path, report: dict) -> dict[str, float]:
-    """Batch-1 p50 latency, one thread, interleaved: teacher in PyTorch eager FP32, student in
-    PyTorch and in ONNX Runtime (FP32 and INT8 files)."""
-    teacher = checkpoint.load(teacher_path).build_model()
-    student = checkpoint.load(Path(report["files"][0]).parent / "student.pt").build_model()
-    x = data_mod.load("digits").x_test[:1]
-    names = ["teacher_pytorch", "student_pytorch"]
-    with benchmark.torch_threads(1):
-        runners = [benchmark.torch_runner(teacher, x), benchmark.torch_runner(student, x)]
-        for kind in ("fp32", "int8"):
-            if kind in report.get("onnx", {}):
-                names.append(f"student_onnx_{kind}")
-                runners.append(benchmark.onnx_runner(report["onnx"][kind]["path"], x.numpy()))
-        with torch.inference_mode():
-            times = benchmark.p50_ms(runners, seconds=2.0)
-    return dict(zip(names, times, strict=True))
+def _bench(teacher_path: Path, report: dict, quiet: bool) -> dict:
+    """`compress bench` of teacher (PyTorch), student FP32 ONNX and INT8 ONNX: batch 1, one
+    thread, interleaved, with accuracy and agreement on the digits test set."""
+    folder = teacher_path.parent / "student"
+    files = [teacher_path] + [folder / f"student.{k}.onnx" for k in ("fp32", "int8")]
+    ds = data_mod.load("digits")
+    models = [variants.load(p, data=ds) for p in files if p.is_file()]
+    runnable = [v for v in variants.variants(models, ["torch", "cpu"])[0] if v.precision != "bf16"]
+    info = (lambda m: None) if quiet else render.stderr.print
+    results, _, extra = benchmark.measure(
+        runnable, benchmark.BenchConfig(batches=(1,), threads=(1,), min_seconds=2.0), ds, info
+    )
+    return {"environment": envinfo.environment(), **extra, "results": results, "skipped": []}

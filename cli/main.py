@@ -124,14 +124,13 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from cli import demo, shrink, train, unavailable
+    from cli import bench, demo, shrink, train
 
     cli.add_command(train.train)
     cli.add_command(shrink.shrink)
     cli.add_command(shrink.decode)
     cli.add_command(demo.demo)
-    for command in unavailable.COMMANDS:
-        cli.add_command(command)
+    cli.add_command(bench.bench)
 
 
 _register()

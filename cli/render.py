@@ -11,9 +11,12 @@ from rich.table import Table
 
 from distrib.trainer import EpochRecord, Events, TrainResult
 
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+# markup=False: paths and labels such as "[fp32]" are text, never rich markup.
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 # Off a terminal (pipes, CI logs) rich assumes 80 columns; tables read better wider.
-stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 130)
+stdout = Console(
+    highlight=False, soft_wrap=True, markup=False, width=None if sys.stdout.isatty() else 200
+)
 
 
 class TrainProgress(Events):
@@ -178,48 +181,51 @@ def shrink_summary(report: dict) -> None:
     stdout.print("wrote " + ", ".join(Path(f).name for f in report.get("files", [])))
 
 
-def demo_summary(report: dict) -> None:
-    """Teacher against shipped student: size, accuracy, batch-1 latency."""
-    t, st = report["teacher"], report["student"]
-    lat = report["latency_ms_batch1"]
-    table = Table(title="compress demo: teacher vs student", title_justify="left")
-    for col in (
-        "model",
-        "runtime",
-        "parameters",
-        "bytes",
-        "test acc",
-        "batch-1 ms",
-        "speed-up",
-    ):
-        table.add_column(col, justify="right")
-    base = lat["teacher_pytorch"]
-    table.add_row(
-        f"teacher {t['name']}",
-        "PyTorch FP32",
-        f"{t['parameters']:,}",
-        f"{t['bytes']:,}",
-        f"{t['test_accuracy']:.2%}",
-        f"{base:.3f}",
-        "1.0×",
+def bench_table(bench: dict) -> None:
+    env = bench["environment"]
+    versions = env.get("versions", {})
+    stdout.print(
+        f"{env.get('cpu_model')}, {env.get('logical_cores')} logical cores; torch "
+        f"{versions.get('torch')}, onnxruntime {versions.get('onnxruntime')}; {env.get('date')}"
     )
-    rows = [("student_pytorch", "PyTorch FP32", None)]
-    rows += [(f"student_onnx_{k}", f"ORT {k.upper()}", k) for k in ("fp32", "int8")]
-    for key, runtime, kind in rows:
-        if key not in lat:
-            continue
-        o = report["onnx"][kind] if kind else None
+    table = Table(title="compress bench: p50 with its 95% bootstrap CI", title_justify="left")
+    cols = ("model", "prec", "runtime", "batch", "thr", "p50 ms", "95% CI", "p99 ms", "items/s")
+    cols += ("speed-up", "cold ms", "file bytes", "G(FL)OP/s", "% peak", "acc", "agree")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("model", "runtime") else "right")
+    for r in bench["results"]:
+        lo, hi = r["p50_ci_ms"]
+        acc, agr = r.get("test_accuracy"), r.get("top1_agreement")
         table.add_row(
-            f"student {st['name']}",
-            runtime,
-            f"{st['parameters']:,}",
-            f"{o['bytes']:,}"
-            if o
-            else f"{report['archive']['bytes']:,} (.dcz)"
-            if "archive" in report
-            else "–",
-            f"{(o or st)['test_accuracy']:.2%}",
-            f"{lat[key]:.3f}",
-            f"{base / lat[key]:.1f}×",
+            r["model"],
+            r["precision"],
+            r["provider"].replace("ExecutionProvider", "").replace("CPU", "ORT-CPU"),
+            str(r["batch"]),
+            str(r["threads"] or "all"),
+            f"{r['p50_ms']:.3f}",
+            f"{lo:.3f}-{hi:.3f}",
+            f"{r['p99_ms']:.3f}",
+            f"{r['throughput_per_s']:,.0f}",
+            f"{r['speedup_vs_first']:.1f}×",
+            f"{r['cold_start_ms']:.0f}",
+            f"{r['bytes']:,}",
+            f"{r['gflops']:.1f}" if r.get("gflops") is not None else "–",
+            f"{r['peak_fraction']:.0%}" if r.get("peak_fraction") is not None else "–",
+            f"{acc:.2%}" if acc is not None else "–",
+            f"{agr:.2%}" if agr is not None else "–",
         )
     stdout.print(table)
+    stdout.print("speed-up: against the first row of the same batch and threads")
+    peaks = bench.get("peaks", {})
+    for t, p in peaks.items():
+        stdout.print(
+            f"peak, {t} thread(s): FP32 matmul {p['fp32_gflops']:.0f} GFLOP/s, INT8 matmul "
+            f"{p['int8_gops']:.0f} GOP/s (% peak: INT8 rows against INT8, others FP32)"
+        )
+    for r in bench["results"]:
+        for note in r["notes"]:
+            stdout.print(f"note: {r['model']} batch {r['batch']}: {note}")
+    for name, p in bench.get("profiles", {}).items():
+        stdout.print(f"profile {name}: " + ", ".join(p["top"]))
+    for s in bench.get("skipped", []):
+        stdout.print(f"skipped: {s['model']} [{s['precision']}] on {s['provider']}: {s['reason']}")

@@ -1,28 +1,40 @@
 """Latency measurement: the same method for every runtime, so numbers compare side by side.
 
-Each variant is a zero-argument callable that runs one inference. After warm-up, the variants
-run interleaved (A B C A B C ...) until both a time budget and a minimum number of runs are
-reached, so drift of the machine (frequency, other load) hits all of them alike. Used by
-`shrink`'s latency-aware precision choice and by `compress demo`.
+Each variant becomes a runner: a zero-argument call that runs one inference and returns its own
+duration in seconds (wall clock on CPU; CUDA events after synchronisation on GPU, with inputs
+already on the device). After warm-up, the runners of one grid cell run interleaved
+(A B C A B C ...) until both `min_seconds` and `min_runs` are reached, so drift of the machine
+(frequency, other load) hits all alike. `shrink`'s latency-aware precision choice and
+`compress demo` use the same loop through `p50_ms`.
+
+`measure` is `compress bench`: the (threads x batch) grid over the variants of
+`compressor.variants`, each cell summarised by `compressor.stats` (p50/p90/p99, bootstrap CI
+of p50, throughput), with session cold-start time, MACs and achieved GFLOP/s against the
+CPU's measured matmul peak, and accuracy / top-1 agreement with the first model on a data set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from models.errors import InputError
+
 
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
-    """Run PyTorch on `n` intra-op threads inside the block (restored after)."""
+    """Run PyTorch on `n` intra-op threads inside the block (restored after); 0: all cores."""
     before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    torch.set_num_threads(n or os.cpu_count() or 1)
     try:
         yield
     finally:
@@ -42,37 +54,376 @@ def torch_runner(model: nn.Module, x: torch.Tensor) -> Callable[[], object]:
 
 def onnx_runner(path: Path, x: np.ndarray, threads: int = 1) -> Callable[[], object]:
     """One `session.run` of the ONNX (or .ort) file on ORT's CPU provider."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    session = _session(path, ["CPUExecutionProvider"], threads)
     feed = {session.get_inputs()[0].name: x}
     return lambda: session.run(None, feed)
 
 
-def interleaved(
-    runners: list[Callable[[], object]],
-    seconds: float = 0.6,
+def _session(path: Path, providers: list[str], threads: int):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads  # 0: ORT's default, one per physical core
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=providers)
+
+
+def _timed(call: Callable[[], object]) -> Callable[[], float]:
+    def run() -> float:
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def interleaved_timed(
+    runners: list[Callable[[], float]],
+    min_seconds: float = 0.6,
     min_runs: int = 30,
     warmup: int = 10,
 ) -> list[np.ndarray]:
-    """Per-call seconds of each runner, measured interleaved after `warmup` calls each."""
+    """Seconds per call of each runner (each returns its own duration), interleaved after
+    `warmup` calls each, until `min_seconds` of wall time and `min_runs` runs each."""
     for run in runners:
         for _ in range(warmup):
             run()
     times: list[list[float]] = [[] for _ in runners]
-    end = time.perf_counter() + seconds
+    end = time.perf_counter() + min_seconds
     while time.perf_counter() < end or len(times[0]) < min_runs:
         for t, run in zip(times, runners, strict=True):
-            t0 = time.perf_counter()
-            run()
-            t.append(time.perf_counter() - t0)
+            t.append(run())
     return [np.asarray(t) for t in times]
 
 
-def p50_ms(runners: list[Callable[[], object]], seconds: float = 0.6) -> list[float]:
-    """Median latency (ms) of each runner, measured interleaved."""
-    return [1000 * float(np.median(t)) for t in interleaved(runners, seconds)]
+def interleaved(
+    calls: list[Callable[[], object]], seconds: float = 0.6, min_runs: int = 30, warmup: int = 10
+) -> list[np.ndarray]:
+    """`interleaved_timed` for plain calls, timed by wall clock."""
+    return interleaved_timed([_timed(c) for c in calls], seconds, min_runs, warmup)
+
+
+def p50_ms(calls: list[Callable[[], object]], seconds: float = 0.6) -> list[float]:
+    """Median latency (ms) of each call, measured interleaved."""
+    return [1000 * float(np.median(t)) for t in interleaved(calls, seconds)]
+
+
+# --- compress bench -------------------------------------------------------------------------
+
+
+class Skip(Exception):
+    """A variant that cannot run here (e.g. CUDA fell back to CPU); the message says why."""
+
+
+@dataclass
+class Prepared:
+    run: Callable[[], float]  # one timed inference at the cell's batch
+    predict: Callable[[np.ndarray], np.ndarray]  # logits for any batch
+    cold_start_ms: float  # load + first inference
+
+
+def prepare(variant, batch: int, threads: int, x: np.ndarray) -> Prepared:
+    """A runner for `variant` at `batch` (input `x`) and `threads` (0 = all cores)."""
+    if variant.runtime == "torch":
+        return _prepare_torch(variant, x)
+    return _prepare_ort(variant, threads, x)
+
+
+def _prepare_torch(variant, x: np.ndarray) -> Prepared:
+    from models import checkpoint
+
+    t0 = time.perf_counter()
+    net = checkpoint.load(variant.model.path).build_model(
+        variant.model.spec,
+        allow_import=True,  # already allowed when the model was described
+    )
+    device = variant.device
+    net = net.to(device).eval()
+    xt = torch.from_numpy(x).to(device)
+    autocast = (
+        torch.autocast(device, dtype=torch.bfloat16)
+        if variant.precision == "bf16"
+        else contextlib.nullcontext()
+    )
+
+    def forward(inp: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), autocast:
+            return net(inp)
+
+    forward(xt)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    cold = 1000 * (time.perf_counter() - t0)
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def run() -> float:
+            start.record()
+            forward(xt)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+
+    else:
+        run = _timed(lambda: forward(xt))
+
+    def predict(a: np.ndarray) -> np.ndarray:
+        return forward(torch.from_numpy(a).to(device)).float().cpu().numpy()
+
+    return Prepared(run, predict, cold)
+
+
+def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
+    from compressor.variants import PROVIDERS
+
+    provider = PROVIDERS[variant.runtime]
+    providers = (
+        [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+    )
+    t0 = time.perf_counter()
+    session = _session(variant.model.path, providers, threads)
+    got = session.get_providers()[0]
+    if got != provider:  # a failed CUDA/TensorRT load falls back to CPU without an error
+        raise Skip(f"{provider} failed to load and ONNX Runtime fell back to {got}")
+    name = session.get_inputs()[0].name
+    session.run(None, {name: x})
+    cold = 1000 * (time.perf_counter() - t0)
+    if provider == "CPUExecutionProvider":
+        feed = {name: x}
+        run = _timed(lambda: session.run(None, feed))
+    else:  # inputs and outputs bound on the device, so the copy is not timed
+        import onnxruntime as ort
+
+        binding = session.io_binding()
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0))
+        binding.bind_output(session.get_outputs()[0].name, "cuda")
+
+        def call() -> None:
+            session.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+
+        run = _timed(call)
+
+    def predict(a: np.ndarray) -> np.ndarray:
+        out = [session.run(None, {name: a[i : i + 256]})[0] for i in range(0, len(a), 256)]
+        return np.concatenate(out)
+
+    return Prepared(run, predict, cold)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    batches: tuple[int, ...] = (1,)
+    threads: tuple[int, ...] = (1,)
+    min_runs: int = 50
+    min_seconds: float = 1.0
+    warmup: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise InputError(
+                f"--batch {','.join(map(str, self.batches))}: give sizes >= 1, e.g. 1,64"
+            )
+        if not self.threads or any(t < 0 for t in self.threads):
+            raise InputError(
+                f"--threads {','.join(map(str, self.threads))}: give counts >= 0 (0 = all cores)"
+            )
+        if self.min_runs < 1 or self.min_seconds < 0:
+            raise InputError("--min-runs must be >= 1 and --min-seconds >= 0")
+
+
+def measure(
+    variants: list,
+    cfg: BenchConfig,
+    data=None,
+    progress: Callable[[str], None] = lambda message: None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Run the grid. Returns (results, skipped, extra) where `extra` holds the peak probe."""
+    from compressor import envinfo, stats
+
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    peaks: dict[int, float] = {}
+    rng = np.random.default_rng(cfg.seed)
+    for v in variants:  # every input shape checked before any work
+        _shape(v, data)
+    accuracy = _accuracy(variants, data, skipped, progress) if data is not None else {}
+    live = [v for v in variants if v.name not in {s["variant"] for s in skipped}]
+    for threads in cfg.threads:
+        n = threads or os.cpu_count() or 1
+        peaks[threads] = {
+            "fp32_gflops": envinfo.matmul_peak_gflops(seconds=0.3, threads=n),
+            "int8_gops": envinfo.int8_peak_gops(seconds=0.3, threads=n),
+        }
+        with torch_threads(threads):
+            for batch in cfg.batches:
+                progress(f"batch {batch}, threads {threads or 'all'}: {len(live)} variants")
+                cell, ready = [], []
+                for v in live:
+                    x = rng.random((batch, *_shape(v, data)), dtype=np.float32)
+                    try:
+                        ready.append(prepare(v, batch, threads, x))
+                        cell.append(v)
+                    except Skip as e:
+                        skipped.append(_skip(v, str(e)))
+                times = (
+                    interleaved_timed(
+                        [p.run for p in ready], cfg.min_seconds, cfg.min_runs, cfg.warmup
+                    )
+                    if ready
+                    else []
+                )
+                first = None
+                for v, p, t in zip(cell, ready, times, strict=True):
+                    row = _row(v, batch, threads, stats.summarize(t, batch), p, accuracy)
+                    macs = _macs(v, batch, data)
+                    row["macs"] = macs
+                    first = first or row["p50_ms"]
+                    row["speedup_vs_first"] = first / row["p50_ms"]
+                    if macs:
+                        row["gflops"] = 2 * macs / (row["p50_ms"] / 1000) / 1e9
+                        # INT8 against the INT8 matmul peak; FP32 (and bf16) against FP32's
+                        peak = peaks[threads][
+                            "int8_gops" if v.precision == "int8" else "fp32_gflops"
+                        ]
+                        row["peak_fraction"] = row["gflops"] / peak
+                    results.append(row)
+    _explain(results, variants)
+    return results, skipped, {"peaks": {str(k): v for k, v in peaks.items()}}
+
+
+def _shape(v, data) -> tuple[int, ...]:
+    shape = v.model.in_shape
+    if data is not None:
+        if shape is not None and tuple(shape) != tuple(data.in_shape):
+            raise InputError(
+                f"{v.model.path}: takes inputs of shape {tuple(shape)}, --data {data.spec} gives "
+                f"{tuple(data.in_shape)}; give matching data"
+            )
+        return tuple(data.in_shape)
+    if shape is None:
+        raise InputError(
+            f"{v.model.path}: its input shape is not fixed in the file; pass --data SPEC"
+        )
+    return tuple(shape)
+
+
+def _skip(v, reason: str) -> dict[str, Any]:
+    return {
+        "variant": v.name,
+        "model": v.model.label,
+        "provider": v.provider,
+        "precision": v.precision,
+        "reason": reason,
+    }
+
+
+def _accuracy(variants, data, skipped, progress) -> dict[str, dict[str, float]]:
+    """Test accuracy of each variant on its own runtime, and top-1 agreement with the first."""
+    progress(f"accuracy on {data.spec} ({len(data.y_test)} test images)")
+    x, y = data.x_test.numpy(), data.y_test.numpy()
+    out: dict[str, dict[str, float]] = {}
+    reference = None
+    for v in variants:
+        _shape(v, data)
+        try:
+            logits = prepare(v, 1, 0, x[:1]).predict(x)
+        except Skip as e:
+            skipped.append(_skip(v, str(e)))
+            continue
+        pred = logits.argmax(1)
+        if reference is None:
+            reference = pred
+        out[v.name] = {
+            "test_accuracy": float(np.mean(pred == y)),
+            "top1_agreement": float(np.mean(pred == reference)),
+        }
+    return out
+
+
+def _row(v, batch, threads, summary, p: Prepared, accuracy) -> dict[str, Any]:
+    m = v.model
+    return {
+        "model": m.label,
+        "path": str(m.path),
+        "format": m.format,
+        "precision": v.precision,
+        "provider": v.provider,
+        "batch": batch,
+        "threads": threads,
+        **summary,
+        "cold_start_ms": p.cold_start_ms,
+        "bytes": m.bytes,
+        "parameters": m.parameters,
+        "test_accuracy": accuracy.get(v.name, {}).get("test_accuracy"),
+        "top1_agreement": accuracy.get(v.name, {}).get("top1_agreement"),
+        "notes": [],
+    }
+
+
+def _macs(v, batch: int, data) -> int | None:
+    from compressor import flops
+
+    m = v.model
+    try:
+        if m.format == "pytorch":
+            x = torch.zeros((batch, *_shape(v, data)))
+            net = m.state
+            return flops.torch_macs(net, x)
+        if m.format == "onnx":
+            return flops.onnx_macs(m.path, batch)
+    except Exception:  # counting is informative only; a model it cannot count gets none
+        return None
+    return None  # .ort files keep no ONNX graph to count
+
+
+def _explain(results: list[dict[str, Any]], variants) -> None:
+    """Mark INT8 rows slower than their FP32 sibling (same folder, provider, batch, threads)
+    and name the operators that dominate both (ORT's profiler)."""
+    from compressor import ortprofile
+    from compressor.export import clearly_faster
+
+    by_key = {}
+    for r in results:
+        by_key[
+            (
+                Path(r["path"]).parent,
+                r["format"],
+                r["precision"],
+                r["provider"],
+                r["batch"],
+                r["threads"],
+            )
+        ] = r
+    for r in results:
+        if r["precision"] != "int8" or r["format"] != "onnx":
+            continue
+        key = (Path(r["path"]).parent, "onnx", "fp32", r["provider"], r["batch"], r["threads"])
+        fp32 = by_key.get(key)
+        if fp32 is None:
+            continue
+        r["vs_fp32"] = fp32["p50_ms"] / r["p50_ms"]
+        if clearly_faster(fp32["p50_ms"], r["p50_ms"]) and r["provider"] == "CPUExecutionProvider":
+            shape = None
+            try:
+                import onnxruntime as ort
+
+                inp = ort.InferenceSession(
+                    r["path"], providers=["CPUExecutionProvider"]
+                ).get_inputs()[0]
+                shape = [r["batch"], *inp.shape[1:]]
+                x = np.random.default_rng(0).random(shape, dtype=np.float32)
+                top_i = ortprofile.top_ops(
+                    ortprofile.profile_ops(Path(r["path"]), x, threads=r["threads"] or 0)
+                )
+                top_f = ortprofile.top_ops(
+                    ortprofile.profile_ops(Path(fp32["path"]), x, threads=r["threads"] or 0)
+                )
+            except Exception as e:  # the explanation is a bonus; the measurement stands
+                top_i = top_f = [f"profile failed: {type(e).__name__}"]
+            r["notes"].append(
+                f"INT8 {r['p50_ms'] / fp32['p50_ms']:.2f}x slower than FP32: time in INT8 "
+                f"{', '.join(top_i)}; in FP32 {', '.join(top_f)}"
+            )

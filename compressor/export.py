@@ -460,3 +460,38 @@ def _find_weight(inits: dict[str, np.ndarray], name: str, w: torch.Tensor):
         if key.replace("/", ".").endswith(name) and arr.shape == tuple(w.shape):
             return arr, arr.dtype == np.int8
     return None
+
+
+def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
+    """What ONNX Runtime gives without compress: `quantize_dynamic` (int8 weights, activations
+    quantized at run time) and `quantize_static` with all its defaults (QDQ, int8 activations
+    and weights, per-tensor, MinMax), calibrated on `calib`, both after `quant_pre_process`."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic, quantize_static
+
+    stem = Path(fp32).name.removesuffix(".onnx").removesuffix(".fp32")
+    dynamic = out_dir / f"{stem}.ort-dynamic.onnx"
+    static = out_dir / f"{stem}.ort-static-default.onnx"
+    name = _check_calibration(fp32, calib)
+    with tempfile.TemporaryDirectory() as tmp, _root_log_quiet():
+        # ORT's shape pre-processing first, as its docs ask (the dynamo exporter's shape
+        # annotations otherwise trip its shape inference); the quantizers then run on defaults.
+        prepared = preprocess(fp32, Path(tmp) / "prepared.onnx")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            quantize_dynamic(str(prepared), str(dynamic), weight_type=QuantType.QInt8)
+            quantize_static(str(prepared), str(static), _reader(calib, name))
+    return [dynamic, static]
+
+
+@contextlib.contextmanager
+def _root_log_quiet():
+    """ORT's quantizer warns through the root logger, which Python prints to stderr when no
+    handler is configured; the library stays silent."""
+    import logging
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)

@@ -165,7 +165,7 @@ def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.vlines(h["centroids"], 0, top * 0.3, colors="crimson", label="fine-tuned centroids")
         ax.set(title=f"{h['layer']}: weights and shared values", xlabel="weight", ylabel="count")
         ax.legend(fontsize=8)
-        written.append(_save(fig, out_dir / "weights_histogram.png"))
+        written.append(save_figure(fig, out_dir / "weights_histogram.png"))
         plt.close(fig)
     rows = report["layers"]
     if rows:
@@ -182,12 +182,12 @@ def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
             )
         ax.set(xlim=(0, 110), xlabel="weights kept (%)", title="Weights kept per layer")
         ax.invert_yaxis()
-        written.append(_save(fig, out_dir / "kept_per_layer.png"))
+        written.append(save_figure(fig, out_dir / "kept_per_layer.png"))
         plt.close(fig)
     return written
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)

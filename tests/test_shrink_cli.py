@@ -391,7 +391,9 @@ def test_shrink_distils_the_teacher_into_an_int8_student(run, trained, tmp_path)
     folder, _, _ = trained
     (tmp_path / "d.toml").write_text(
         '[distill]\nepochs = 3\ntransfer = "mixup"\ntransfer_size = 0.5\n'
-        'hint_student = "fc1"\nhint_teacher = "fc2"\nhint_epochs = 1\n' + FAST
+        'hint_student = "fc1"\nhint_teacher = "fc2"\nhint_epochs = 1\n'
+        + FAST
+        + "[export]\nlatency_aware = false\n"  # the chooser is tested on the fixture's run
     )
     out = tmp_path / "s"
     result = run(

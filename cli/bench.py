@@ -1,0 +1,163 @@
+"""`compress bench`: flags -> variants -> the measured grid -> a table, JSON, report, plot."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import click
+
+from cli import render
+from cli.main import emit_json, json_option
+from compressor import benchmark, benchreport, envinfo, variants
+from compressor import export as export_mod
+from models import data as data_mod
+from models.errors import InputError
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise InputError(
+            f"{flag} {text!r}: give whole numbers separated by commas, e.g. 1,64"
+        ) from None
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  compress bench student/ --data digits                  # every model in a shrink folder
+  compress bench teacher.pt student/ --batch 1,64 --threads 1,0 --json
+  compress bench model.fp32.onnx --baselines --data digits --report bench.md --plot bench.png
+"""
+)
+@click.argument(
+    "models", nargs=-1, required=True, metavar="MODEL...", type=click.Path(path_type=Path)
+)
+@click.option("--data", default=None, metavar="SPEC", help="Test set for accuracy and agreement.")
+@click.option("--batch", "batch_text", default="1,64", show_default=True, help="Batch sizes.")
+@click.option(
+    "--threads",
+    "threads_text",
+    default="1",
+    show_default=True,
+    help="Thread counts (0 = all cores).",
+)
+@click.option(
+    "--providers",
+    default="torch,cpu,cuda,tensorrt",
+    show_default=True,
+    help="Runtimes: torch (PyTorch eager), cpu, cuda, tensorrt (ONNX Runtime providers).",
+)
+@click.option("--min-runs", type=int, default=50, show_default=True, help="Timed runs per cell.")
+@click.option(
+    "--min-seconds", type=float, default=1.0, show_default=True, help="Timed seconds per cell."
+)
+@click.option("--baselines", is_flag=True, help="Add ORT's quantize_dynamic/quantize_static.")
+@click.option("--profile", is_flag=True, help="Per-operator profile of each ONNX model.")
+@click.option("--model", default=None, help="Model name, for a bare state_dict checkpoint.")
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a Markdown report.",
+)
+@click.option(
+    "--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG figure."
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@json_option
+def bench(
+    models: tuple[Path, ...],
+    data: str | None,
+    batch_text: str,
+    threads_text: str,
+    providers: str,
+    min_runs: int,
+    min_seconds: float,
+    baselines: bool,
+    profile: bool,
+    model: str | None,
+    report_path: Path | None,
+    plot_path: Path | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Latency, throughput, size and accuracy of models across runtimes, measured alike."""
+    cfg = benchmark.BenchConfig(
+        batches=_ints(batch_text, "--batch"),
+        threads=_ints(threads_text, "--threads"),
+        min_runs=min_runs,
+        min_seconds=min_seconds,
+    )
+    runtimes = variants.parse_providers(providers)
+    for path, flag in ((report_path, "--report"), (plot_path, "--plot")):
+        if path is not None:
+            from models.fileio import check_writable
+
+            check_writable(path, flag)
+    ds = data_mod.load(data) if data else None
+    info = (lambda m: None) if quiet else (lambda m: render.stderr.print(m))
+    with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
+        described = [variants.load(p, model, ds) for p in variants.expand(list(models))]
+        if baselines:
+            described += _baselines(described, ds, Path(tmp), info)
+        runnable, skipped = variants.variants(described, runtimes)
+        results, more, extra = benchmark.measure(runnable, cfg, ds, info)
+        profiles = _profiles(described, cfg, ds) if profile else {}
+    result = {
+        "environment": envinfo.environment(),
+        **extra,
+        "results": results,
+        "skipped": skipped + more,
+        "profiles": profiles,
+    }
+    if report_path:
+        benchreport.write_markdown(result, report_path)
+    if plot_path:
+        benchreport.plot(result, plot_path)
+    if as_json:
+        emit_json(result)
+    else:
+        render.bench_table(result)
+
+
+def _baselines(described, ds, tmp: Path, info) -> list:
+    """ORT's own quantizers on each FP32 ONNX input, calibrated on training images."""
+    import numpy as np
+
+    out = []
+    for m in described:
+        if m.format != "onnx" or m.precision != "fp32":
+            continue
+        if ds is not None:
+            pick = np.random.default_rng(0).permutation(len(ds.y_train))[:256]
+            calib = ds.x_train.numpy()[pick]
+        elif m.in_shape is not None:
+            calib = np.random.default_rng(0).random((64, *m.in_shape), dtype=np.float32)
+        else:
+            raise InputError(f"--baselines: {m.path} has no fixed input shape; pass --data SPEC")
+        info(f"baselines: ORT quantize_dynamic and default quantize_static of {m.label}")
+        for path in export_mod.ort_baselines(m.path, tmp, calib):
+            b = variants.load(path)
+            b.label = f"{m.label} → {path.name.split('.')[-2]}"
+            out.append(b)
+    return out
+
+
+def _profiles(described, cfg, ds) -> dict:
+    import numpy as np
+
+    from compressor import ortprofile
+
+    out = {}
+    for m in described:
+        if m.format != "onnx":
+            continue
+        shape = tuple(ds.in_shape) if ds is not None else m.in_shape
+        x = np.random.default_rng(0).random((cfg.batches[0], *shape), dtype=np.float32)
+        p = ortprofile.profile_ops(m.path, x, threads=cfg.threads[0])
+        out[m.label] = {**p, "top": ortprofile.top_ops(p, 5)}
+    return out

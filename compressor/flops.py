@@ -1,0 +1,191 @@
+"""Multiply-accumulate (MAC) counts of one forward pass, from a PyTorch model or an ONNX file,
+so a benchmark can report MACs, FLOPs and the GFLOP/s a runtime achieves.
+
+Only the layers that dominate inference count: convolutions and matrix products (Conv,
+Linear; in ONNX Conv, ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger, QLinearMatMul).
+Elementwise work (bias adds, BatchNorm, activations, pooling, quantize/dequantize) is not a MAC
+and is left out on both sides, so `torch_macs(model) == onnx_macs(exported file)`; a QDQ INT8
+file counts the same as its FP32 source, since its Conv/MatMul nodes keep their shapes.
+
+FLOPs = 2 x MACs (one multiply and one add per MAC), the convention of most papers.
+
+Limits: `torch_macs` sees layers through their `forward` (hooks), so a bare `torch.matmul` in a
+user's `forward`, or a layer whose weight is used without calling it (nn.MultiheadAttention's
+out_proj), is not counted; transposed convolutions are not counted on either side; `onnx_macs`
+reads the main graph only (no If/Loop bodies).
+
+onnx is imported inside functions, so `import compressor.flops` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.errors import InputError
+
+# ONNX op -> index of its weight input (the tensor whose shape gives the work per output).
+CONV_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3}
+# ONNX op -> index of its right-hand input.
+MATMUL_OPS = {"MatMul": 1, "MatMulInteger": 1, "QLinearMatMul": 3}
+
+
+def flops(macs: int) -> int:
+    """FLOPs of `macs` multiply-accumulates: one multiply and one add each."""
+    return 2 * macs
+
+
+# --- PyTorch --------------------------------------------------------------------------------
+
+
+def _conv_macs(module: nn.Module, output: torch.Tensor) -> int:
+    # Each output element sums over (in_channels / groups) x kernel products.
+    per_out = module.in_channels // module.groups * math.prod(module.kernel_size)
+    return output.numel() * per_out
+
+
+def _linear_macs(module: nn.Module, output: torch.Tensor) -> int:
+    # output.numel() = rows x out_features, each a dot product of length in_features.
+    return output.numel() * module.in_features
+
+
+def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
+    """MACs of one forward pass of `model` on `example` (at the example's batch size).
+
+    Counted with forward hooks on Conv1d/2d/3d and Linear modules, parametrized ones included
+    (a parametrization subclasses the layer's class). A module called twice counts twice. The
+    model runs once without autograd in eval mode; its train/eval flags are restored after, so
+    BatchNorm statistics are left as they were.
+    """
+    counts: list[int] = []
+
+    def hook(module, _inputs, output):
+        if isinstance(module, nn.Linear):
+            counts.append(_linear_macs(module, output))
+        else:
+            counts.append(_conv_macs(module, output))
+
+    handles = []
+    flags = {m: m.training for m in model.modules()}
+    try:
+        for m in model.modules():
+            is_conv = isinstance(m, nn.modules.conv._ConvNd) and not m.transposed
+            if is_conv or isinstance(m, nn.Linear):
+                handles.append(m.register_forward_hook(hook))
+        model.eval()
+        with torch.no_grad():
+            model(example)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in flags.items():
+            m.training = training
+    return int(sum(counts))
+
+
+# --- ONNX -----------------------------------------------------------------------------------
+
+
+def _fix_batch(model, batch: int) -> None:
+    """Make every symbolic (or 0) input dim `batch`, and forget the exporter's symbolic shapes
+    so inference recomputes every intermediate from concrete inputs."""
+    inits = {i.name for i in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name in inits:  # old IRs list initializers as inputs; they have real shapes
+            continue
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") or dim.dim_value == 0:
+                dim.dim_value = batch  # setting the value clears the dim_param (a oneof)
+    del model.graph.value_info[:]
+    for value in model.graph.output:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param"):
+                dim.Clear()  # unknown: inference fills it in without a symbolic conflict
+
+
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    """Concrete shape of every value whose dims are all known."""
+    graph = model.graph
+    out: dict[str, tuple[int, ...]] = {i.name: tuple(i.dims) for i in graph.initializer}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        tt = value.type.tensor_type
+        if not tt.HasField("shape"):
+            continue
+        dims = tt.shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            out.setdefault(value.name, tuple(d.dim_value for d in dims))
+    for node in graph.node:  # Constant nodes: their value's shape
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    out.setdefault(node.output[0], tuple(a.t.dims))
+    return out
+
+
+def _node_macs(node, shapes: dict[str, tuple[int, ...]], path: Path) -> int:
+    op = node.op_type
+
+    def shape(name: str) -> tuple[int, ...]:
+        if name not in shapes:
+            raise InputError(
+                f"{path}: the shape of {name!r} (input/output of {op} node {node.name!r}) is "
+                "unknown after shape inference; export the model with static shapes"
+            )
+        return shapes[name]
+
+    out = shape(node.output[0])
+    if op in CONV_OPS:
+        # W is (M, C/group, k1, k2, ...): each output element costs prod(W.shape[1:]) MACs,
+        # which already accounts for groups (depthwise: C/group = 1).
+        w = shape(node.input[CONV_OPS[op]])
+        return math.prod(out) * math.prod(w[1:])
+    if op == "Gemm":
+        a = shape(node.input[0])
+        trans_a = any(at.name == "transA" and at.i for at in node.attribute)
+        k = a[0] if trans_a else a[1]
+        return math.prod(out) * k  # Y is (M, N); transB only changes B's layout
+    # MatMul family: Y holds the broadcast batch dims and (M, N); each element is a length-K
+    # dot product, K being A's last dim (a 1-D A is a vector of length K).
+    a = shape(node.input[0])
+    return math.prod(out) * a[-1]
+
+
+def onnx_macs(path: Path | str, batch: int) -> int:
+    """MACs of one forward pass of the ONNX file at `path` for inputs of batch size `batch`.
+
+    Symbolic (or 0) input dims become `batch`, then `onnx.shape_inference` (with data
+    propagation, for exporters that compute Reshape targets from Shape) gives every shape.
+    Counts Conv, ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger and QLinearMatMul nodes
+    of the main graph; in a QDQ file DequantizeLinear -> Conv is still one Conv, counted once.
+    """
+    import onnx
+
+    path = Path(path)
+    if not isinstance(batch, int) or batch < 1:
+        raise InputError(f"{path}: batch {batch!r} must be a whole number >= 1")
+    if not path.is_file():
+        raise InputError(f"{path}: no such file; give an .onnx model")
+    try:
+        model = onnx.load(str(path))
+    except Exception as e:
+        raise InputError(
+            f"{path}: not an ONNX model ({type(e).__name__}); give an .onnx file"
+        ) from None
+    _fix_batch(model, batch)
+    try:
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception as e:
+        msg = " ".join(str(e).split())[:160]
+        raise InputError(f"{path}: shape inference failed at batch {batch} ({msg})") from None
+    shapes = _shapes(model)
+    counted = {*CONV_OPS, "Gemm", *MATMUL_OPS}
+    return int(
+        sum(
+            _node_macs(node, shapes, path)
+            for node in model.graph.node
+            if node.op_type in counted and node.domain in ("", "ai.onnx")
+        )
+    )

@@ -1,0 +1,264 @@
+"""What `compress bench` measures: model files turned into runnable variants.
+
+An input is a `.pt` checkpoint, an `.onnx` or `.ort` file, or a `compress shrink` output folder
+(then every model in it: `student.pt`, `student.fp32.onnx`, `student.int8.onnx`,
+`student.int8.ort`). Each file becomes one `Model` (format, precision, bytes, parameters,
+input shape), and each model on each runtime one `Variant`: PyTorch eager FP32 (and bf16 where
+the CPU has native bf16), ONNX Runtime on the CPU provider, and on CUDA/TensorRT when present.
+A runtime that is asked for but missing is returned as a skip with its reason, never an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models import checkpoint
+from models.errors import InputError
+from models.zoo import ModelSpec
+
+SHRINK_FILES = ("student.pt", "student.fp32.onnx", "student.int8.onnx", "student.int8.ort")
+SUFFIXES = (".pt", ".onnx", ".ort")
+# --providers names -> ONNX Runtime execution providers; "torch" runs PyTorch eager.
+PROVIDERS = {
+    "torch": None,
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+_QUANT_OPS = {
+    "QuantizeLinear",
+    "DequantizeLinear",
+    "QLinearConv",
+    "QLinearMatMul",
+    "ConvInteger",
+    "MatMulInteger",
+    "DynamicQuantizeLinear",
+}
+
+
+@dataclass
+class Model:
+    """One model file."""
+
+    path: Path
+    format: str  # "pytorch" | "onnx" | "ort"
+    precision: str  # "fp32" | "int8"
+    bytes: int
+    parameters: int | None
+    in_shape: tuple[int, ...] | None  # without the batch axis; None: unknown (dynamic dims)
+    label: str  # short name for tables: "student.int8.onnx", "teacher.pt"
+    spec: ModelSpec | None = None
+    state: Any = None  # the checkpoint, for PyTorch models
+
+
+@dataclass
+class Variant:
+    """A model on one runtime: what one row of the bench table measures."""
+
+    model: Model
+    runtime: str  # "torch" | "cpu" | "cuda" | "tensorrt" (keys of PROVIDERS)
+    precision: str  # the model's, or "bf16" for PyTorch autocast
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def provider(self) -> str:
+        if self.runtime == "torch":
+            return f"pytorch-{self.device}"
+        return PROVIDERS[self.runtime]
+
+    @property
+    def name(self) -> str:
+        return f"{self.model.label} [{self.precision}, {self.provider}]"
+
+
+def parse_providers(text: str) -> list[str]:
+    """`torch,cpu,cuda` -> the runtime names, refusing unknown ones."""
+    names = [p.strip().lower() for p in text.split(",") if p.strip()]
+    aliases = {v.lower(): k for k, v in PROVIDERS.items() if v}
+    out = []
+    for n in names:
+        n = aliases.get(n.lower(), n)
+        if n not in PROVIDERS:
+            raise InputError(
+                f"--providers: unknown provider {n!r}; give some of {', '.join(PROVIDERS)}"
+            )
+        out.append(n)
+    if not out:
+        raise InputError(f"--providers: empty; give some of {', '.join(PROVIDERS)}")
+    return list(dict.fromkeys(out))
+
+
+def expand(paths: list[Path]) -> list[Path]:
+    """Files to measure, folders expanded to the shrink outputs they hold, in a stable order."""
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            found = [p / n for n in SHRINK_FILES if (p / n).is_file()]
+            if not found:
+                raise InputError(
+                    f"{p}: a folder without compress shrink outputs ({', '.join(SHRINK_FILES)})"
+                )
+            out += found
+        elif not p.exists():
+            raise InputError(f"{p}: no such file or folder")
+        elif p.suffix not in SUFFIXES:
+            raise InputError(
+                f"{p}: unknown file type {p.suffix or '(none)'}; give a .pt checkpoint, an "
+                ".onnx or .ort file, or a compress shrink folder"
+            )
+        else:
+            out.append(p)
+    return list(dict.fromkeys(out))
+
+
+def load(path: Path, model: str | None = None, data=None) -> Model:
+    """Describe one model file (InputError for a file that cannot be benchmarked). `model`
+    names the class of a bare state_dict (with `data`, a Dataset, for its shapes)."""
+    data_shape = tuple(data.in_shape) if data is not None else None
+    size = path.stat().st_size
+    label = path.name
+    if path.suffix == ".pt":
+        ck = checkpoint.load(path)
+        spec = ck.spec
+        if spec is None:
+            if not model:
+                raise InputError(
+                    f"{path}: a bare state_dict does not name its model; pass --model NAME"
+                )
+            from models import zoo
+
+            if data is None:
+                raise InputError(f"{path}: a bare state_dict with --model also needs --data SPEC")
+            spec = zoo.resolve_spec(model, {}, data_shape, data.num_classes)
+        net = ck.build_model(spec, allow_import=model == spec.name)
+        shape = tuple(spec.kwargs.get("in_shape") or ()) or (
+            tuple(net.in_shape) if hasattr(net, "in_shape") else data_shape
+        )
+        params = sum(p.numel() for p in net.parameters())
+        return Model(path, "pytorch", "fp32", size, params, shape, label, spec, net)
+    return _onnx_model(path, size, label)
+
+
+def _onnx_model(path: Path, size: int, label: str) -> Model:
+    import onnx
+
+    if path.suffix == ".ort":
+        session = _ort_session(path)
+        dims = session.get_inputs()[0].shape[1:]
+        shape = tuple(dims) if all(isinstance(d, int) for d in dims) else None
+        # The ORT format keeps no ONNX graph to inspect: the precision is in the name, which
+        # compress shrink writes (student.int8.ort).
+        precision = "int8" if ".int8" in path.name else "fp32"
+        return Model(path, "ort", precision, size, None, shape, label)
+    try:
+        proto = onnx.load(str(path))
+    except Exception as e:
+        raise InputError(
+            f"{path}: not an ONNX model ({type(e).__name__}); give a .onnx file"
+        ) from None
+    graph = proto.graph
+    init_names = {i.name for i in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in init_names]
+    if not inputs:
+        raise InputError(f"{path}: the model has no inputs to feed")
+    dims = inputs[0].type.tensor_type.shape.dim[1:]
+    shape = tuple(d.dim_value for d in dims) if all(d.HasField("dim_value") for d in dims) else None
+    ops = {n.op_type for n in graph.node}
+    precision = "int8" if ops & _QUANT_OPS else "fp32"
+    return Model(path, "onnx", precision, size, onnx_parameters(proto), shape, label)
+
+
+def onnx_parameters(proto) -> int:
+    """Weights and biases in the file: initializers, less quantization scales and zero points
+    (the second and third inputs of Q/DQ nodes) and shape constants (int64)."""
+    from onnx import TensorProto
+
+    aux = {
+        name
+        for n in proto.graph.node
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+        for name in n.input[1:]
+    }
+    total = 0
+    for t in proto.graph.initializer:
+        if t.name in aux or t.data_type == TensorProto.INT64:
+            continue
+        n = 1
+        for d in t.dims:
+            n *= d
+        total += n
+    return total
+
+
+def _ort_session(path: Path, providers=("CPUExecutionProvider",), threads: int = 1):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), opts, providers=list(providers))
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise InputError(f"{path}: ONNX Runtime cannot load it ({first})") from None
+
+
+def variants(models: list[Model], runtimes: list[str]) -> tuple[list[Variant], list[dict]]:
+    """Each model on each requested runtime that can run it; the rest as skips with a reason."""
+    import onnxruntime as ort
+    import torch
+
+    from compressor import envinfo
+
+    available = set(ort.get_available_providers())
+    out: list[Variant] = []
+    skipped: list[dict] = []
+
+    def skip(m: Model, runtime: str, reason: str, precision: str | None = None) -> None:
+        provider = PROVIDERS[runtime] or "pytorch-cpu"
+        if runtime == "cuda" and m.format == "pytorch":
+            provider = "pytorch-cuda"
+        skipped.append(
+            {
+                "variant": f"{m.label} [{precision or m.precision}, {provider}]",
+                "model": m.label,
+                "provider": provider,
+                "precision": precision or m.precision,
+                "reason": reason,
+            }
+        )
+
+    for m in models:
+        for rt in runtimes:
+            if m.format == "pytorch":
+                if rt == "torch":
+                    out.append(Variant(m, "torch", "fp32"))
+                    if envinfo.bf16_supported():
+                        out.append(Variant(m, "torch", "bf16"))
+                    else:
+                        skip(
+                            m,
+                            rt,
+                            "CPU has no native bf16 (avx512_bf16/AMX): it would be emulated",
+                            "bf16",
+                        )
+                elif rt == "cuda":
+                    if torch.cuda.is_available():
+                        out.append(Variant(m, "torch", "fp32", device="cuda"))
+                    else:
+                        skip(m, rt, "no CUDA device visible to PyTorch")
+                continue  # cpu/tensorrt are ONNX Runtime providers
+            if rt == "torch":
+                continue
+            provider = PROVIDERS[rt]
+            if provider not in available:
+                hint = " (install onnxruntime-gpu)" if rt in ("cuda", "tensorrt") else ""
+                skip(m, rt, f"onnxruntime {ort.__version__} has no {provider}{hint}")
+                continue
+            out.append(Variant(m, rt, m.precision))
+    return out, skipped

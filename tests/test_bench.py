@@ -1,0 +1,244 @@
+"""`compress bench`: the measuring loop, every input kind, the JSON contract, skips, bad input."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from compressor import benchmark, export, mobile, variants
+from models import ModelSpec, checkpoint, tiny
+
+RESULT_KEYS = {
+    "model",
+    "format",
+    "precision",
+    "provider",
+    "batch",
+    "threads",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "p50_ci_ms",
+    "throughput_per_s",
+    "bytes",
+    "parameters",
+    "test_accuracy",
+    "top1_agreement",
+    "runs",
+    "seconds",
+    "cold_start_ms",
+    "macs",
+    "speedup_vs_first",
+}
+FAST = ["--min-runs", "5", "--min-seconds", "0", "--providers", "torch,cpu,cuda,tensorrt"]
+
+
+def test_runs_are_interleaved_after_warmup():
+    calls = []
+
+    def runner(name):
+        def run():
+            calls.append(name)
+            return 0.001
+
+        return run
+
+    times = benchmark.interleaved_timed(
+        [runner("A"), runner("B"), runner("C")], min_seconds=0, min_runs=3, warmup=2
+    )
+    assert calls == ["A", "A", "B", "B", "C", "C"] + ["A", "B", "C"] * 3
+    assert [len(t) for t in times] == [3, 3, 3] and all(np.all(t == 0.001) for t in times)
+
+
+@pytest.fixture(scope="module")
+def shrunk(tmp_path_factory):
+    """A folder shaped like compress shrink's output: student.pt, FP32/INT8 ONNX, .ort."""
+    folder = tmp_path_factory.mktemp("bench") / "student"
+    folder.mkdir()
+    net = tiny("lenet5", in_shape=(1, 8, 8), num_classes=10, seed=0)
+    from models import zoo
+
+    spec = ModelSpec("lenet5", {**zoo._TINY["lenet5"], "in_shape": [1, 8, 8], "num_classes": 10})
+    checkpoint.save(folder / "student.pt", net, spec, {"data": "digits"})
+    x = torch.rand(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    fp32 = export.export_onnx(net, x[:2], folder / "student.fp32.onnx", export.ExportConfig())
+    prepared = export.preprocess(fp32, folder.parent / "prepared.onnx")
+    int8 = export.quantize_int8(
+        prepared, folder / "student.int8.onnx", x.numpy(), export.QuantConfig()
+    )
+    mobile.to_ort(int8, folder / "student.int8.ort")
+    return folder
+
+
+def test_bench_a_shrink_folder_json_report_and_plot(run, shrunk, tmp_path):
+    plot, report = tmp_path / "b.png", tmp_path / "b.md"
+    result = run(
+        "bench",
+        shrunk,
+        "--data",
+        "digits",
+        "--batch",
+        "1,3",
+        *FAST,
+        "--json",
+        "--plot",
+        plot,
+        "--report",
+        report,
+        "-q",
+    )
+    assert result.exit_code == 0, result.stderr
+    r = result.json()
+    assert {"cpu_model", "cpu_flags", "versions", "ort_providers", "date"} <= r[
+        "environment"
+    ].keys()
+    rows = r["results"]
+    for row in rows:
+        assert row.keys() >= RESULT_KEYS, RESULT_KEYS - row.keys()
+        lo, hi = row["p50_ci_ms"]
+        assert lo <= row["p50_ms"] <= hi and row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"]
+        assert row["throughput_per_s"] == pytest.approx(row["batch"] / (row["p50_ms"] / 1000))
+        assert row["runs"] >= 5 and row["bytes"] == Path(row["path"]).stat().st_size
+    kinds = {(row["model"], row["provider"]) for row in rows}
+    for name in ("student.fp32.onnx", "student.int8.onnx", "student.int8.ort"):
+        assert (name, "CPUExecutionProvider") in kinds
+    assert ("student.pt", "pytorch-cpu") in kinds
+    assert {row["batch"] for row in rows} == {1, 3}
+    # accuracy is measured per variant; agreement against the first model (student.pt)
+    first = [row for row in rows if row["model"] == "student.pt" and row["precision"] == "fp32"]
+    assert first[0]["top1_agreement"] == 1.0
+    fp32 = next(row for row in rows if row["model"] == "student.fp32.onnx")
+    assert fp32["top1_agreement"] == 1.0  # the same model, exported
+    assert fp32["macs"] == next(row for row in rows if row["model"] == "student.pt")["macs"]
+    # no GPU here: the GPU runtimes are listed as skipped with a reason, not errors
+    skipped = {(s["model"], s["provider"]) for s in r["skipped"]}
+    if not torch.cuda.is_available():
+        assert ("student.pt", "pytorch-cuda") in skipped
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+    md = report.read_text()
+    assert "## Environment" in md and "student.int8.onnx" in md and "p50" in md
+
+
+def test_bench_table_without_json(run, shrunk):
+    result = run("bench", shrunk / "student.fp32.onnx", "--batch", "1", *FAST)
+    assert result.exit_code == 0, result.stderr
+    assert "student.fp32.onnx" in result.stdout and "p50 ms" in result.stdout
+
+
+def test_a_provider_that_falls_back_to_cpu_is_reported_as_skipped(run, shrunk, monkeypatch):
+    """ORT silently runs on CPU when CUDA fails to load: that must be a skip, not a CUDA row."""
+    import onnxruntime as ort
+
+    real = ort.get_available_providers()
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *real])
+    result = run(
+        "bench",
+        shrunk / "student.fp32.onnx",
+        "--batch",
+        "1",
+        "--min-runs",
+        "3",
+        "--min-seconds",
+        "0",
+        "--providers",
+        "cpu,cuda",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    r = result.json()
+    assert {row["provider"] for row in r["results"]} == {"CPUExecutionProvider"}
+    reasons = [s["reason"] for s in r["skipped"] if s["provider"] == "CUDAExecutionProvider"]
+    assert reasons and "fell back to CPUExecutionProvider" in reasons[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+def test_gpu_variants_run_on_the_gpu(run, shrunk):
+    result = run("bench", shrunk / "student.pt", "--batch", "1", *FAST, "--json")
+    rows = result.json()["results"]
+    assert any(row["provider"] == "pytorch-cuda" for row in rows)
+
+
+def test_baselines_add_ort_quantizers(run, shrunk):
+    result = run(
+        "bench",
+        shrunk / "student.fp32.onnx",
+        "--baselines",
+        "--data",
+        "digits",
+        "--batch",
+        "1",
+        *FAST,
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    names = [row["model"] for row in result.json()["results"]]
+    assert any("ort-dynamic" in n for n in names) and any("ort-static-default" in n for n in names)
+
+
+def test_profile_names_operators(run, shrunk):
+    result = run(
+        "bench", shrunk / "student.int8.onnx", "--batch", "1", *FAST, "--profile", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    prof = result.json()["profiles"]["student.int8.onnx"]
+    assert prof["top"] and abs(sum(op["share"] for op in prof["ops"]) - 1) < 1e-6
+
+
+def _bare_state_dict(tmp_path):
+    torch.save(tiny("mlp").state_dict(), tmp_path / "bare.pt")
+    return tmp_path / "bare.pt"
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("unknown file type", "unknown file type .txt"),
+        (
+            "onnx shape vs data",
+            "takes inputs of shape (1, 8, 8), --data digits:28 gives (1, 28, 28)",
+        ),
+        ("batch 0", "--batch 0: give sizes >= 1"),
+        ("batch not a number", "give whole numbers separated by commas"),
+        ("bare state_dict", "a bare state_dict does not name its model; pass --model NAME"),
+        ("unknown provider", "unknown provider 'tpu'"),
+        ("missing file", "no such file or folder"),
+        ("folder without models", "a folder without compress shrink outputs"),
+        ("plot in a missing folder", "does not exist"),
+    ],
+)
+def test_bench_bad_input(run, shrunk, tmp_path, case, message):
+    args = [shrunk / "student.fp32.onnx"]
+    extra = ["--batch", "1", "--min-runs", "3", "--min-seconds", "0"]
+    if case == "unknown file type":
+        (tmp_path / "m.txt").write_text("x")
+        args = [tmp_path / "m.txt"]
+    elif case == "onnx shape vs data":
+        extra += ["--data", "digits:28"]
+    elif case == "batch 0":
+        extra = ["--batch", "0"]
+    elif case == "batch not a number":
+        extra = ["--batch", "one"]
+    elif case == "bare state_dict":
+        args = [_bare_state_dict(tmp_path)]
+    elif case == "unknown provider":
+        extra += ["--providers", "cpu,tpu"]
+    elif case == "missing file":
+        args = [tmp_path / "nope.onnx"]
+    elif case == "folder without models":
+        (tmp_path / "empty").mkdir()
+        args = [tmp_path / "empty"]
+    elif case == "plot in a missing folder":
+        extra += ["--plot", tmp_path / "no" / "b.png"]
+    result = run("bench", *args, *extra, "--json")
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert json.loads(result.stdout)["exit_code"] == 2
+
+
+def test_variant_parsing():
+    assert variants.parse_providers("CPU, cuda,CPUExecutionProvider") == ["cpu", "cuda"]
+    with pytest.raises(Exception, match="unknown provider"):
+        variants.parse_providers("npu")

@@ -1,0 +1,173 @@
+"""MAC counts against hand-computed references, and PyTorch against the exported ONNX files."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from compressor import export as E
+from compressor import flops as F
+from models import available, tiny
+from models.errors import InputError
+
+
+def _export(model: nn.Module, path: Path, shape: tuple[int, ...]) -> Path:
+    return E.export_onnx(model.eval(), torch.rand(2, *shape), path, E.ExportConfig())
+
+
+class ConvLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 5 * 5, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+# Per sample: conv 2 x 5 x 5 outputs x (1 x 3 x 3) = 450; fc 50 x 4 = 200.
+CONV_LINEAR_MACS = 450 + 200
+
+
+def test_conv_and_linear_by_hand(tmp_path):
+    model = ConvLinear()
+    assert F.torch_macs(model, torch.rand(1, 1, 5, 5)) == 650
+    assert F.torch_macs(model, torch.rand(2, 1, 5, 5)) == 1300
+    path = _export(model, tmp_path / "m.onnx", (1, 5, 5))
+    assert F.onnx_macs(path, 1) == CONV_LINEAR_MACS
+    assert F.onnx_macs(path, 2) == 1300
+    assert F.flops(650) == 1300
+
+
+def test_depthwise_groups_by_hand(tmp_path):
+    model = nn.Sequential(
+        nn.Conv2d(4, 4, 3, padding=1, groups=4),  # 4 x 6 x 6 outputs x (1 x 3 x 3) = 1296
+        nn.Conv2d(4, 8, 1),  # 8 x 6 x 6 outputs x 4 = 1152
+        nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2),  # 8 x 3 x 3 outputs x (4 x 9) = 2592
+    )
+    assert F.torch_macs(model, torch.rand(1, 4, 6, 6)) == 1296 + 1152 + 2592
+    path = _export(model, tmp_path / "dw.onnx", (4, 6, 6))
+    assert F.onnx_macs(path, 1) == 1296 + 1152 + 2592
+    assert F.onnx_macs(path, 3) == 3 * (1296 + 1152 + 2592)
+
+
+class Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_parametrized_layers_and_modes_are_kept():
+    model = nn.Sequential(ConvLinear(), nn.BatchNorm1d(4))
+    parametrize.register_parametrization(model[0].conv, "weight", Double())
+    parametrize.register_parametrization(model[0].fc, "weight", Double())
+    model.train()
+    before = model[1].running_mean.clone()
+    assert F.torch_macs(model, torch.rand(2, 1, 5, 5)) == 1300
+    assert model.training and model[0].conv.training
+    assert torch.equal(model[1].running_mean, before)  # ran in eval mode
+
+
+def test_a_layer_called_twice_counts_twice():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc(self.fc(x))
+
+    assert F.torch_macs(Twice(), torch.rand(5, 3)) == 2 * 5 * 3 * 3
+
+
+@pytest.fixture(scope="module")
+def zoo_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("zoo")
+    files = {}
+    for name in sorted(available()):
+        model = tiny(name, in_shape=(1, 8, 8)).eval()
+        files[name] = model, _export(model, folder / f"{name}.onnx", (1, 8, 8))
+    return files
+
+
+@pytest.mark.parametrize("name", sorted(available()))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_zoo_torch_matches_onnx(zoo_files, name, batch):
+    model, path = zoo_files[name]
+    got = F.onnx_macs(path, batch)
+    assert got > 0
+    assert got == F.torch_macs(model, torch.rand(batch, 1, 8, 8))
+    assert got == batch * F.onnx_macs(path, 1)
+
+
+def test_int8_qdq_counts_like_fp32(zoo_files, tmp_path):
+    import onnx
+
+    _, fp32 = zoo_files["mobilenet"]  # depthwise convolutions too
+    prepared = E.preprocess(fp32, tmp_path / "prepared.onnx")
+    calib = np.random.default_rng(0).random((16, 1, 8, 8), dtype=np.float32)
+    int8 = E.quantize_int8(prepared, tmp_path / "int8.onnx", calib, E.QuantConfig(calibration=16))
+    ops = [n.op_type for n in onnx.load(str(int8)).graph.node]
+    assert "DequantizeLinear" in ops and "Conv" in ops  # really a QDQ file
+    for batch in (1, 2):
+        assert F.onnx_macs(int8, batch) == F.onnx_macs(fp32, batch)
+
+
+def _onnx_file(path: Path, node, inputs, output, inits=()):
+    """A one-node model; the output's dims are left for shape inference to find."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, [None] * output[1])],
+        [numpy_helper.from_array(np.zeros(s, np.float32), n) for n, s in inits],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_matmul_broadcasts_batch_dims(tmp_path):
+    from onnx import helper
+
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    # (N, 3, 4, 5) @ (5, 6): B broadcasts over N x 3; N x 3 x 4 x 6 outputs, 5 MACs each.
+    path = _onnx_file(
+        tmp_path / "mm.onnx", node, [("a", ["N", 3, 4, 5])], ("y", 4), [("b", (5, 6))]
+    )
+    assert F.onnx_macs(path, 1) == 3 * 4 * 6 * 5
+    assert F.onnx_macs(path, 2) == 2 * 3 * 4 * 6 * 5
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    path = _onnx_file(
+        tmp_path / "bmm.onnx", node, [("a", ["N", 1, 4, 5]), ("b", [3, 5, 6])], ("y", 4)
+    )  # (N, 1, 4, 5) @ (3, 5, 6) -> (N, 3, 4, 6)
+    assert F.onnx_macs(path, 2) == 2 * 3 * 4 * 6 * 5
+
+
+@pytest.mark.parametrize("trans_a", [0, 1])
+def test_gemm_transposes(tmp_path, trans_a):
+    from onnx import helper
+
+    node = helper.make_node("Gemm", ["a", "b", "c"], ["y"], transA=trans_a, transB=1)
+    a = [5, "N"] if trans_a else ["N", 5]  # K = 5, M = N
+    path = _onnx_file(
+        tmp_path / "gemm.onnx", node, [("a", a)], ("y", 2), [("b", (7, 5)), ("c", (7,))]
+    )  # B is (N=7, K=5) with transB
+    assert F.onnx_macs(path, 3) == 3 * 5 * 7
+
+
+def test_onnx_macs_refuses_bad_input(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        F.onnx_macs(tmp_path / "missing.onnx", 1)
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(InputError, match="junk.onnx"):
+        F.onnx_macs(junk, 1)
+    with pytest.raises(InputError, match="batch"):
+        F.onnx_macs(junk, 0)
