@@ -101,7 +101,9 @@ def bench(
     ds = data_mod.load(data) if data else None
     info = (lambda m: None) if quiet else (lambda m: render.stderr.print(m))
     with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
-        described = [variants.load(p, model, ds) for p in variants.expand(list(models))]
+        described = variants.disambiguate(
+            [variants.load(p, model, ds) for p in variants.expand(list(models))]
+        )
         if baselines:
             described += _baselines(described, ds, Path(tmp), info)
         runnable, skipped = variants.variants(described, runtimes)
@@ -140,9 +142,12 @@ def _baselines(described, ds, tmp: Path, info) -> list:
         else:
             raise InputError(f"--baselines: {m.path} has no fixed input shape; pass --data SPEC")
         info(f"baselines: ORT quantize_dynamic and default quantize_static of {m.label}")
-        for path in export_mod.ort_baselines(m.path, tmp, calib):
+        folder = tmp / str(len(out))  # one folder per input: equal names never overwrite
+        folder.mkdir()
+        for path in export_mod.ort_baselines(m.path, folder, calib):
             b = variants.load(path)
             b.label = f"{m.label} → {path.name.split('.')[-2]}"
+            b.source = m.path  # its INT8 is compared with the FP32 file it came from
             out.append(b)
     return out
 
@@ -158,6 +163,6 @@ def _profiles(described, cfg, ds) -> dict:
             continue
         shape = tuple(ds.in_shape) if ds is not None else m.in_shape
         x = np.random.default_rng(0).random((cfg.batches[0], *shape), dtype=np.float32)
-        p = ortprofile.profile_ops(m.path, x, threads=cfg.threads[0])
+        p = ortprofile.profile_ops(m.path, x, threads=benchmark.resolve_threads(cfg.threads[0]))
         out[m.label] = {**p, "top": ortprofile.top_ops(p, 5)}
     return out

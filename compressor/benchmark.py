@@ -30,11 +30,22 @@ from torch import nn
 from models.errors import InputError
 
 
+def resolve_threads(n: int) -> int:
+    """0 means every core this process may run on (its CPU affinity); the same number then
+    goes to PyTorch, ONNX Runtime and the peak probes, and into the results."""
+    if n:
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run PyTorch on `n` intra-op threads inside the block (restored after); 0: all cores."""
     before = torch.get_num_threads()
-    torch.set_num_threads(n or os.cpu_count() or 1)
+    torch.set_num_threads(resolve_threads(n))
     try:
         yield
     finally:
@@ -63,9 +74,16 @@ def _session(path: Path, providers: list[str], threads: int):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads  # 0: ORT's default, one per physical core
+    opts.intra_op_num_threads = resolve_threads(threads)
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
+    if resolve_threads(threads) > 1:
+        # Idle ORT workers spin after each run by default, stealing cores from the next
+        # variant of an interleaved cell.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if providers[0] != "CPUExecutionProvider":
+        # A GPU row must run on the GPU: no silent per-node fallback to the CPU.
+        opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     return ort.InferenceSession(str(path), opts, providers=providers)
 
 
@@ -139,6 +157,9 @@ def _prepare_torch(variant, x: np.ndarray) -> Prepared:
         allow_import=True,  # already allowed when the model was described
     )
     device = variant.device
+    if device == "cuda":  # FP32 means FP32: no TF32 tensor-core math in the "fp32" rows
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     net = net.to(device).eval()
     xt = torch.from_numpy(x).to(device)
     autocast = (
@@ -169,7 +190,11 @@ def _prepare_torch(variant, x: np.ndarray) -> Prepared:
         run = _timed(lambda: forward(xt))
 
     def predict(a: np.ndarray) -> np.ndarray:
-        return forward(torch.from_numpy(a).to(device)).float().cpu().numpy()
+        chunks = [
+            forward(torch.from_numpy(a[i : i + 256]).to(device)).float().cpu().numpy()
+            for i in range(0, len(a), 256)
+        ]
+        return np.concatenate(chunks)
 
     return Prepared(run, predict, cold)
 
@@ -178,11 +203,22 @@ def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
     from compressor.variants import PROVIDERS
 
     provider = PROVIDERS[variant.runtime]
-    providers = (
-        [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
-    )
+    providers = {
+        "CPUExecutionProvider": ["CPUExecutionProvider"],
+        # No CPU EP on GPU rows: with CPU fallback disabled, ORT refuses a listed CPU EP.
+        "CUDAExecutionProvider": ["CUDAExecutionProvider"],
+        "TensorrtExecutionProvider": ["TensorrtExecutionProvider", "CUDAExecutionProvider"],
+    }[provider]
     t0 = time.perf_counter()
-    session = _session(variant.model.path, providers, threads)
+    try:
+        session = _session(variant.model.path, providers, threads)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        if provider == "CPUExecutionProvider":
+            raise InputError(
+                f"{variant.model.path}: ONNX Runtime cannot run it ({first})"
+            ) from None
+        raise Skip(f"{provider} cannot run it: {first}") from None
     got = session.get_providers()[0]
     if got != provider:  # a failed CUDA/TensorRT load falls back to CPU without an error
         raise Skip(f"{provider} failed to load and ONNX Runtime fell back to {got}")
@@ -205,8 +241,17 @@ def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
 
         run = _timed(call)
 
+    step = variant.model.fixed_batch or 256
+
     def predict(a: np.ndarray) -> np.ndarray:
-        out = [session.run(None, {name: a[i : i + 256]})[0] for i in range(0, len(a), 256)]
+        out = []
+        for i in range(0, len(a), step):
+            chunk = a[i : i + step]
+            if len(chunk) < step and variant.model.fixed_batch:  # pad to the file's batch
+                pad = np.zeros((step - len(chunk), *chunk.shape[1:]), chunk.dtype)
+                out.append(session.run(None, {name: np.concatenate([chunk, pad])})[0][: len(chunk)])
+            else:
+                out.append(session.run(None, {name: chunk})[0])
         return np.concatenate(out)
 
     return Prepared(run, predict, cold)
@@ -240,34 +285,46 @@ def measure(
     data=None,
     progress: Callable[[str], None] = lambda message: None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """Run the grid. Returns (results, skipped, extra) where `extra` holds the peak probe."""
+    """Run the grid. Returns (results, skipped, extra): `extra` holds the peak probes and which
+    variant the agreement and speed-up columns are measured against."""
     from compressor import envinfo, stats
 
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
-    peaks: dict[int, float] = {}
+    peaks: dict[int, dict[str, float]] = {}
     rng = np.random.default_rng(cfg.seed)
-    for v in variants:  # every input shape checked before any work
+    for v in variants:  # every input shape and batch checked before any work
         _shape(v, data)
-    accuracy = _accuracy(variants, data, skipped, progress) if data is not None else {}
-    live = [v for v in variants if v.name not in {s["variant"] for s in skipped}]
-    for threads in cfg.threads:
-        n = threads or os.cpu_count() or 1
+        fixed = v.model.fixed_batch
+        if fixed and any(b != fixed for b in cfg.batches):
+            raise InputError(
+                f"{v.model.path}: exported with a fixed batch of {fixed}; pass --batch {fixed} "
+                "or re-export it with a dynamic batch axis"
+            )
+    accuracy, reference = (
+        _accuracy(variants, data, skipped, progress) if data is not None else ({}, None)
+    )
+    gone = {s["variant"] for s in skipped}
+    live = [v for v in variants if v.name not in gone]
+    speed_reference = live[0].name if live else None
+    for requested in cfg.threads:
+        threads = resolve_threads(requested)
         peaks[threads] = {
-            "fp32_gflops": envinfo.matmul_peak_gflops(seconds=0.3, threads=n),
-            "int8_gops": envinfo.int8_peak_gops(seconds=0.3, threads=n),
+            "fp32_gflops": envinfo.matmul_peak_gflops(seconds=0.3, threads=threads),
+            "int8_gops": envinfo.int8_peak_gops(seconds=0.3, threads=threads),
         }
         with torch_threads(threads):
             for batch in cfg.batches:
-                progress(f"batch {batch}, threads {threads or 'all'}: {len(live)} variants")
+                progress(f"batch {batch}, threads {threads}: {len(live)} variants")
                 cell, ready = [], []
-                for v in live:
+                for v in list(live):
                     x = rng.random((batch, *_shape(v, data)), dtype=np.float32)
                     try:
                         ready.append(prepare(v, batch, threads, x))
                         cell.append(v)
-                    except Skip as e:
+                    except Skip as e:  # reported once; not retried in later cells
                         skipped.append(_skip(v, str(e)))
+                        live.remove(v)
                 times = (
                     interleaved_timed(
                         [p.run for p in ready], cfg.min_seconds, cfg.min_runs, cfg.warmup
@@ -278,9 +335,11 @@ def measure(
                 first = None
                 for v, p, t in zip(cell, ready, times, strict=True):
                     row = _row(v, batch, threads, stats.summarize(t, batch), p, accuracy)
+                    row["threads_requested"] = requested
                     macs = _macs(v, batch, data)
                     row["macs"] = macs
-                    first = first or row["p50_ms"]
+                    if v.name == speed_reference or first is None:
+                        first = first or row["p50_ms"]
                     row["speedup_vs_first"] = first / row["p50_ms"]
                     if macs:
                         row["gflops"] = 2 * macs / (row["p50_ms"] / 1000) / 1e9
@@ -290,8 +349,13 @@ def measure(
                         ]
                         row["peak_fraction"] = row["gflops"] / peak
                     results.append(row)
-    _explain(results, variants)
-    return results, skipped, {"peaks": {str(k): v for k, v in peaks.items()}}
+    _explain(results, data)
+    extra = {
+        "peaks": {str(k): v for k, v in peaks.items()},
+        "agreement_reference": reference,
+        "speedup_reference": speed_reference,
+    }
+    return results, skipped, extra
 
 
 def _shape(v, data) -> tuple[int, ...]:
@@ -320,27 +384,28 @@ def _skip(v, reason: str) -> dict[str, Any]:
     }
 
 
-def _accuracy(variants, data, skipped, progress) -> dict[str, dict[str, float]]:
-    """Test accuracy of each variant on its own runtime, and top-1 agreement with the first."""
+def _accuracy(variants, data, skipped, progress) -> tuple[dict[int, dict[str, float]], str]:
+    """Test accuracy of each variant on its own runtime, and its top-1 agreement with the first
+    variant that ran (named in the result, since a skipped first one moves it)."""
     progress(f"accuracy on {data.spec} ({len(data.y_test)} test images)")
     x, y = data.x_test.numpy(), data.y_test.numpy()
-    out: dict[str, dict[str, float]] = {}
-    reference = None
+    out: dict[int, dict[str, float]] = {}
+    reference = reference_name = None
     for v in variants:
-        _shape(v, data)
+        batch = v.model.fixed_batch or 1
         try:
-            logits = prepare(v, 1, 0, x[:1]).predict(x)
+            logits = prepare(v, batch, 0, x[:batch]).predict(x)
         except Skip as e:
             skipped.append(_skip(v, str(e)))
             continue
         pred = logits.argmax(1)
         if reference is None:
-            reference = pred
-        out[v.name] = {
+            reference, reference_name = pred, v.name
+        out[id(v)] = {
             "test_accuracy": float(np.mean(pred == y)),
             "top1_agreement": float(np.mean(pred == reference)),
         }
-    return out
+    return out, reference_name
 
 
 def _row(v, batch, threads, summary, p: Prepared, accuracy) -> dict[str, Any]:
@@ -348,6 +413,7 @@ def _row(v, batch, threads, summary, p: Prepared, accuracy) -> dict[str, Any]:
     return {
         "model": m.label,
         "path": str(m.path),
+        "source": str(m.source) if m.source else None,
         "format": m.format,
         "precision": v.precision,
         "provider": v.provider,
@@ -357,8 +423,8 @@ def _row(v, batch, threads, summary, p: Prepared, accuracy) -> dict[str, Any]:
         "cold_start_ms": p.cold_start_ms,
         "bytes": m.bytes,
         "parameters": m.parameters,
-        "test_accuracy": accuracy.get(v.name, {}).get("test_accuracy"),
-        "top1_agreement": accuracy.get(v.name, {}).get("top1_agreement"),
+        "test_accuracy": accuracy.get(id(v), {}).get("test_accuracy"),
+        "top1_agreement": accuracy.get(id(v), {}).get("top1_agreement"),
         "notes": [],
     }
 
@@ -379,51 +445,40 @@ def _macs(v, batch: int, data) -> int | None:
     return None  # .ort files keep no ONNX graph to count
 
 
-def _explain(results: list[dict[str, Any]], variants) -> None:
-    """Mark INT8 rows slower than their FP32 sibling (same folder, provider, batch, threads)
-    and name the operators that dominate both (ORT's profiler)."""
+def _explain(results: list[dict[str, Any]], data) -> None:
+    """Compare each INT8 row with the FP32 file it was made from (same provider, batch and
+    threads); when INT8 is slower, say so and name the operators that dominate both (ORT's
+    profiler)."""
     from compressor import ortprofile
     from compressor.export import clearly_faster
 
-    by_key = {}
+    rows = {(r["path"], r["provider"], r["batch"], r["threads"]): r for r in results}
     for r in results:
-        by_key[
-            (
-                Path(r["path"]).parent,
-                r["format"],
-                r["precision"],
-                r["provider"],
-                r["batch"],
-                r["threads"],
-            )
-        ] = r
-    for r in results:
-        if r["precision"] != "int8" or r["format"] != "onnx":
+        if r["precision"] != "int8" or not r.get("source"):
             continue
-        key = (Path(r["path"]).parent, "onnx", "fp32", r["provider"], r["batch"], r["threads"])
-        fp32 = by_key.get(key)
+        fp32 = rows.get((r["source"], r["provider"], r["batch"], r["threads"]))
         if fp32 is None:
             continue
         r["vs_fp32"] = fp32["p50_ms"] / r["p50_ms"]
-        if clearly_faster(fp32["p50_ms"], r["p50_ms"]) and r["provider"] == "CPUExecutionProvider":
-            shape = None
+        if not clearly_faster(fp32["p50_ms"], r["p50_ms"]):
+            continue
+        note = f"INT8 {r['p50_ms'] / fp32['p50_ms']:.2f}x slower than its FP32 file"
+        if r["provider"] == "CPUExecutionProvider" and r["format"] == "onnx":
             try:
-                import onnxruntime as ort
-
-                inp = ort.InferenceSession(
-                    r["path"], providers=["CPUExecutionProvider"]
-                ).get_inputs()[0]
-                shape = [r["batch"], *inp.shape[1:]]
+                shape = (r["batch"], *_input_shape(Path(r["path"]), data))
                 x = np.random.default_rng(0).random(shape, dtype=np.float32)
-                top_i = ortprofile.top_ops(
-                    ortprofile.profile_ops(Path(r["path"]), x, threads=r["threads"] or 0)
-                )
-                top_f = ortprofile.top_ops(
-                    ortprofile.profile_ops(Path(fp32["path"]), x, threads=r["threads"] or 0)
-                )
+                tops = [
+                    ortprofile.top_ops(ortprofile.profile_ops(Path(f), x, threads=r["threads"]))
+                    for f in (r["path"], fp32["path"])
+                ]
+                note += f": time in INT8 {', '.join(tops[0])}; in FP32 {', '.join(tops[1])}"
             except Exception as e:  # the explanation is a bonus; the measurement stands
-                top_i = top_f = [f"profile failed: {type(e).__name__}"]
-            r["notes"].append(
-                f"INT8 {r['p50_ms'] / fp32['p50_ms']:.2f}x slower than FP32: time in INT8 "
-                f"{', '.join(top_i)}; in FP32 {', '.join(top_f)}"
-            )
+                note += f" (profile failed: {type(e).__name__})"
+        r["notes"].append(note)
+
+
+def _input_shape(path: Path, data) -> tuple[int, ...]:
+    if data is not None:
+        return tuple(data.in_shape)
+    session = _session(path, ["CPUExecutionProvider"], 1)
+    return tuple(session.get_inputs()[0].shape[1:])

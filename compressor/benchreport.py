@@ -98,6 +98,13 @@ def plot(bench: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = bench["results"]
+    if not rows:  # everything skipped: say so in the figure rather than fail
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no variant ran (see skipped)", ha="center", va="center")
+        save_figure(fig, path)
+        plt.close(fig)
+        return path
     with_acc = [r for r in rows if r.get("test_accuracy") is not None]
     fig, axes = plt.subplots(
         1, 2 if with_acc else 1, figsize=(12 if with_acc else 7, 0.8 + 0.35 * len(rows))

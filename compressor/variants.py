@@ -51,6 +51,8 @@ class Model:
     label: str  # short name for tables: "student.int8.onnx", "teacher.pt"
     spec: ModelSpec | None = None
     state: Any = None  # the checkpoint, for PyTorch models
+    fixed_batch: int | None = None  # a file exported with a fixed batch size runs only at it
+    source: Path | None = None  # the FP32 file an INT8 file was made from, when known
 
 
 @dataclass
@@ -143,33 +145,47 @@ def load(path: Path, model: str | None = None, data=None) -> Model:
     return _onnx_model(path, size, label)
 
 
-def _onnx_model(path: Path, size: int, label: str) -> Model:
-    import onnx
+def disambiguate(models: list[Model]) -> list[Model]:
+    """Labels are file names; where two inputs share one (two shrink folders), they become
+    paths relative to the inputs' common folder, which are unique."""
+    import os
 
+    names = [m.label for m in models]
+    if len(set(names)) < len(names):
+        common = os.path.commonpath([str(m.path.resolve().parent) for m in models])
+        for m in models:
+            if names.count(m.label) > 1:
+                m.label = os.path.relpath(m.path.resolve(), common)
+    return models
+
+
+def _onnx_model(path: Path, size: int, label: str) -> Model:
+    # Every ONNX/ORT file is loaded in ONNX Runtime once here, so a file it cannot run, or one
+    # that does not take a single float tensor, is refused before any timing (exit 2).
+    session = _ort_session(path)
+    inputs = session.get_inputs()
+    if len(inputs) != 1 or inputs[0].type != "tensor(float)":
+        got = ", ".join(f"{i.name}: {i.type}" for i in inputs)
+        raise InputError(
+            f"{path}: takes {got}; compress bench feeds one float32 image tensor (N, C, H, W)"
+        )
+    first, *dims = inputs[0].shape
+    shape = tuple(dims) if all(isinstance(d, int) for d in dims) else None
+    fixed = first if isinstance(first, int) and first > 0 else None
+    sibling = path.with_name(path.name.replace(".int8.", ".fp32.").replace(".ort", ".onnx"))
+    source = sibling if ".int8." in path.name and sibling.is_file() else None
     if path.suffix == ".ort":
-        session = _ort_session(path)
-        dims = session.get_inputs()[0].shape[1:]
-        shape = tuple(dims) if all(isinstance(d, int) for d in dims) else None
         # The ORT format keeps no ONNX graph to inspect: the precision is in the name, which
         # compress shrink writes (student.int8.ort).
         precision = "int8" if ".int8" in path.name else "fp32"
-        return Model(path, "ort", precision, size, None, shape, label)
-    try:
-        proto = onnx.load(str(path))
-    except Exception as e:
-        raise InputError(
-            f"{path}: not an ONNX model ({type(e).__name__}); give a .onnx file"
-        ) from None
-    graph = proto.graph
-    init_names = {i.name for i in graph.initializer}
-    inputs = [i for i in graph.input if i.name not in init_names]
-    if not inputs:
-        raise InputError(f"{path}: the model has no inputs to feed")
-    dims = inputs[0].type.tensor_type.shape.dim[1:]
-    shape = tuple(d.dim_value for d in dims) if all(d.HasField("dim_value") for d in dims) else None
-    ops = {n.op_type for n in graph.node}
+        return Model(path, "ort", precision, size, None, shape, label, None, None, fixed, source)
+    import onnx
+
+    proto = onnx.load(str(path))
+    ops = {n.op_type for n in proto.graph.node}
     precision = "int8" if ops & _QUANT_OPS else "fp32"
-    return Model(path, "onnx", precision, size, onnx_parameters(proto), shape, label)
+    params = onnx_parameters(proto)
+    return Model(path, "onnx", precision, size, params, shape, label, None, None, fixed, source)
 
 
 def onnx_parameters(proto) -> int:
@@ -234,6 +250,14 @@ def variants(models: list[Model], runtimes: list[str]) -> tuple[list[Variant], l
         )
 
     for m in models:
+        runs_on = {"pytorch": ("torch", "cuda")}.get(m.format, ("cpu", "cuda", "tensorrt"))
+        if not set(runtimes) & set(runs_on):
+            skip(
+                m,
+                runtimes[0],
+                f"{m.format} files run on {', '.join(runs_on)}; add one to --providers",
+            )
+            continue
         for rt in runtimes:
             if m.format == "pytorch":
                 if rt == "torch":
