@@ -67,7 +67,9 @@ def demo(out: Path, quiet: bool, as_json: bool) -> None:
         teacher_path, "digits", out / "student", recipe_mod.resolve(RECIPE), quiet=quiet
     )
     if not quiet:
-        render.stderr.print("3/3 timing teacher (PyTorch) against student (ONNX Runtime)")
+        render.stderr.print(
+            "3/3 compress bench: teacher (PyTorch) against student (ONNX Runtime), batch 1"
+        )
     bench = _bench(teacher_path, report, quiet)
     by = {r["model"]: r["p50_ms"] for r in bench["results"]}
     report["latency_ms_batch1"] = {
