@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
@@ -103,6 +104,21 @@ Examples:
     metavar="STEPS",
     help="Also checkpoint every STEPS steps (0: at each epoch's end only).",
 )
+@click.option(
+    "--workers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Data-parallel worker processes (all-reduce on gloo); batch size is per worker.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=300,
+    show_default=True,
+    metavar="SECONDS",
+    help="Process-group timeout: a dead or stuck worker ends the job after at most this.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No per-epoch lines on stderr.")
 @json_option
 @click.pass_context
@@ -123,6 +139,8 @@ def train(
     out: Path | None,
     resume: bool,
     checkpoint_every: int,
+    workers: int,
+    timeout: float,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -152,10 +170,12 @@ def train(
         out=out or Path(f"{model.rsplit(':', 1)[-1].rsplit('.', 1)[-1].lower()}.pt"),
         resume=resume,
         explicit=explicit,
+        workers=workers,
+        timeout_s=timeout,
     )
     progress = render.TrainProgress(quiet=quiet)
     try:
-        result = run(job, progress)
+        result = run(job, progress, functools.partial(render.TrainProgress, quiet=quiet))
     except KeyboardInterrupt:
         progress.close()
         kept = ""
@@ -169,6 +189,7 @@ def train(
         emit_json(
             {
                 "checkpoint": str(job.out),
+                "workers": workers,
                 "test_accuracy": result.test_accuracy,
                 "test_loss": last.test_loss if last else None,
                 "epochs": result.epochs,

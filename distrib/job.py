@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from distrib import launch
 from distrib.trainer import Checkpointer, Events, TrainConfig, TrainResult, fit
 from models import checkpoint, data, zoo
 from models.errors import InputError
@@ -29,14 +32,42 @@ class TrainJob:
     config: TrainConfig = field(default_factory=TrainConfig)
     out: Path = Path("lenet300.pt")
     resume: bool = False
+    workers: int = 1  # data-parallel processes on this machine (all-reduce, gloo)
+    timeout_s: float = 300.0  # process-group timeout: a dead peer ends the job, never a hang
     # Names of the settings the user gave explicitly (CLI flags); a resumed run checks them
     # against the checkpoint and takes every other setting from it.
     explicit: frozenset[str] = frozenset()
 
 
-def run(job: TrainJob, events: Events | None = None) -> TrainResult:
-    events = events or Events()
+def run(
+    job: TrainJob,
+    events: Events | None = None,
+    events_factory: Callable[[], Events] | None = None,
+) -> TrainResult:
+    """Train as `job` says. With `workers` > 1 (or under torchrun) every rank runs the same
+    loop data-parallel; rank 0 reports through `events_factory()` (events cannot cross
+    processes) and writes the checkpoint."""
+    if job.workers < 1:
+        raise InputError(f"--workers {job.workers}: give 1 or more")
     check_writable(job.out)
+    if job.workers > 1 or launch.DistEnv.from_torchrun() is not None:
+        fn = functools.partial(_rank_main, job, events_factory)
+        return launch.run(fn, job.workers, job.timeout_s)
+    return _run(job, events)
+
+
+def _rank_main(job: TrainJob, events_factory, rank: int, world: int) -> TrainResult:
+    events = events_factory() if events_factory is not None and rank == 0 else None
+    try:
+        return _run(job, events)
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+
+
+def _run(job: TrainJob, events: Events | None) -> TrainResult:
+    events = events or Events()
     stored = _stored_run(job)
     if stored is not None:
         job, ck = stored

@@ -152,6 +152,15 @@ class Checkpointer:
         )
 
 
+def _world() -> tuple[int, int]:
+    """(world size, rank) of the default process group; (1, 0) when not distributed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)  # DistributedDataParallel keeps the model in .module
 
@@ -223,12 +232,24 @@ def fit(
     `resume` is the `train_state` of a checkpoint written by this loop; the caller has already
     loaded the matching weights into `model`.
     """
+    world, rank = _world()
+    if rank != 0:  # only rank 0 reports progress and writes checkpoints
+        events, checkpointer = None, None
     events = events or Events()
     device = cfg.device
     model.to(device)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)  # broadcasts rank 0's weights; averages grads
     optimizer = make_optimizer(model, cfg)
     n = len(data.y_train)
-    steps_per_epoch = math.ceil(n / cfg.batch_size)
+    # Data parallel: the global batch is batch_size x world; step s of an epoch takes the same
+    # global batch as one process with that batch would, and rank r takes its r-th part, so
+    # N workers with batch b train like 1 worker with batch N*b (averaged gradients). Every
+    # rank runs the same number of steps, so no rank waits on a collective another skipped.
+    global_batch = cfg.batch_size * world
+    steps_per_epoch = math.ceil(n / global_batch)
     total_steps = steps_per_epoch * cfg.epochs
     state = _initial_state(resume, optimizer, cfg)
     history = [EpochRecord(**r) for r in state["history"]]
@@ -249,7 +270,11 @@ def fit(
         order = epoch_order(n, cfg.seed, epoch)
         events.epoch_start(epoch + 1, cfg.epochs, steps_per_epoch, state["step"])
         for step in range(state["step"], steps_per_epoch):
-            idx = order[step * cfg.batch_size : (step + 1) * cfg.batch_size]
+            idx = order[step * global_batch : (step + 1) * global_batch]
+            if world > 1:
+                if len(idx) < world:  # a last batch smaller than the world: wrap around
+                    idx = torch.cat([idx, order[: world - len(idx)]])
+                idx = torch.tensor_split(idx, world)[rank]
             xb, yb = data.x_train[idx].to(device), data.y_train[idx].to(device)
             lr = cfg.lr_at(state["global_step"], total_steps)
             for group in optimizer.param_groups:
@@ -277,8 +302,14 @@ def fit(
             # The epoch-end save below covers the epoch's last step.
             if every and state["global_step"] % every == 0 and state["step"] < steps_per_epoch:
                 save()
+        if world > 1:  # the epoch's training figures over all ranks
+            totals = torch.tensor(
+                [state["loss_sum"], state["correct"], state["seen"]], dtype=torch.float64
+            )
+            torch.distributed.all_reduce(totals)
+            state["loss_sum"], state["correct"], state["seen"] = totals.tolist()
         test_loss, test_acc = evaluate(
-            model, data.x_test, data.y_test, cfg.eval_batch_size, cfg.precision, device
+            _unwrap(model), data.x_test, data.y_test, cfg.eval_batch_size, cfg.precision, device
         )
         record = EpochRecord(
             epoch=epoch + 1,

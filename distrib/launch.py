@@ -1,0 +1,133 @@
+"""Start N local worker processes on torch.distributed, or join the job torchrun started.
+
+`run(fn, workers, ...)` calls `fn(rank, world)` in every rank with the default process group
+initialised: gloo on CPU (NCCL is for GPUs), rendezvous through a `FileStore` in a private
+temporary folder (no ports, so parallel runs never collide), and a process-group timeout of
+`timeout_s` (torch's default is 30 minutes, which makes a dead peer look like a hang). Under
+`torchrun` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) nothing is spawned: this process
+joins the job torchrun started, so the same command scales from one machine to many.
+
+A worker that raises or dies ends the whole job: the parent gets `StageError` naming the rank
+(or the user's `InputError`, unchanged), and the other workers are terminated.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models.errors import CompressError, InputError, StageError
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world: int
+    local_rank: int
+
+    @classmethod
+    def from_torchrun(cls) -> DistEnv | None:
+        """The torchrun environment, None when not under torchrun; InputError when partial."""
+        present = [v for v in TORCHRUN_VARS if v in os.environ]
+        if not present:
+            return None
+        missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+        if missing:
+            raise InputError(
+                f"torchrun environment incomplete: {', '.join(missing)} unset "
+                f"({', '.join(present)} set); launch with torchrun or unset them"
+            )
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local = int(os.environ["LOCAL_RANK"])
+        except ValueError:
+            raise InputError(
+                "torchrun environment: RANK, WORLD_SIZE, LOCAL_RANK must be whole numbers"
+            ) from None
+        if not 0 <= rank < world:
+            raise InputError(f"torchrun environment: RANK {rank} is not in 0..{world - 1}")
+        return cls(rank, world, local)
+
+
+def run(
+    fn: Callable[[int, int], Any],
+    workers: int,
+    timeout_s: float = 300.0,
+    backend: str = "gloo",
+) -> Any:
+    """Run `fn(rank, world)` on `workers` ranks; return rank 0's result."""
+    env = DistEnv.from_torchrun()
+    if env is not None:  # torchrun started us: join its job
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            return fn(env.rank, env.world)
+        finally:
+            dist.destroy_process_group()
+    if workers < 1:
+        raise InputError(f"--workers {workers}: give 1 or more")
+    if workers == 1:
+        return fn(0, 1)
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="compress-dist.") as tmp:
+        ctx = mp.get_context("spawn")
+        errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
+        try:
+            mp.start_processes(
+                _entry,
+                args=(fn, workers, str(Path(tmp) / "store"), timeout_s, backend, results, errors),
+                nprocs=workers,
+                join=True,
+                start_method="spawn",
+            )
+        except Exception as e:  # ProcessRaisedException / ProcessExitedException
+            reported = []
+            while not errors.empty():
+                reported.append(errors.get())
+            if reported:
+                rank, kind, message = min(reported, key=lambda r: (r[1] == "peer", r[0]))
+                if kind == "input":
+                    raise InputError(message) from None
+                raise StageError(f"worker {rank} failed: {message}") from None
+            rank = getattr(e, "error_index", "?")
+            code = getattr(e, "exit_code", None)
+            how = f"exited with code {code}" if code is not None else "failed"
+            raise StageError(f"worker {rank} {how}; the job stopped") from None
+        # Plain pickle bytes from our own child (multiprocessing pickles the same way): tensors
+        # sent as shared-memory handles would vanish with the process that owns them.
+        return pickle.loads(results.get()) if not results.empty() else None
+
+
+def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors) -> None:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        result = fn(rank, world)
+        if rank == 0:
+            results.put(pickle.dumps(result))
+    except InputError as e:
+        errors.put((rank, "input", str(e)))
+        raise SystemExit(2) from None
+    except CompressError as e:
+        errors.put((rank, "stage", str(e)))
+        raise SystemExit(1) from None
+    except RuntimeError as e:  # a collective that failed because a peer died or timed out
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        errors.put((rank, "peer", first))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
