@@ -29,6 +29,7 @@ _SETTINGS = (
     "seed",
     "precision",
     "checkpoint_every",
+    "grad_compression",
 )
 
 
@@ -112,6 +113,20 @@ Examples:
     help="Data-parallel worker processes (all-reduce on gloo); batch size is per worker.",
 )
 @click.option(
+    "--strategy",
+    type=click.Choice(["allreduce"]),
+    default="allreduce",
+    show_default=True,
+    help="Data-parallel strategy (with --workers > 1).",
+)
+@click.option(
+    "--grad-compression",
+    type=click.Choice(["none", "fp16", "bf16"]),
+    default="none",
+    show_default=True,
+    help="Gradients on the wire (DDP communication hook; bf16 works on gloo too).",
+)
+@click.option(
     "--timeout",
     type=click.FloatRange(min=1),
     default=300,
@@ -140,6 +155,8 @@ def train(
     resume: bool,
     checkpoint_every: int,
     workers: int,
+    strategy: str,
+    grad_compression: str,
     timeout: float,
     quiet: bool,
     as_json: bool,
@@ -161,6 +178,7 @@ def train(
         seed=seed,
         precision=precision,
         checkpoint_every=checkpoint_every,
+        grad_compression=grad_compression,
     )
     job = TrainJob(
         model=model,
@@ -189,7 +207,11 @@ def train(
         emit_json(
             {
                 "checkpoint": str(job.out),
-                "workers": workers,
+                "workers": result.workers,
+                "strategy": strategy if result.workers > 1 else "single",
+                "steps_per_s": result.steps / result.seconds if result.seconds else None,
+                "samples_per_s": result.samples / result.seconds if result.seconds else None,
+                "comm_bytes": result.comm_bytes,
                 "test_accuracy": result.test_accuracy,
                 "test_loss": last.test_loss if last else None,
                 "epochs": result.epochs,

@@ -21,7 +21,7 @@ from models.errors import InputError
 from models.fileio import check_writable
 
 # Settings a resumed run may change: the rest must match the checkpoint's.
-_RESUME_MAY_CHANGE = {"epochs", "eval_batch_size", "device", "checkpoint_every"}
+_RESUME_MAY_CHANGE = {"epochs", "eval_batch_size", "device", "checkpoint_every", "grad_compression"}
 
 
 @dataclass(frozen=True)

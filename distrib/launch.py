@@ -77,7 +77,12 @@ def run(
         raise InputError(f"--workers {workers}: give 1 or more")
     if workers == 1:
         return fn(0, 1)
+    import logging
+
     import torch.multiprocessing as mp
+
+    # torch logs a warning for each worker it terminates after a failure; we report it once.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
     with tempfile.TemporaryDirectory(prefix="compress-dist.") as tmp:
         ctx = mp.get_context("spawn")
@@ -124,9 +129,10 @@ def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors) -> 
     except CompressError as e:
         errors.put((rank, "stage", str(e)))
         raise SystemExit(1) from None
-    except RuntimeError as e:  # a collective that failed because a peer died or timed out
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        errors.put((rank, "peer", first))
+    except Exception as e:  # a collective failing because a peer died, or a bug
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        kind = "peer" if isinstance(e, RuntimeError) and dist.is_initialized() else "bug"
+        errors.put((rank, kind, f"{type(e).__name__}: {first}"))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():

@@ -59,6 +59,7 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"  # bf16: autocast on the forward pass, fp32 master weights
     checkpoint_every: int = 0  # steps between checkpoints; 0: at the end of each epoch only
+    grad_compression: str = "none"  # data parallel: none | fp16 | bf16 gradients on the wire
     eval_batch_size: int = 1024
     device: str = "cpu"
 
@@ -77,6 +78,12 @@ class TrainConfig:
         _check(self.precision in PRECISIONS, "--precision", self.precision, f"one of {PRECISIONS}")
         _check(self.weight_decay >= 0, "--weight-decay", self.weight_decay, "give 0 or more")
         _check(self.checkpoint_every >= 0, "--checkpoint-every", self.checkpoint_every, "0 or more")
+        _check(
+            self.grad_compression in ("none", "fp16", "bf16"),
+            "--grad-compression",
+            self.grad_compression,
+            "one of none, fp16, bf16",
+        )
 
     @property
     def learning_rate(self) -> float:
@@ -126,6 +133,8 @@ class TrainResult:
     seconds: float  # time spent training in this call (resumed runs: since the resume)
     checkpoint: Path | None = None
     resumed_from: tuple[int, int] | None = None  # (epoch, step) the run continued from
+    workers: int = 1
+    comm_bytes: int = 0  # gradient bytes this rank sent to all-reduce (0 in one process)
 
 
 class Events:
@@ -238,10 +247,11 @@ def fit(
     events = events or Events()
     device = cfg.device
     model.to(device)
+    comm = None
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
+        from distrib import allreduce
 
-        model = DistributedDataParallel(model)  # broadcasts rank 0's weights; averages grads
+        model, comm = allreduce.wrap(model, cfg.grad_compression)
     optimizer = make_optimizer(model, cfg)
     n = len(data.y_train)
     # Data parallel: the global batch is batch_size x world; step s of an epoch takes the same
@@ -331,10 +341,12 @@ def fit(
         test_accuracy=final_acc,
         epochs=len(history),
         steps=steps,
-        samples=samples,
+        samples=samples * world,  # the global count: every rank trains its own part
         seconds=time.perf_counter() - t0,
         checkpoint=checkpointer.path if checkpointer else None,
         resumed_from=start if resume else None,
+        workers=world,
+        comm_bytes=comm.bytes if comm is not None else 0,
     )
 
 

@@ -100,3 +100,120 @@ def test_compress_train_with_two_workers(run, tmp_path):
 def test_workers_zero_is_refused(run, tmp_path):
     result = run("train", "--workers", "0", "--out", tmp_path / "x.pt")
     assert result.exit_code == 2 and "--workers 0: give 1 or more" in result.stderr
+
+
+def _allreduce(rank, world):
+    import torch.distributed as dist
+
+    x = torch.arange(5, dtype=torch.float32) * (rank + 1) + rank
+    dist.all_reduce(x)
+    return x
+
+
+def test_all_reduce_equals_the_plain_sum():
+    got = launch.run(_allreduce, workers=2, timeout_s=30)
+    want = sum(torch.arange(5, dtype=torch.float32) * (r + 1) + r for r in range(2))
+    assert torch.equal(got, want)
+
+
+def _uneven(rank, world):
+    ds = data_mod.load("digits")
+    ds = dataclasses.replace(ds, x_train=ds.x_train[:65], y_train=ds.y_train[:65])
+    model = tiny("mlp", seed=0)  # 65 = 2 global batches of 32 + 1: the last has one sample
+    r = fit(model, ds, TrainConfig(epochs=2, batch_size=16, seed=0))
+    return r.steps, r.samples
+
+
+def test_uneven_shards_finish():
+    steps, samples = launch.run(_uneven, workers=2, timeout_s=30)
+    assert steps == 2 * 3  # ceil(65 / 32) steps per epoch, on every rank
+    assert samples == 2 * (64 + 2)  # the lone last sample is padded to one per rank
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_gradients_train_like_fp32(run, tmp_path, compression):
+    def train(c):
+        result = run(
+            "train",
+            "--model",
+            "lenet300",
+            "--data",
+            "digits",
+            "--workers",
+            "2",
+            "--epochs",
+            "2",
+            "--grad-compression",
+            c,
+            "--out",
+            tmp_path / f"{c}.pt",
+            "--json",
+            "-q",
+        )
+        assert result.exit_code == 0, result.stderr
+        return result.json()
+
+    base, comp = train("none"), train(compression)
+    assert comp["comm_bytes"] * 2 == base["comm_bytes"]  # half the bytes on the wire
+    loss = [r["history"][-1]["train_loss"] for r in (base, comp)]
+    assert abs(loss[1] - loss[0]) < 0.05 * loss[0], loss
+
+
+def test_killing_a_worker_ends_the_job_with_exit_1(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "cli",
+        "train",
+        "--model",
+        "vgg",
+        "--data",
+        "digits",
+        "--workers",
+        "2",
+        "--epochs",
+        "50",
+        "--timeout",
+        "20",
+        "--out",
+        str(tmp_path / "k.pt"),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = []
+        deadline = time.time() + 60
+        while len(workers) < 2 and time.time() < deadline:  # the spawned ranks are children
+            time.sleep(0.5)
+            workers = _children(proc.pid)
+        assert len(workers) >= 2, "workers did not start"
+        time.sleep(3)  # let them enter training
+        os.kill(max(workers), signal.SIGKILL)
+        t0 = time.time()
+        _, err = proc.communicate(timeout=20 + 10)
+        assert proc.returncode == 1 and time.time() - t0 < 20 + 10
+        assert err.strip().splitlines()[-1].startswith("error: worker "), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _children(pid):
+    """Processes whose parent is `pid`, from /proc (Linux)."""
+    from pathlib import Path
+
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    # the spawn start method adds a resource-tracker child too; ranks run the training code
+    return [
+        k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text(errors="ignore")
+    ]
