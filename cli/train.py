@@ -9,6 +9,7 @@ import click
 
 from cli import render
 from cli.main import Interrupted, emit_json, json_option
+from distrib import launch
 from distrib.job import TrainJob, run
 from distrib.trainer import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 from models.data import SPECS_HELP
@@ -202,6 +203,8 @@ def train(
         raise Interrupted(f"interrupted{kept}") from None
     finally:
         progress.close()
+    if not launch.is_rank_zero():  # under torchrun, rank 0 alone reports
+        return
     if as_json:
         last = result.history[-1] if result.history else None
         emit_json(

@@ -57,6 +57,11 @@ class DistEnv:
         return cls(rank, world, local)
 
 
+def is_rank_zero() -> bool:
+    """Whether this process reports results: always, unless it is a non-zero torchrun rank."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def run(
     fn: Callable[[int, int], Any],
     workers: int,

@@ -217,3 +217,127 @@ def _children(pid):
     return [
         k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text(errors="ignore")
     ]
+
+
+def test_torchrun_two_nodes_on_localhost_train_and_write_one_checkpoint(tmp_path):
+    """The same `compress train` command under torchrun (2 nodes x 1 process, c10d
+    rendezvous on 127.0.0.1) joins torchrun's job instead of spawning."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "tr.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "t",
+        "-m",
+        "cli",
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "--epochs",
+        "2",
+        "--timeout",
+        "60",
+        "--out",
+        str(out),
+        "--json",
+        "-q",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    try:
+        outs = [n.communicate(timeout=180) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    import json
+
+    reports = [json.loads(o[0]) for o in outs if o[0].strip()]
+    assert len(reports) == 1 and reports[0]["workers"] == 2  # rank 0 alone reports
+    assert reports[0]["test_accuracy"] > 0.5
+    from models import checkpoint
+
+    assert checkpoint.load(out).metadata["epochs"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["tr.pt"]  # one checkpoint, no strays
+
+
+class _CrashAfter:
+    """A checkpointer that writes `saves` checkpoints, then the process "crashes"."""
+
+    def __init__(self, path, saves):
+        from distrib.trainer import Checkpointer
+        from models import ModelSpec
+
+        self.inner = Checkpointer(path, ModelSpec("mlp", tiny_kwargs()), {})
+        self.path, self.left = path, saves
+
+    def save(self, model, train_state, **metadata):
+        if self.left == 0:
+            raise StageError("simulated crash")
+        self.left -= 1
+        return self.inner.save(model, train_state, **metadata)
+
+
+def tiny_kwargs():
+    from models import zoo
+
+    return {**zoo._TINY["mlp"], "in_shape": [1, 8, 8], "num_classes": 10}
+
+
+CFG = TrainConfig(epochs=2, batch_size=16, seed=0, checkpoint_every=7)
+
+
+def _uninterrupted(rank, world):
+    model = tiny("mlp", seed=0)
+    fit(model, _data(), CFG)
+    return model.state_dict()
+
+
+def _crashing(path, rank, world):
+    fit(tiny("mlp", seed=0), _data(), CFG, checkpointer=_CrashAfter(path, saves=4))
+
+
+def _resumed(path, rank, world):
+    from models import checkpoint
+
+    ck = checkpoint.load(path)
+    model = ck.build_model()
+    fit(model, _data(), CFG, resume=ck.train_state)
+    return model.state_dict()
+
+
+def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path):
+    import functools
+
+    from models import checkpoint
+
+    path = tmp_path / "ck.pt"
+    want = launch.run(_uninterrupted, workers=2, timeout_s=60)
+    with pytest.raises(StageError, match="simulated crash"):
+        launch.run(functools.partial(_crashing, path), workers=2, timeout_s=60)
+    state = checkpoint.load(path).train_state
+    assert state["step"] > 0  # written mid-epoch (every 7 steps, 44 steps per epoch)
+    got = launch.run(functools.partial(_resumed, path), workers=2, timeout_s=60)
+    assert all(torch.equal(want[k], got[k]) for k in want)
