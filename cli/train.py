@@ -10,9 +10,10 @@ import click
 from cli import render
 from cli.main import Interrupted, emit_json, json_option
 from distrib import launch
-from distrib.job import TrainJob, run
+from distrib.job import TrainJob, run, run_ensemble
 from distrib.trainer import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 from models.data import SPECS_HELP
+from models.errors import InputError
 from models.zoo import parse_kwargs
 
 # Settings whose explicit use is checked against the checkpoint on --resume.
@@ -114,6 +115,14 @@ Examples:
     help="Data-parallel worker processes (all-reduce on gloo); batch size is per worker.",
 )
 @click.option(
+    "--ensemble",
+    type=int,
+    default=1,
+    show_default=True,
+    metavar="K",
+    help="Train K independent models (seeds seed..seed+K-1) side by side: OUT-0.pt ...",
+)
+@click.option(
     "--strategy",
     type=click.Choice(["allreduce"]),
     default="allreduce",
@@ -156,6 +165,7 @@ def train(
     resume: bool,
     checkpoint_every: int,
     workers: int,
+    ensemble: int,
     strategy: str,
     grad_compression: str,
     timeout: float,
@@ -192,9 +202,13 @@ def train(
         workers=workers,
         timeout_s=timeout,
     )
+    factory = functools.partial(render.TrainProgress, quiet=quiet)
+    if ensemble != 1:
+        _ensemble(job, ensemble, factory, as_json)
+        return
     progress = render.TrainProgress(quiet=quiet)
     try:
-        result = run(job, progress, functools.partial(render.TrainProgress, quiet=quiet))
+        result = run(job, progress, factory)
     except KeyboardInterrupt:
         progress.close()
         kept = ""
@@ -227,3 +241,32 @@ def train(
         )
     else:
         render.train_summary(result, job.out)
+
+
+def _ensemble(job: TrainJob, members: int, factory, as_json: bool) -> None:
+    if members < 1:
+        raise InputError(f"--ensemble {members}: give 1 or more")
+    if job.workers > 1 or job.resume:
+        raise InputError("--ensemble trains one process per member; drop --workers/--resume")
+    trained = run_ensemble(job, members, factory)
+    rows = [
+        {
+            "checkpoint": str(path),
+            "seed": job.config.seed + k,
+            "test_accuracy": r.test_accuracy,
+            "seconds": round(r.seconds, 3),
+        }
+        for k, (path, r) in enumerate(trained)
+    ]
+    if as_json:
+        emit_json({"ensemble": rows})
+    else:
+        for row in rows:
+            click.echo(
+                f"{row['checkpoint']}: seed {row['seed']}, test accuracy "
+                f"{row['test_accuracy']:.2%} ({row['seconds']:.1f}s)"
+            )
+        teachers = " ".join(f"--teacher {row['checkpoint']}" for row in rows[1:])
+        click.echo(
+            f"distil the ensemble: compress shrink {rows[0]['checkpoint']} {teachers} --student NAME"
+        )

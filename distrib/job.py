@@ -56,6 +56,31 @@ def run(
     return _run(job, events)
 
 
+def run_ensemble(
+    job: TrainJob, members: int, events_factory: Callable[[], Events] | None = None
+) -> list[tuple[Path, TrainResult]]:
+    """Train `members` independent models side by side, seeds seed..seed+K-1, one process
+    each; checkpoints are `--out` with `-0`, `-1`, ... before the suffix."""
+    jobs = [
+        dataclasses.replace(
+            job,
+            out=job.out.with_name(f"{job.out.stem}-{k}{job.out.suffix}"),
+            config=dataclasses.replace(job.config, seed=job.config.seed + k),
+            workers=1,
+        )
+        for k in range(members)
+    ]
+    for j in jobs:
+        check_writable(j.out)
+    results = launch.run_independent(functools.partial(_member, jobs, events_factory), members)
+    return [(j.out, r) for j, r in zip(jobs, results, strict=True)]
+
+
+def _member(jobs, events_factory, index: int, count: int) -> TrainResult:
+    # Member 0 reports progress; the others train quietly beside it.
+    return _rank_main(jobs[index], events_factory, index, count)
+
+
 def _rank_main(job: TrainJob, events_factory, rank: int, world: int) -> TrainResult:
     events = events_factory() if events_factory is not None and rank == 0 else None
     try:

@@ -115,7 +115,64 @@ def run(
             raise StageError(f"worker {rank} {how}; the job stopped") from None
         # Plain pickle bytes from our own child (multiprocessing pickles the same way): tensors
         # sent as shared-memory handles would vanish with the process that owns them.
-        return pickle.loads(results.get()) if not results.empty() else None
+        got = {}
+        while not results.empty():
+            rank, blob = results.get()
+            got[rank] = pickle.loads(blob)
+        return got.get(0)
+
+
+def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
+    """Run `fn(index, processes)` in `processes` separate processes with no process group
+    (independent jobs side by side: an ensemble, a sweep); return every result, in order."""
+    import logging
+
+    import torch.multiprocessing as mp
+
+    if processes < 1:
+        raise InputError(f"--ensemble {processes}: give 1 or more")
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    ctx = mp.get_context("spawn")
+    errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
+    try:
+        mp.start_processes(
+            _independent,
+            args=(fn, processes, results, errors),
+            nprocs=processes,
+            join=True,
+            start_method="spawn",
+        )
+    except Exception as e:
+        reported = []
+        while not errors.empty():
+            reported.append(errors.get())
+        if reported:
+            index, kind, message = min(reported)
+            if kind == "input":
+                raise InputError(message) from None
+            raise StageError(f"process {index} failed: {message}") from None
+        raise StageError(f"process {getattr(e, 'error_index', '?')} failed") from None
+    got = {}
+    while not results.empty():
+        index, blob = results.get()
+        got[index] = pickle.loads(blob)
+    return [got[i] for i in range(processes)]
+
+
+def _independent(index, fn, processes, results, errors) -> None:
+    import torch
+
+    # Share the cores instead of oversubscribing them: K trainings on K x all cores thrash.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    try:
+        results.put((index, pickle.dumps(fn(index, processes))))
+    except InputError as e:
+        errors.put((index, "input", str(e)))
+        raise SystemExit(2) from None
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        errors.put((index, "bug", f"{type(e).__name__}: {first}"))
+        raise SystemExit(1) from None
 
 
 def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors) -> None:
@@ -127,7 +184,7 @@ def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors) -> 
     try:
         result = fn(rank, world)
         if rank == 0:
-            results.put(pickle.dumps(result))
+            results.put((0, pickle.dumps(result)))
     except InputError as e:
         errors.put((rank, "input", str(e)))
         raise SystemExit(2) from None

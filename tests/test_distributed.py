@@ -341,3 +341,47 @@ def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path):
     assert state["step"] > 0  # written mid-epoch (every 7 steps, 44 steps per epoch)
     got = launch.run(functools.partial(_resumed, path), workers=2, timeout_s=60)
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_ensemble_trains_k_independent_members(run, tmp_path):
+    from models import checkpoint
+
+    result = run(
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "--epochs",
+        "2",
+        "--ensemble",
+        "2",
+        "--out",
+        tmp_path / "t.pt",
+        "--json",
+        "-q",
+    )
+    assert result.exit_code == 0, result.stderr
+    rows = result.json()["ensemble"]
+    assert [r["seed"] for r in rows] == [0, 1]
+    a, b = (checkpoint.load(tmp_path / f"t-{k}.pt") for k in (0, 1))
+    assert a.metadata["seed"] == 0 and b.metadata["seed"] == 1
+    assert not torch.equal(a.state_dict["fc1.weight"], b.state_dict["fc1.weight"])
+    solo = run(
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "--epochs",
+        "2",
+        "--seed",
+        "1",
+        "--out",
+        tmp_path / "solo.pt",
+        "-q",
+    )
+    assert solo.exit_code == 0
+    s = checkpoint.load(tmp_path / "solo.pt").state_dict
+    # member 1 is exactly the run with --seed 1 (one thread each, so the same float sums)
+    assert all(torch.allclose(s[k], b.state_dict[k], atol=1e-6) for k in s)
