@@ -11,7 +11,7 @@ from cli import render
 from cli.main import Interrupted, emit_json, json_option
 from distrib import launch
 from distrib.job import TrainJob, run, run_ensemble
-from distrib.trainer import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
+from distrib.trainer import DEFAULT_LR, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 from models.data import SPECS_HELP
 from models.errors import InputError
 from models.zoo import parse_kwargs
@@ -123,6 +123,11 @@ Examples:
     help="Train K independent models (seeds seed..seed+K-1) side by side: OUT-0.pt ...",
 )
 @click.option(
+    "--scale-lr",
+    is_flag=True,
+    help="Multiply the learning rate by --workers (Goyal et al. 2017; pair with --warmup-steps).",
+)
+@click.option(
     "--strategy",
     type=click.Choice(["allreduce"]),
     default="allreduce",
@@ -166,6 +171,7 @@ def train(
     checkpoint_every: int,
     workers: int,
     ensemble: int,
+    scale_lr: bool,
     strategy: str,
     grad_compression: str,
     timeout: float,
@@ -178,6 +184,8 @@ def train(
         for name in _SETTINGS
         if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
     )
+    if scale_lr and workers > 1:  # the global batch grew N-fold: so does the step size
+        lr = (lr or DEFAULT_LR[optimizer]) * workers
     config = TrainConfig(
         epochs=epochs,
         batch_size=batch_size,
