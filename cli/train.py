@@ -32,6 +32,7 @@ _SETTINGS = (
     "precision",
     "checkpoint_every",
     "grad_compression",
+    "device",
 )
 
 
@@ -123,6 +124,13 @@ Examples:
     help="Train K independent models (seeds seed..seed+K-1) side by side: OUT-0.pt ...",
 )
 @click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Train on the CPU or on GPUs (one per worker, NCCL).",
+)
+@click.option(
     "--scale-lr",
     is_flag=True,
     help="Multiply the learning rate by --workers (Goyal et al. 2017; pair with --warmup-steps).",
@@ -171,6 +179,7 @@ def train(
     checkpoint_every: int,
     workers: int,
     ensemble: int,
+    device: str,
     scale_lr: bool,
     strategy: str,
     grad_compression: str,
@@ -198,6 +207,7 @@ def train(
         precision=precision,
         checkpoint_every=checkpoint_every,
         grad_compression=grad_compression,
+        device=device,
     )
     job = TrainJob(
         model=model,

@@ -53,7 +53,9 @@ def _hook(dtype: torch.dtype | None):
     return hook
 
 
-def wrap(model: nn.Module, compression: str = "none") -> tuple[nn.Module, CommStats]:
+def wrap(
+    model: nn.Module, compression: str = "none", device: str = "cpu"
+) -> tuple[nn.Module, CommStats]:
     """DDP around `model` (broadcasting rank 0's weights) with the gradient hook."""
     if compression not in COMPRESSIONS:
         raise InputError(
@@ -61,7 +63,8 @@ def wrap(model: nn.Module, compression: str = "none") -> tuple[nn.Module, CommSt
         )
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model)
+    on_gpu = torch.device(device).type == "cuda"
+    ddp = DistributedDataParallel(model, device_ids=[torch.device(device)] if on_gpu else None)
     stats = CommStats()
     ddp.register_comm_hook(stats, _hook(COMPRESSIONS[compression]))
     return ddp, stats

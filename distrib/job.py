@@ -50,9 +50,22 @@ def run(
     if job.workers < 1:
         raise InputError(f"--workers {job.workers}: give 1 or more")
     check_writable(job.out)
+    gpu = job.config.device.startswith("cuda")
+    if gpu:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InputError("--device cuda: no CUDA device is visible; use --device cpu")
+        if job.workers > count:
+            raise InputError(
+                f"--workers {job.workers} with --device cuda: this machine has {count} GPU(s); "
+                f"give --workers {count} or fewer"
+            )
     if job.workers > 1 or launch.DistEnv.from_torchrun() is not None:
         fn = functools.partial(_rank_main, job, events_factory)
-        return launch.run(fn, job.workers, job.timeout_s)
+        backend = "nccl" if gpu else "gloo"  # NCCL on GPUs, gloo on CPUs
+        return launch.run(fn, job.workers, job.timeout_s, backend=backend)
     return _run(job, events)
 
 

@@ -73,7 +73,13 @@ def run(
     if env is not None:  # torchrun started us: join its job
         import torch.distributed as dist
 
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun --max-restarts keeps one store across restarts; without a per-attempt
+        # prefix the new workers can read the dead ones' gloo addresses and time out.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"compress/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             return fn(env.rank, env.world)
         finally:

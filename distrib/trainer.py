@@ -16,6 +16,7 @@ RNG state in the checkpoint, a resumed run ends with the same weights as an unin
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -246,12 +247,16 @@ def fit(
         events, checkpointer = None, None
     events = events or Events()
     device = cfg.device
+    if device == "cuda" and world > 1:  # one GPU per local rank (NCCL)
+        local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: rank on this node
+        device = f"cuda:{local % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
     model.to(device)
     comm = None
     if world > 1:
         from distrib import allreduce
 
-        model, comm = allreduce.wrap(model, cfg.grad_compression)
+        model, comm = allreduce.wrap(model, cfg.grad_compression, device)
     optimizer = make_optimizer(model, cfg)
     n = len(data.y_train)
     # Data parallel: the global batch is batch_size x world; step s of an epoch takes the same

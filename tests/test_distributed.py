@@ -102,6 +102,22 @@ def test_workers_zero_is_refused(run, tmp_path):
     assert result.exit_code == 2 and "--workers 0: give 1 or more" in result.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused(run, tmp_path):
+    result = run("train", "--device", "cuda", "--workers", "2", "--out", tmp_path / "x.pt")
+    assert result.exit_code == 2
+    assert "--device cuda: no CUDA device is visible; use --device cpu" in result.stderr
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_more_gpus_than_present_are_refused(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    result = run("train", "--device", "cuda", "--workers", "2", "--out", tmp_path / "x.pt")
+    assert result.exit_code == 2
+    assert "this machine has 1 GPU(s); give --workers 1 or fewer" in result.stderr
+
+
 def _allreduce(rank, world):
     import torch.distributed as dist
 
@@ -385,3 +401,89 @@ def test_ensemble_trains_k_independent_members(run, tmp_path):
     s = checkpoint.load(tmp_path / "solo.pt").state_dict
     # member 1 is exactly the run with --seed 1 (one thread each, so the same float sums)
     assert all(torch.allclose(s[k], b.state_dict[k], atol=1e-6) for k in s)
+
+
+CRASHY = '''
+import os
+from pathlib import Path
+
+from torch import nn
+
+CALLS = [0]
+
+
+class Net(nn.Sequential):
+    """An MLP whose rank-1 copy kills its process once, at its 40th forward pass."""
+
+    def __init__(self):
+        super().__init__(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        CALLS[0] += 1
+        marker = Path(os.environ["CRASH_MARKER"])
+        if os.environ.get("RANK") == "1" and CALLS[0] == 40 and not marker.exists():
+            marker.write_text("crashed once")
+            os._exit(1)
+        return super().forward(x)
+'''
+
+
+def _torchrun(tmp_path, out, marker, extra=()):
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *extra,
+        "-m",
+        "cli",
+        "train",
+        "--model",
+        "crashy:Net",
+        "--data",
+        "digits",
+        "--epochs",
+        "2",
+        "--checkpoint-every",
+        "10",
+        "--resume",
+        "--timeout",
+        "30",
+        "--out",
+        str(out),
+        "-q",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CRASH_MARKER": str(marker),
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+
+
+# Slow and outside the default run: about 1 run in 10 on a loaded 2-core machine, the
+# restarted gloo worker aborts natively ("terminate called without an active exception")
+# before training starts; torch's, not ours, but a default CI run must not flake on it.
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_restart_after_a_crash_ends_like_an_uninterrupted_run(tmp_path):
+    from models import checkpoint
+
+    (tmp_path / "crashy.py").write_text(CRASHY)
+    done = tmp_path / "never"
+    done.write_text("")  # the marker exists: this run never crashes
+    clean = _torchrun(tmp_path, tmp_path / "clean.pt", done)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    marker = tmp_path / "crashed"
+    crashed = _torchrun(tmp_path, tmp_path / "crash.pt", marker, ["--max-restarts", "1"])
+    assert crashed.returncode == 0, crashed.stderr[-2000:]
+    assert marker.read_text() == "crashed once"  # it did crash, and torchrun restarted it
+    a = checkpoint.load(tmp_path / "clean.pt").state_dict
+    b = checkpoint.load(tmp_path / "crash.pt").state_dict
+    assert all(torch.equal(a[k], b[k]) for k in a)
