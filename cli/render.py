@@ -90,6 +90,22 @@ def train_summary(result: TrainResult, out: Path) -> None:
         f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs, "
         f"{result.seconds:.1f}s training; checkpoint: {out}"
     )
+    ps = result.strategy
+    if ps:
+        hist = ps.get("staleness_histogram", {})
+        total = sum(hist.values()) or 1
+        bars = ", ".join(f"{k}: {v} ({v / total:.0%})" for k, v in hist.items())
+        idle = ", ".join(f"worker {w} {f:.0%}" for w, f in ps.get("idle_fraction", {}).items())
+        stdout.print(
+            f"parameter server ps-{ps['mode']}: {ps['workers']} workers, {ps['servers']} "
+            f"servers, {result.steps / max(result.seconds, 1e-9):.1f} steps/s, "
+            f"{ps['bytes_per_step'] / 1e3:.1f} kB per step per worker"
+        )
+        stdout.print(f"staleness (updates between pull and push): {bars}")
+        stdout.print(f"idle (waiting on the servers): {idle}")
+        if ps.get("lost_workers"):
+            lost = ", ".join(str(w) for w in ps["lost_workers"])
+            stdout.print(f"lost workers: {lost}; the others finished the run")
 
 
 STAGE_LABELS = {

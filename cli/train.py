@@ -11,10 +11,13 @@ from cli import render
 from cli.main import Interrupted, emit_json, json_option
 from distrib import launch
 from distrib.job import TrainJob, run, run_ensemble
+from distrib.paramserver import PSConfig
 from distrib.trainer import DEFAULT_LR, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 from models.data import SPECS_HELP
 from models.errors import InputError
 from models.zoo import parse_kwargs
+
+PS_STRATEGIES = ("ps-sync", "ps-async", "ps-ssp")
 
 # Settings whose explicit use is checked against the checkpoint on --resume.
 _SETTINGS = (
@@ -137,10 +140,40 @@ Examples:
 )
 @click.option(
     "--strategy",
-    type=click.Choice(["allreduce"]),
+    type=click.Choice(["allreduce", *PS_STRATEGIES]),
     default="allreduce",
     show_default=True,
-    help="Data-parallel strategy (with --workers > 1).",
+    help="Data-parallel strategy: all-reduce (DDP), or a parameter server that is "
+    "synchronous, asynchronous (Downpour) or stale-synchronous (bounded staleness).",
+)
+@click.option(
+    "--servers",
+    type=int,
+    default=None,
+    metavar="S",
+    help="Parameter-server processes, each holding a shard of the weights "
+    "[default: half of --workers, rounded up].",
+)
+@click.option(
+    "--staleness",
+    type=int,
+    default=4,
+    show_default=True,
+    metavar="TAU",
+    help="ps-ssp: clocks a worker may run ahead of the slowest one.",
+)
+@click.option(
+    "--sync-warmup-epochs",
+    type=int,
+    default=0,
+    show_default=True,
+    help="ps-async: train synchronously for this many epochs first (as DistBelief did).",
+)
+@click.option(
+    "--straggler",
+    default=None,
+    metavar="RANK:FACTOR",
+    help="Slow worker RANK down FACTOR times (it sleeps in proportion to its compute).",
 )
 @click.option(
     "--grad-compression",
@@ -182,6 +215,10 @@ def train(
     device: str,
     scale_lr: bool,
     strategy: str,
+    servers: int | None,
+    staleness: int,
+    sync_warmup_epochs: int,
+    straggler: str | None,
     grad_compression: str,
     timeout: float,
     quiet: bool,
@@ -219,6 +256,7 @@ def train(
         explicit=explicit,
         workers=workers,
         timeout_s=timeout,
+        ps=_ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler),
     )
     factory = functools.partial(render.TrainProgress, quiet=quiet)
     if ensemble != 1:
@@ -243,10 +281,11 @@ def train(
             {
                 "checkpoint": str(job.out),
                 "workers": result.workers,
-                "strategy": strategy if result.workers > 1 else "single",
+                "strategy": strategy if result.workers > 1 or result.strategy else "single",
                 "steps_per_s": result.steps / result.seconds if result.seconds else None,
                 "samples_per_s": result.samples / result.seconds if result.seconds else None,
                 "comm_bytes": result.comm_bytes,
+                **_ps_json(result),
                 "test_accuracy": result.test_accuracy,
                 "test_loss": last.test_loss if last else None,
                 "epochs": result.epochs,
@@ -259,6 +298,57 @@ def train(
         )
     else:
         render.train_summary(result, job.out)
+
+
+def _ps_config(strategy, workers, servers, staleness, warmup, straggler) -> PSConfig | None:
+    if strategy not in PS_STRATEGIES:
+        for flag, value in (("--servers", servers), ("--straggler", straggler)):
+            if value is not None:
+                raise InputError(
+                    f"{flag} belongs to the parameter-server strategies; "
+                    "add --strategy ps-sync|ps-async|ps-ssp or drop it"
+                )
+        return None
+    if servers is None:
+        if workers == 1:
+            raise InputError(
+                f"--strategy {strategy} with --workers 1 and no --servers: give --servers S "
+                "(1 or more) or more workers"
+            )
+        servers = -(-workers // 2)
+    lag = None
+    if straggler is not None:
+        rank, _, factor = straggler.partition(":")
+        try:
+            lag = (int(rank), float(factor))
+        except ValueError:
+            raise InputError(
+                f"--straggler {straggler!r}: write RANK:FACTOR, e.g. 1:2 (worker 1, twice slower)"
+            ) from None
+    return PSConfig(
+        mode=strategy.removeprefix("ps-"),
+        workers=workers,
+        servers=servers,
+        staleness=staleness,
+        sync_warmup_epochs=warmup,
+        straggler=lag,
+    )
+
+
+def _ps_json(result) -> dict:
+    s = result.strategy
+    if not s:
+        return {}
+    return {
+        "servers": s["servers"],
+        "staleness": s["staleness"],
+        "bytes_per_step": s["bytes_per_step"],
+        "staleness_histogram": s.get("staleness_histogram", {}),
+        "idle_fraction": s.get("idle_fraction", {}),
+        "lost_workers": s.get("lost_workers", []),
+        "max_clock_gap": s.get("max_clock_gap"),
+        "straggler": s["straggler"],
+    }
 
 
 def _ensemble(job: TrainJob, members: int, factory, as_json: bool) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from distrib import launch
-from distrib.trainer import Checkpointer, Events, TrainConfig, TrainResult, fit
+from distrib.paramserver import PSConfig
+from distrib.trainer import Checkpointer, Events, TrainConfig, TrainResult, fit, optimizer_for
 from models import checkpoint, data, zoo
 from models.errors import InputError
 from models.fileio import check_writable
@@ -34,6 +35,7 @@ class TrainJob:
     resume: bool = False
     workers: int = 1  # data-parallel processes on this machine (all-reduce, gloo)
     timeout_s: float = 300.0  # process-group timeout: a dead peer ends the job, never a hang
+    ps: PSConfig | None = None  # the parameter-server strategy (None: all-reduce)
     # Names of the settings the user gave explicitly (CLI flags); a resumed run checks them
     # against the checkpoint and takes every other setting from it.
     explicit: frozenset[str] = frozenset()
@@ -62,11 +64,49 @@ def run(
                 f"--workers {job.workers} with --device cuda: this machine has {count} GPU(s); "
                 f"give --workers {count} or fewer"
             )
+    if job.ps is not None:
+        return _run_ps(job, events_factory)
     if job.workers > 1 or launch.DistEnv.from_torchrun() is not None:
         fn = functools.partial(_rank_main, job, events_factory)
         backend = "nccl" if gpu else "gloo"  # NCCL on GPUs, gloo on CPUs
         return launch.run(fn, job.workers, job.timeout_s, backend=backend)
     return _run(job, events)
+
+
+def _run_ps(job: TrainJob, events_factory) -> TrainResult:
+    """N workers and S servers: N + S processes, or the torchrun job's ranks."""
+    ps = job.ps
+    if job.config.device != "cpu":
+        raise InputError(
+            "--device cuda: the parameter-server strategies run on the CPU (gloo point-to-point); "
+            "use --strategy allreduce on GPUs"
+        )
+    if job.workers != ps.workers:
+        raise InputError(f"--workers {job.workers} and the parameter server's {ps.workers} differ")
+    env = launch.DistEnv.from_torchrun()
+    if env is not None and env.world != ps.workers + ps.servers:
+        raise InputError(
+            f"torchrun started {env.world} processes; --workers {ps.workers} + --servers "
+            f"{ps.servers} need {ps.workers + ps.servers} (set --nproc-per-node and --nnodes)"
+        )
+    # Bad model, data or shard counts fail here, in one process, before N + S start.
+    from distrib import paramserver
+
+    model = _prepare(job, Events())[2]
+    paramserver.shard_bounds(
+        sum(p.numel() for p in model.parameters() if p.requires_grad), ps.servers
+    )
+    # Asynchronous modes carry on without a dead worker (not rank 0: it reports the run).
+    expendable = range(1, ps.workers) if ps.mode != "sync" else ()
+    lost: list[int] = []
+    fn = functools.partial(_rank_main, job, events_factory)
+    result = launch.run(
+        fn, ps.workers + ps.servers, job.timeout_s, name=ps.name, expendable=expendable, lost=lost
+    )
+    if lost and result is not None:
+        known = set(result.strategy.get("lost_workers", []))
+        result.strategy["lost_workers"] = sorted(known | set(lost))
+    return result
 
 
 def run_ensemble(
@@ -97,15 +137,52 @@ def _member(jobs, events_factory, index: int, count: int) -> TrainResult:
 def _rank_main(job: TrainJob, events_factory, rank: int, world: int) -> TrainResult:
     events = events_factory() if events_factory is not None and rank == 0 else None
     try:
-        return _run(job, events)
+        return _run(job, events, rank)
     finally:
         close = getattr(events, "close", None)
         if close is not None:
             close()
 
 
-def _run(job: TrainJob, events: Events | None) -> TrainResult:
+def _run(job: TrainJob, events: Events | None, rank: int = 0) -> TrainResult | None:
     events = events or Events()
+    job, ds, model, spec, resume = _prepare(job, events)
+    events.info(
+        f"data {ds.describe()}; model {spec.name}, {zoo.count_parameters(model):,} parameters"
+    )
+    meta = {"data": job.data, "seed": job.config.seed, "parameters": zoo.count_parameters(model)}
+    updater = None
+    if job.ps is not None:
+        from distrib import paramserver
+
+        cfg = job.config
+        if rank >= job.ps.workers:  # a server: hold a shard until rank 0 says goodbye
+            steps = -(-len(ds.y_train) // (cfg.batch_size * job.ps.workers))
+            paramserver.serve(
+                job.ps,
+                rank,
+                model,
+                functools.partial(optimizer_for, cfg=cfg),
+                cfg.grad_compression,
+                steps,
+                resume,
+            )
+            return None
+        meta["strategy"] = f"ps-{job.ps.mode}"
+        updater = paramserver.PSWorker(job.ps, rank, model, cfg.optimizer, cfg.grad_compression)
+    return fit(
+        model,
+        ds,
+        job.config,
+        checkpointer=Checkpointer(job.out, spec, meta),
+        resume=resume,
+        events=events,
+        updater=updater,
+    )
+
+
+def _prepare(job: TrainJob, events: Events):
+    """(job as resumed, data, model with its weights, spec, train_state or None)."""
     stored = _stored_run(job)
     if stored is not None:
         job, ck = stored
@@ -126,18 +203,7 @@ def _run(job: TrainJob, events: Events | None) -> TrainResult:
         model = zoo.build(spec, seed=job.config.seed)
         data.check_fits(model, ds, job.model)
         resume = None
-    events.info(
-        f"data {ds.describe()}; model {spec.name}, {zoo.count_parameters(model):,} parameters"
-    )
-    meta = {"data": job.data, "seed": job.config.seed, "parameters": zoo.count_parameters(model)}
-    return fit(
-        model,
-        ds,
-        job.config,
-        checkpointer=Checkpointer(job.out, spec, meta),
-        resume=resume,
-        events=events,
-    )
+    return job, ds, model, spec, resume
 
 
 def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:

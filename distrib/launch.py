@@ -14,10 +14,12 @@ A worker that raises or dies ends the whole job: the parent gets `StageError` na
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,8 +69,19 @@ def run(
     workers: int,
     timeout_s: float = 300.0,
     backend: str = "gloo",
+    *,
+    name: Callable[[int], str] | None = None,
+    expendable: Collection[int] = (),
+    lost: list[int] | None = None,
 ) -> Any:
-    """Run `fn(rank, world)` on `workers` ranks; return rank 0's result."""
+    """Run `fn(rank, world)` on `workers` ranks; return rank 0's result.
+
+    `name(rank)` words a rank in messages ("server 1 (rank 3)"). A rank in `expendable` may
+    die without stopping the job (asynchronous parameter-server workers); its rank is
+    appended to `lost`. Any other failure stops every process and raises, naming the rank
+    that failed first.
+    """
+    name = name or (lambda r: f"worker {r}")
     env = DistEnv.from_torchrun()
     if env is not None:  # torchrun started us: join its job
         import torch.distributed as dist
@@ -88,44 +101,91 @@ def run(
         raise InputError(f"--workers {workers}: give 1 or more")
     if workers == 1:
         return fn(0, 1)
-    import logging
-
     import torch.multiprocessing as mp
-
-    # torch logs a warning for each worker it terminates after a failure; we report it once.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
     with tempfile.TemporaryDirectory(prefix="compress-dist.") as tmp:
         ctx = mp.get_context("spawn")
         errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
-        try:
-            mp.start_processes(
-                _entry,
-                args=(fn, workers, str(Path(tmp) / "store"), timeout_s, backend, results, errors),
-                nprocs=workers,
-                join=True,
-                start_method="spawn",
-            )
-        except Exception as e:  # ProcessRaisedException / ProcessExitedException
-            reported = []
-            while not errors.empty():
-                reported.append(errors.get())
-            if reported:
-                rank, kind, message = min(reported, key=lambda r: (r[1] == "peer", r[0]))
-                if kind == "input":
-                    raise InputError(message) from None
-                raise StageError(f"worker {rank} failed: {message}") from None
-            rank = getattr(e, "error_index", "?")
-            code = getattr(e, "exit_code", None)
-            how = f"exited with code {code}" if code is not None else "failed"
-            raise StageError(f"worker {rank} {how}; the job stopped") from None
+        context = mp.start_processes(
+            _entry,
+            args=(fn, workers, str(Path(tmp) / "store"), timeout_s, backend, results, errors),
+            nprocs=workers,
+            join=False,
+            start_method="spawn",
+        )
+        got: dict[int, Any] = {}
+        failed = _watch(
+            context.processes, set(expendable), lost if lost is not None else [], results, got
+        )
+        reported = {}
+        while not errors.empty():
+            rank, kind, message = errors.get()
+            reported.setdefault(rank, (kind, message))
+        if failed is not None:
+            _raise(failed, reported, name)
+        return got.get(0)
+
+
+def _watch(processes, expendable, lost, results, got) -> tuple[int, int] | None:
+    """Wait for every process; (rank, exit code) of the first failure that is not an
+    expendable rank's death (then the others are stopped), or None when all ended well."""
+    alive = dict(enumerate(processes))
+    failed = None
+
+    def drain() -> None:
+        # Read results as they come: a child blocks on a full pipe until someone reads it.
         # Plain pickle bytes from our own child (multiprocessing pickles the same way): tensors
         # sent as shared-memory handles would vanish with the process that owns them.
-        got = {}
         while not results.empty():
             rank, blob = results.get()
             got[rank] = pickle.loads(blob)
-        return got.get(0)
+
+    while alive and failed is None:
+        ready = set(mp_connection.wait([p.sentinel for p in alive.values()] + [results._reader]))
+        drain()
+        ended = [(r, p) for r, p in alive.items() if p.sentinel in ready]
+        for _, proc in ended:
+            proc.join()
+        # Of ranks that ended together, one killed by a signal is the cause, not a casualty.
+        for rank, proc in sorted(ended, key=lambda rp: (rp[1].exitcode >= 0, rp[0])):
+            del alive[rank]
+            if proc.exitcode == 0:
+                continue
+            if rank in expendable and proc.exitcode != 2:  # exit 2: bad input, fatal anywhere
+                lost.append(rank)
+            elif failed is None:
+                failed = (rank, proc.exitcode)
+    drain()
+    if failed is not None:
+        # Give the others a moment to exit by themselves with their own report, then stop them.
+        deadline = time.monotonic() + 3.0
+        for proc in alive.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in alive.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in alive.values():
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return failed
+
+
+def _raise(failed: tuple[int, int], reported: dict, name: Callable[[int], str]) -> None:
+    rank, code = failed
+    for kind, message in reported.values():
+        if kind == "input":  # every rank checks the same input; one line is enough
+            raise InputError(message)
+    own = reported.get(rank)
+    if own is None:  # it died without a word (killed, os._exit): the others' errors follow
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        raise StageError(f"{name(rank)} {how}; the job stopped")
+    if own[0] == "peer":  # it only saw a peer fail: a peer's own report says more
+        for r, (kind, message) in sorted(reported.items()):
+            if kind != "peer" and r != rank:
+                raise StageError(f"{name(r)} failed: {message}")
+    raise StageError(f"{name(rank)} failed: {own[1]}")
 
 
 def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
@@ -182,7 +242,11 @@ def _independent(index, fn, processes, results, errors) -> None:
 
 
 def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    faulthandler.enable()  # a native abort in torch or gloo prints where each thread was
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.FileStore(store_path, world)

@@ -136,6 +136,7 @@ class TrainResult:
     resumed_from: tuple[int, int] | None = None  # (epoch, step) the run continued from
     workers: int = 1
     comm_bytes: int = 0  # gradient bytes this rank sent to all-reduce (0 in one process)
+    strategy: dict[str, Any] = field(default_factory=dict)  # parameter server: its figures
 
 
 class Events:
@@ -188,7 +189,11 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+    return optimizer_for([p for p in model.parameters() if p.requires_grad], cfg)
+
+
+def optimizer_for(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer `cfg` names over `params` (a parameter server passes its one shard)."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
             params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
@@ -236,13 +241,15 @@ def fit(
     checkpointer: Checkpointer | None = None,
     resume: dict[str, Any] | None = None,
     events: Events | None = None,
+    updater: Any = None,
 ) -> TrainResult:
     """Train `model` in place on `data.x_train` and evaluate on `data.x_test` after each epoch.
 
     `resume` is the `train_state` of a checkpoint written by this loop; the caller has already
-    loaded the matching weights into `model`.
+    loaded the matching weights into `model`. `updater` (a parameter-server worker) replaces
+    the local optimizer step: it pushes the gradient and pulls the new weights.
     """
-    world, rank = _world()
+    world, rank = (updater.workers, updater.rank) if updater is not None else _world()
     if rank != 0:  # only rank 0 reports progress and writes checkpoints
         events, checkpointer = None, None
     events = events or Events()
@@ -253,7 +260,7 @@ def fit(
         torch.cuda.set_device(device)
     model.to(device)
     comm = None
-    if world > 1:
+    if world > 1 and updater is None:
         from distrib import allreduce
 
         model, comm = allreduce.wrap(model, cfg.grad_compression, device)
@@ -273,11 +280,23 @@ def fit(
     steps = samples = 0
 
     def save(**metadata: Any) -> None:
-        if checkpointer is not None:
-            state["rng"] = torch.get_rng_state()
+        if checkpointer is None:
+            return
+        state["rng"] = torch.get_rng_state()
+        if updater is None:
             state["optimizer"] = optimizer.state_dict()
             path = checkpointer.save(model, state, **metadata)
-            events.checkpoint(path, state["epoch"], state["step"])
+        else:  # the servers hold the master weights and the optimizer state: gather them
+            master, state["optimizer"] = updater.master_state(model, optimizer)
+            params = [p for p in model.parameters() if p.requires_grad]
+            mine = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                for p, w in zip(params, master, strict=True):
+                    p.copy_(w)
+                path = checkpointer.save(model, state, **metadata)
+                for p, w in zip(params, mine, strict=True):
+                    p.copy_(w)
+        events.checkpoint(path, state["epoch"], state["step"])
 
     model.train()
     for epoch in range(state["epoch"], cfg.epochs):
@@ -298,7 +317,10 @@ def fit(
                 loss, logits = loss_fn(model, xb, yb)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            optimizer.step()
+            if updater is None:
+                optimizer.step()
+            else:
+                updater.step(model, lr, state["global_step"])
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise StageError(
@@ -317,15 +339,20 @@ def fit(
             # The epoch-end save below covers the epoch's last step.
             if every and state["global_step"] % every == 0 and state["step"] < steps_per_epoch:
                 save()
-        if world > 1:  # the epoch's training figures over all ranks
+        if world > 1 and updater is None:  # the epoch's training figures over all ranks
             totals = torch.tensor(
                 [state["loss_sum"], state["correct"], state["seen"]], dtype=torch.float64
             )
             torch.distributed.all_reduce(totals)
             state["loss_sum"], state["correct"], state["seen"] = totals.tolist()
-        test_loss, test_acc = evaluate(
-            _unwrap(model), data.x_test, data.y_test, cfg.eval_batch_size, cfg.precision, device
-        )
+        if updater is not None and epoch == cfg.epochs - 1:
+            updater.finish(model)  # rank 0: wait for every worker, take the final weights
+        if updater is not None and rank != 0:  # only rank 0 reports a parameter-server run
+            test_loss, test_acc = math.nan, math.nan
+        else:
+            test_loss, test_acc = evaluate(
+                _unwrap(model), data.x_test, data.y_test, cfg.eval_batch_size, cfg.precision, device
+            )
         record = EpochRecord(
             epoch=epoch + 1,
             train_loss=state["loss_sum"] / max(state["seen"], 1),
@@ -340,6 +367,9 @@ def fit(
         save(test_accuracy=test_acc, epochs=epoch + 1)
         events.epoch_end(record)
 
+    if updater is not None:
+        updater.finish(model)  # a no-op unless the run had nothing left to train
+        updater.close()
     final_acc = history[-1].test_accuracy if history else float("nan")
     return TrainResult(
         history=history,
@@ -351,7 +381,8 @@ def fit(
         checkpoint=checkpointer.path if checkpointer else None,
         resumed_from=start if resume else None,
         workers=world,
-        comm_bytes=comm.bytes if comm is not None else 0,
+        comm_bytes=updater.stats.comm_bytes if updater else comm.bytes if comm else 0,
+        strategy=updater.report() if updater is not None else {},
     )
 
 

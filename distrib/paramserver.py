@@ -1,0 +1,502 @@
+"""The parameter-server strategy: sharded servers hold the weights and the optimizer, workers
+push gradients and pull weights (Li et al., "Scaling Distributed Machine Learning with the
+Parameter Server", OSDI 2014; Dean et al., "Large Scale Distributed Deep Networks", NIPS 2012).
+
+Three consistency models, one server loop:
+  * sync:  a server waits for the step's gradient from every worker, averages them and steps
+           once, so N workers train exactly like all-reduce data parallelism (tested allclose);
+  * async: each gradient is applied as it arrives (Downpour SGD), optionally after
+           `sync_warmup_epochs` of synchronous training, as DistBelief started;
+  * ssp:   stale synchronous parallel (Ho et al., NIPS 2013): as async, but a worker that has
+           finished clock c gets its weights back only once the slowest live worker has
+           finished clock c - staleness, so no worker runs more than `staleness` clocks ahead.
+
+Transport: torch.distributed point-to-point messages (send/recv with tags) in the same process
+group machinery as all-reduce; never torch.distributed.rpc (maintenance mode, and its shutdown
+hangs once a peer has died) and never sockets of our own. Ranks 0..N-1 are workers (rank 0
+reports and checkpoints), ranks N..N+S-1 servers. The model's parameters are one flat fp32
+vector cut into S contiguous shards balanced by size (large tensors are split across servers).
+
+A server listens to each worker on its own thread: a blocking recv from one peer fails within
+a fraction of a second when that peer dies (a recv from any source would wait forever), so a
+lost worker is noticed, named, and in async/SSP left behind while the rest carry on.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.errors import InputError, StageError
+
+MODES = ("sync", "async", "ssp")
+WIRE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Message kinds (the first field of every header) and the two tags that keep headers and
+# payloads apart on one pair of ranks.
+PUSH, PULL, STATE, DONE, STATS, BYE = 1, 2, 3, 4, 5, 6
+HDR, DATA = 1, 2
+HEADER = 6  # float64 fields: kind, clock, lr, and three figures that depend on the kind
+HIST_BINS = 64  # staleness histogram bins 0..62, and 63 for "63 or more"
+SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}  # optimizer state
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """How the parameter server runs. `staleness` only matters for `ssp`;
+    `sync_warmup_epochs` only for `async`; `straggler` = (worker rank, slow-down factor)."""
+
+    mode: str = "sync"
+    workers: int = 2
+    servers: int = 1
+    staleness: int = 4
+    sync_warmup_epochs: int = 0
+    straggler: tuple[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"parameter-server mode {self.mode!r}: use one of {MODES}")
+        if self.servers < 1:
+            raise InputError(f"--servers {self.servers}: give 1 or more")
+        if self.workers < 1:
+            raise InputError(f"--workers {self.workers}: give 1 or more")
+        if self.staleness < 0:
+            raise InputError(f"--staleness {self.staleness}: give 0 or more clocks")
+        if self.sync_warmup_epochs < 0:
+            raise InputError(f"--sync-warmup-epochs {self.sync_warmup_epochs}: give 0 or more")
+        if self.straggler is not None:
+            rank, factor = self.straggler
+            if not 0 <= rank < self.workers:
+                raise InputError(
+                    f"--straggler {rank}:{factor:g}: there is no worker {rank} "
+                    f"(workers are 0..{self.workers - 1})"
+                )
+            if not (factor >= 1 and math.isfinite(factor)):
+                raise InputError(f"--straggler {rank}:{factor:g}: the factor must be 1 or more")
+
+    @property
+    def bound(self) -> float:
+        """Clocks a worker may run ahead of the slowest: 0 in sync, inf in async."""
+        return {"sync": 0, "ssp": self.staleness, "async": math.inf}[self.mode]
+
+    def server_rank(self, s: int) -> int:
+        return self.workers + s
+
+    def name(self, rank: int) -> str:
+        if rank < self.workers:
+            return f"worker {rank}"
+        return f"server {rank - self.workers} (rank {rank})"
+
+
+# ---- pure tensor plumbing: flatten, shard, rejoin ------------------------------------------
+
+
+def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
+    """Cut a flat vector of `numel` elements into `servers` contiguous [start, end) ranges whose
+    sizes differ by at most one element (balanced by bytes: every element is fp32)."""
+    if servers < 1:
+        raise InputError(f"--servers {servers}: give 1 or more")
+    if servers > numel:
+        raise InputError(
+            f"--servers {servers}: the model has only {numel} parameter values to shard; "
+            f"give --servers {numel} or fewer"
+        )
+    base, extra = divmod(numel, servers)
+    bounds, start = [], 0
+    for s in range(servers):
+        end = start + base + (s < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Split `flat` back into tensors shaped and typed like `like`."""
+    if flat.numel() != sum(t.numel() for t in like):
+        raise ValueError(f"{flat.numel()} values for tensors of {sum(t.numel() for t in like)}")
+    out, start = [], 0
+    for t in like:
+        out.append(flat[start : start + t.numel()].reshape(t.shape).to(t.dtype))
+        start += t.numel()
+    return out
+
+
+def shard(flat: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    return [flat[a:b] for a, b in bounds]
+
+
+def join(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(chunks))
+
+
+def _params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _header(kind: int, clock: float = 0, lr: float = 0, a: float = 0, b: float = 0, c: float = 0):
+    return torch.tensor([kind, clock, lr, a, b, c], dtype=torch.float64)
+
+
+# ---- the worker side ------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerStats:
+    comm_bytes: int = 0  # payload bytes pushed and pulled by this worker
+    idle_s: float = 0.0  # time spent in push/pull: on the wire or waiting for the servers
+    straggle_s: float = 0.0  # simulated slow-down (--straggler)
+    steps: int = 0
+
+
+class PSWorker:
+    """What the training loop calls on a worker rank instead of `optimizer.step()`."""
+
+    def __init__(
+        self,
+        ps: PSConfig,
+        rank: int,
+        model: nn.Module,
+        optimizer: str = "adam",
+        compression: str = "none",
+    ):
+        self.ps, self.rank, self.optimizer = ps, rank, optimizer
+        self.workers = ps.workers
+        self.wire = WIRE[compression]
+        numel = sum(p.numel() for p in _params(model))
+        self.bounds = shard_bounds(numel, ps.servers)
+        self.stats = WorkerStats()
+        self._t_start = time.perf_counter()
+        self._last = self._t_start  # end of the previous step: the compute time is since then
+        self._finished = False
+        self.summary: dict[str, Any] = {}
+
+    # -- one training step: push the gradient shards, pull the new weight shards
+    def step(self, model: nn.Module, lr: float, clock: int) -> None:
+        t0 = time.perf_counter()
+        if self.ps.straggler is not None and self.ps.straggler[0] == self.rank:
+            pause = (self.ps.straggler[1] - 1.0) * (t0 - self._last)
+            time.sleep(pause)
+            self.stats.straggle_s += pause
+            t0 = time.perf_counter()
+        params = _params(model)
+        grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params]).to(
+            self.wire
+        )
+        pending, inbox = [], []
+        for s, (a, b) in enumerate(self.bounds):
+            dst = self.ps.server_rank(s)
+            pending.append(dist.isend(_header(PUSH, clock, lr), dst, tag=HDR))
+            pending.append(dist.isend(grad[a:b].contiguous(), dst, tag=DATA))
+            box = torch.empty(b - a, dtype=self.wire)
+            inbox.append(box)
+            pending.append(dist.irecv(box, self.ps.server_rank(s), tag=DATA))
+        self._wait(pending)
+        flat = join(inbox).float()
+        with torch.no_grad():
+            for p, w in zip(params, unflatten(flat, params), strict=True):
+                p.copy_(w)
+        self.stats.comm_bytes += 2 * grad.numel() * grad.element_size()
+        self.stats.steps += 1
+        self._last = time.perf_counter()
+        self.stats.idle_s += self._last - t0
+
+    def _wait(self, works) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:
+            raise StageError(
+                f"a parameter server stopped answering worker {self.rank}: "
+                f"{(str(e).splitlines() or [''])[0][:160]}"
+            ) from None
+
+    # -- rank 0 only: the servers' master state, for checkpoints
+    def master_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """(fp32 weights, optimizer state_dict in torch's per-parameter format or None),
+        gathered from every server shard. The format is a one-process optimizer's, so a
+        checkpoint resumes under any strategy."""
+        params = _params(model)
+        weights, slots, steps = [], {}, []
+        for s, (a, b) in enumerate(self.bounds):
+            src = self.ps.server_rank(s)
+            self._wait([dist.isend(_header(STATE), src, tag=HDR)])
+            head = torch.empty(HEADER, dtype=torch.float64)
+            self._wait([dist.irecv(head, src, tag=DATA)])
+            steps.append(int(head[1]))
+            for name in ("weights", *SLOTS[self.optimizer][: int(head[2])]):
+                t = torch.empty(b - a)
+                self._wait([dist.irecv(t, src, tag=DATA)])
+                (weights if name == "weights" else slots.setdefault(name, [])).append(t)
+        if optimizer is None:
+            return unflatten(join(weights), params), None
+        state: dict[int, dict[str, Any]] = {}
+        if slots and all(len(parts) == len(self.bounds) for parts in slots.values()):
+            full = {name: unflatten(join(parts), params) for name, parts in slots.items()}
+            for i in range(len(params)):
+                state[i] = {name: full[name][i] for name in full}
+                if self.optimizer == "adam":
+                    state[i]["step"] = torch.tensor(float(min(steps)))
+        groups = optimizer.state_dict()["param_groups"]
+        return unflatten(join(weights), params), {"state": state, "param_groups": groups}
+
+    # -- the end: say done; rank 0 also waits for everyone and fetches the final weights
+    def finish(self, model: nn.Module) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        total = time.perf_counter() - self._t_start
+        for s in range(self.ps.servers):
+            head = _header(DONE, self.stats.steps, 0, self.stats.idle_s, total)
+            self._wait([dist.isend(head, self.ps.server_rank(s), tag=HDR)])
+        if self.rank != 0:
+            return
+        hist, idle, lost, gap = Counter(), {}, set(), 0
+        for s in range(self.ps.servers):
+            src = self.ps.server_rank(s)
+            self._wait([dist.isend(_header(STATS), src, tag=HDR)])
+            buf = torch.empty(HIST_BINS + 3 * self.workers + 1, dtype=torch.float64)
+            self._wait([dist.irecv(buf, src, tag=DATA)])
+            for k, v in enumerate(buf[:HIST_BINS].tolist()):
+                if v:
+                    hist[k] += int(v)
+            rest = buf[HIST_BINS:].tolist()
+            gap = max(gap, int(rest[-1]))
+            for w in range(self.workers):
+                busy, tot, gone = rest[w], rest[self.workers + w], rest[2 * self.workers + w]
+                if gone:
+                    lost.add(w)
+                elif tot > 0:
+                    idle[w] = busy / tot
+        servers_steps = sum(hist.values()) // max(self.ps.servers, 1)
+        self.summary = {
+            "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+            "idle_fraction": {str(w): round(f, 4) for w, f in sorted(idle.items())},
+            "lost_workers": sorted(lost),
+            "max_clock_gap": gap,
+            "gradients_per_server": servers_steps,
+        }
+        weights, _ = self.master_state(model)
+        with torch.no_grad():
+            for p, w in zip(_params(model), weights, strict=True):
+                p.copy_(w)
+
+    def report(self) -> dict[str, Any]:
+        """The run's figures: rank 0's hold the servers' view of every worker."""
+        steps = max(self.stats.steps, 1)
+        return {
+            "mode": self.ps.mode,
+            "workers": self.ps.workers,
+            "servers": self.ps.servers,
+            "staleness": self.ps.staleness if self.ps.mode == "ssp" else None,
+            "bytes_per_step": self.stats.comm_bytes / steps,
+            "straggler": list(self.ps.straggler) if self.ps.straggler else None,
+            "straggle_seconds": round(self.stats.straggle_s, 3),
+            **self.summary,
+        }
+
+    def close(self) -> None:
+        """Rank 0: let the servers go (after `finish`)."""
+        if self.rank == 0:
+            for s in range(self.ps.servers):
+                self._wait([dist.isend(_header(BYE), self.ps.server_rank(s), tag=HDR)])
+
+
+# ---- the server side ------------------------------------------------------------------------
+
+
+@dataclass
+class _Server:
+    ps: PSConfig
+    index: int
+    param: nn.Parameter
+    optimizer: torch.optim.Optimizer
+    wire: torch.dtype
+    warmup_clocks: int  # pushes with a clock below this are applied synchronously
+    version: int = 0  # updates applied to this shard
+    clocks: dict[int, int] = field(default_factory=dict)  # worker -> steps pushed
+    sent: dict[int, int] = field(default_factory=dict)  # worker -> version it last pulled
+    done: dict[int, tuple[float, float]] = field(default_factory=dict)  # worker -> (idle, total)
+    lost: set[int] = field(default_factory=set)
+    hist: Counter = field(default_factory=Counter)
+    max_gap: int = 0
+
+    def live(self) -> list[int]:
+        return [w for w in range(self.ps.workers) if w not in self.lost and w not in self.done]
+
+    def apply(self, grad: torch.Tensor, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.param.grad = grad
+        self.optimizer.step()
+        self.version += 1
+
+    def reply(self, w: int) -> None:
+        self.sent[w] = self.version
+        dist.send(self.param.detach().to(self.wire), w, tag=DATA)
+
+
+def serve(
+    ps: PSConfig,
+    rank: int,
+    model: nn.Module,
+    make_optimizer,
+    compression: str,
+    steps_per_epoch: int,
+    resume: dict[str, Any] | None = None,
+) -> None:
+    """Run server `rank - workers` until rank 0 says goodbye: hold its shard of `model`'s
+    weights and of the optimizer's state, apply pushed gradients as `ps.mode` says."""
+    index = rank - ps.workers
+    params = _params(model)
+    bounds = shard_bounds(sum(p.numel() for p in params), ps.servers)
+    a, b = bounds[index]
+    param = nn.Parameter(flatten(params)[a:b].clone())
+    optimizer = make_optimizer([param])
+    if resume is not None and resume.get("optimizer", {}).get("state"):
+        _load_slots(optimizer, param, resume["optimizer"], params, (a, b))
+    warmup = ps.sync_warmup_epochs * steps_per_epoch if ps.mode == "async" else 0
+    srv = _Server(ps, index, param, optimizer, WIRE[compression], warmup)
+    inbox: queue.Queue = queue.Queue()
+    for w in range(ps.workers):
+        threading.Thread(target=_listen, args=(w, b - a, srv.wire, inbox), daemon=True).start()
+    _loop(srv, inbox)
+
+
+def _listen(w: int, size: int, wire: torch.dtype, inbox: queue.Queue) -> None:
+    """Forward worker `w`'s messages to the server loop, and its loss if it dies."""
+    try:
+        while True:
+            head = torch.empty(HEADER, dtype=torch.float64)
+            dist.recv(head, w, tag=HDR)
+            payload = None
+            if int(head[0]) == PUSH:
+                payload = torch.empty(size, dtype=wire)
+                dist.recv(payload, w, tag=DATA)
+            inbox.put((w, head.tolist(), payload))
+            kind = int(head[0])
+            if kind == BYE or (kind == DONE and w != 0):  # rank 0 asks for stats after DONE
+                return
+    except RuntimeError as e:
+        inbox.put((w, None, (str(e).splitlines() or [""])[0][:160]))
+
+
+def _loop(srv: _Server, inbox: queue.Queue) -> None:
+    ps = srv.ps
+    sync_group: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}  # clock -> worker -> grad
+    waiting: list[int] = []  # workers whose weights are held back (SSP)
+    stats_asked = False
+    while True:
+        w, head, payload = inbox.get()
+        if head is None:  # worker w's connection failed: it died
+            if w == 0 or ps.mode == "sync":
+                raise StageError(
+                    f"server {srv.index} lost {ps.name(w)} ({payload}); "
+                    + ("rank 0 reports the run" if w == 0 else "synchronous training needs all")
+                )
+            srv.lost.add(w)
+            for group in sync_group.values():
+                group.pop(w, None)
+        else:
+            kind, clock, lr = int(head[0]), int(head[1]), head[2]
+            if kind == PUSH:
+                srv.clocks[w] = clock + 1
+                if ps.mode == "sync" or clock < srv.warmup_clocks:
+                    sync_group.setdefault(clock, {})[w] = (payload.float(), lr)
+                else:
+                    srv.hist[min(srv.version - srv.sent.get(w, 0), HIST_BINS - 1)] += 1
+                    srv.apply(payload.float(), lr)
+                    waiting.append(w)
+            elif kind == PULL:
+                srv.reply(w)
+            elif kind == STATE:
+                _send_state(srv, w)
+            elif kind == DONE:
+                srv.done[w] = (head[3], head[4])
+            elif kind == STATS:
+                stats_asked = True
+            elif kind == BYE:
+                return
+        # A synchronous step completes once every live worker has pushed it.
+        for clock in sorted(sync_group):
+            group = sync_group[clock]
+            if group and set(group) >= set(srv.live()):
+                grads = [g for g, _ in group.values()]
+                srv.hist[0] += len(grads)
+                srv.apply(torch.stack(grads).mean(0), next(iter(group.values()))[1])
+                for x in sorted(group):
+                    srv.reply(x)
+                del sync_group[clock]
+        # Bounded delay: hand weights back to those within `bound` clocks of the slowest.
+        # A worker that has finished clock c may start c + 1 once the slowest live worker has
+        # finished c - bound (Ho et al.'s SSP; bound 0 is BSP, inf is Downpour).
+        if waiting:
+            slowest = min(srv.clocks.get(x, 0) for x in srv.live())
+            still = []
+            for x in waiting:
+                if x in srv.lost:
+                    continue
+                gap = srv.clocks[x] - slowest
+                if gap <= ps.bound:
+                    srv.max_gap = max(srv.max_gap, gap)
+                    srv.reply(x)
+                else:
+                    still.append(x)
+            waiting = still
+        if stats_asked and not srv.live():
+            _send_stats(srv)
+            stats_asked = False
+
+
+def _send_state(srv: _Server, w: int) -> None:
+    st = srv.optimizer.state.get(srv.param, {})
+    names = [n for n in _slots(srv.optimizer) if st.get(n) is not None]
+    step = float(st["step"]) if "step" in st else float(srv.version)
+    dist.send(_header(STATE, step, len(names)), w, tag=DATA)
+    dist.send(srv.param.detach().clone(), w, tag=DATA)
+    for name in names:
+        dist.send(st[name].detach().float().clone(), w, tag=DATA)
+
+
+def _slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    return SLOTS["adam" if isinstance(optimizer, torch.optim.Adam) else "sgd"]
+
+
+def _send_stats(srv: _Server) -> None:
+    n = srv.ps.workers
+    buf = torch.zeros(HIST_BINS + 3 * n + 1, dtype=torch.float64)
+    for k, v in srv.hist.items():
+        buf[k] = v
+    for w, (idle, total) in srv.done.items():
+        buf[HIST_BINS + w], buf[HIST_BINS + n + w] = idle, total
+    for w in srv.lost:
+        buf[HIST_BINS + 2 * n + w] = 1
+    buf[-1] = srv.max_gap
+    dist.send(buf, 0, tag=DATA)
+
+
+def _load_slots(optimizer, param, saved, params, span) -> None:
+    """Take this shard's part of a one-process optimizer state (any strategy wrote it)."""
+    a, b = span
+    state = saved["state"]
+    names = _slots(optimizer)
+    if len(state) != len(params) or not all(n in state[i] for i in state for n in names):
+        return  # nothing to take (e.g. SGD without momentum): a fresh state is the same
+    st = optimizer.state[param]
+    for name in names:
+        st[name] = flatten([state[i][name] for i in range(len(params))])[a:b].clone()
+    if "step" in state[0]:
+        st["step"] = torch.tensor(float(state[0]["step"]))

@@ -1,0 +1,268 @@
+"""The parameter-server strategy: shards rejoin exactly, ps-sync trains like all-reduce, SSP
+keeps its bound, async/SSP learn, checkpoints resume under any shard count, and dead workers
+or servers end (or don't end) the job as promised, without leftover processes."""
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib import paramserver as psm
+from distrib.job import TrainJob
+from distrib.job import run as run_job
+from distrib.paramserver import PSConfig
+from distrib.trainer import TrainConfig
+from models import checkpoint
+from models.errors import InputError, StageError
+
+pytestmark = pytest.mark.distributed
+
+
+# ---- sharding: pure tensor plumbing ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3, 7, 11])
+def test_shards_split_and_rejoin_every_tensor_exactly(servers):
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g) for s in [(3, 5), (7,), (1,), (2, 3, 3)]]  # 41 values
+    bounds = psm.shard_bounds(41, servers)
+    sizes = [b - a for a, b in bounds]
+    assert sum(sizes) == 41 and max(sizes) - min(sizes) <= 1  # balanced
+    assert bounds[0][0] == 0 and all(bounds[i][1] == bounds[i + 1][0] for i in range(servers - 1))
+    chunks = psm.shard(psm.flatten(tensors), bounds)
+    back = psm.unflatten(psm.join(chunks), tensors)
+    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(tensors, back, strict=True))
+    if servers > len(tensors):  # more servers than tensors: large tensors are split
+        assert len(chunks) == servers and all(c.numel() >= 1 for c in chunks)
+
+
+def test_more_servers_than_values_is_refused():
+    with pytest.raises(InputError, match="only 41 parameter values"):
+        psm.shard_bounds(41, 42)
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+def _job(tmp_path, name, ps=None, workers=2, **cfg):
+    config = TrainConfig(
+        **{"epochs": 2, "batch_size": 32, "seed": 0, "schedule": "constant", **cfg}
+    )
+    return TrainJob(
+        model="mlp",
+        data="digits",
+        config=config,
+        out=tmp_path / f"{name}.pt",
+        workers=workers,
+        timeout_s=30,
+        ps=ps,
+    )
+
+
+def _weights(path):
+    return checkpoint.load(path).state_dict
+
+
+def test_ps_sync_trains_like_allreduce(tmp_path):
+    a = run_job(_job(tmp_path, "ar", optimizer="sgd", lr=0.05))
+    b = run_job(_job(tmp_path, "ps", PSConfig("sync", 2, 3), optimizer="sgd", lr=0.05))
+    wa, wb = _weights(tmp_path / "ar.pt"), _weights(tmp_path / "ps.pt")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    assert a.steps == b.steps and b.test_accuracy == pytest.approx(a.test_accuracy, abs=0.01)
+    assert b.strategy["staleness_histogram"] == {"0": 2 * b.steps * 3}  # 2 workers x 3 servers
+    assert b.comm_bytes == b.steps * 2 * 4810 * 4  # fp32 gradient out, weights back
+    assert multiprocessing.active_children() == []
+
+
+def test_ps_checkpoint_resumes_under_another_shard_count(tmp_path):
+    whole = _job(tmp_path, "whole", PSConfig("sync", 2, 2))
+    run_job(whole)
+    half = _job(tmp_path, "half", PSConfig("sync", 2, 2), epochs=1)
+    run_job(half)
+    ck = checkpoint.load(tmp_path / "half.pt")
+    assert ck.metadata["strategy"] == "ps-sync" and ck.train_state["optimizer"]["state"]
+    again = TrainJob(
+        **{
+            **vars(_job(tmp_path, "half", PSConfig("sync", 2, 3))),
+            "resume": True,
+            "explicit": frozenset({"epochs"}),
+        }
+    )
+    result = run_job(again)
+    assert result.resumed_from == (1, 0)
+    want, got = _weights(tmp_path / "whole.pt"), _weights(tmp_path / "half.pt")
+    assert all(torch.equal(want[k], got[k]) for k in want)  # Adam state gathered and re-cut
+
+
+def test_ssp_never_runs_ahead_more_than_its_bound(tmp_path):
+    ps = PSConfig("ssp", 2, 1, staleness=1, straggler=(1, 4.0))
+    r = run_job(_job(tmp_path, "ssp", ps, epochs=1))
+    assert r.strategy["max_clock_gap"] == 1  # reached, never passed
+    assert r.strategy["straggle_seconds"] == 0  # rank 0's own figure: it is not the straggler
+    assert float(r.strategy["idle_fraction"]["0"]) > float(r.strategy["idle_fraction"]["1"])
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_learn_digits(run, tmp_path, mode):
+    result = run(
+        "train",
+        "--model",
+        "lenet300",
+        "--data",
+        "digits",
+        "--strategy",
+        f"ps-{mode}",
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "--epochs",
+        "4",
+        "--out",
+        tmp_path / "m.pt",
+        "--json",
+        "-q",
+    )
+    assert result.exit_code == 0, result.stderr
+    out = result.json()
+    assert out["strategy"] == f"ps-{mode}" and out["test_accuracy"] >= 0.9
+    hist = {int(k): v for k, v in out["staleness_histogram"].items()}
+    assert sum(hist.values()) == 2 * out["steps"]  # one push per worker step, one server
+    assert max(hist) >= 1  # asynchronous: some gradients were computed on older weights
+    assert set(out["idle_fraction"]) == {"0", "1"} and out["comm_bytes"] > 0
+    assert out["bytes_per_step"] == out["comm_bytes"] / out["steps"]
+
+
+def test_grad_compression_halves_the_bytes(tmp_path):
+    full = run_job(_job(tmp_path, "f", PSConfig("sync", 2, 1), epochs=1))
+    half = run_job(_job(tmp_path, "h", PSConfig("sync", 2, 1), epochs=1, grad_compression="bf16"))
+    assert half.comm_bytes * 2 == full.comm_bytes
+    assert abs(half.test_accuracy - full.test_accuracy) < 0.05
+
+
+# ---- faults --------------------------------------------------------------------------------
+
+DYING = '''
+import os
+import signal
+import threading
+
+import torch.distributed as dist
+from torch import nn
+
+STEPS = [0]
+
+
+class Net(nn.Sequential):
+    """An MLP whose copy in process WHO dies: a worker at its 20th step, a server 3 s in."""
+
+    def __init__(self, in_shape=(1, 8, 8), num_classes=10):
+        super().__init__(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes))
+        who = int(os.environ["WHO"])
+        if dist.is_initialized() and dist.get_rank() == who and who >= 2:  # a server
+            kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+            threading.Timer(3.0, kill).start()
+
+    def forward(self, x):
+        STEPS[0] += 1
+        if dist.is_initialized() and dist.get_rank() == int(os.environ["WHO"]) and STEPS[0] == 20:
+            os._exit(1)
+        return super().forward(x)
+'''
+
+
+@pytest.fixture
+def dying(tmp_path, monkeypatch):
+    (tmp_path / "dying.py").write_text(DYING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the spawned ranks import it too
+
+    def job(who, mode, epochs=4):
+        monkeypatch.setenv("WHO", str(who))
+        return TrainJob(
+            model="dying:Net",
+            data="digits",
+            config=TrainConfig(epochs=epochs, batch_size=16, seed=0),
+            out=tmp_path / "d.pt",
+            workers=2,
+            timeout_s=20,
+            ps=PSConfig(mode, 2, 1),
+            explicit=frozenset({"model"}),
+        )
+
+    return job
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_carries_on_without_a_dead_worker(dying, mode):
+    result = run_job(dying(1, mode))
+    assert result.strategy["lost_workers"] == [1]
+    assert result.test_accuracy > 0.5  # worker 0 finished the run alone
+    assert multiprocessing.active_children() == []
+
+
+def test_sync_stops_when_a_worker_dies(dying):
+    t0 = time.perf_counter()
+    with pytest.raises(StageError, match="^worker 1 exited with code 1; the job stopped"):
+        run_job(dying(1, "sync"))
+    assert time.perf_counter() - t0 < 20 + 10
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_dead_server_stops_the_job_naming_it(dying, mode):
+    t0 = time.perf_counter()
+    with pytest.raises(StageError, match=r"^server 0 \(rank 2\) was killed by signal 9"):
+        run_job(dying(2, mode, epochs=200))
+    assert time.perf_counter() - t0 < 20 + 10
+    assert multiprocessing.active_children() == []
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--strategy", "ps-sync", "--servers", "0"], "--servers 0: give 1 or more"),
+        (["--strategy", "ps-ssp", "--staleness", "-1"], "--staleness -1: give 0 or more clocks"),
+        (["--strategy", "ps-sync", "--workers", "1"], "with --workers 1 and no --servers"),
+        (["--strategy", "ps-sync", "--servers", "100000"], "only 4810 parameter values"),
+        (["--strategy", "ps-async", "--straggler", "5:2"], "there is no worker 5 (workers are"),
+        (["--strategy", "ps-async", "--straggler", "x"], "write RANK:FACTOR"),
+        (["--servers", "2"], "--servers belongs to the parameter-server strategies"),
+        (["--strategy", "nope"], "'nope' is not one of"),
+    ],
+)
+def test_bad_parameter_server_flags_exit_2(run, tmp_path, flags, message):
+    args = ["train", "--model", "mlp", "--workers", "2", *flags, "--out", tmp_path / "x.pt"]
+    if "--workers" in flags:
+        args = ["train", "--model", "mlp", *flags, "--out", tmp_path / "x.pt"]
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert not Path(tmp_path / "x.pt").exists()
+
+
+def test_summary_prints_the_staleness_histogram(run, tmp_path):
+    result = run(
+        "train",
+        "--model",
+        "mlp",
+        "--strategy",
+        "ps-async",
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "--epochs",
+        "1",
+        "--out",
+        tmp_path / "s.pt",
+        "-q",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "parameter server ps-async: 2 workers, 1 servers" in result.stdout
+    assert "staleness (updates between pull and push): 0: " in result.stdout
