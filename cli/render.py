@@ -96,13 +96,15 @@ def train_summary(result: TrainResult, out: Path) -> None:
         total = sum(hist.values()) or 1
         bars = ", ".join(f"{k}: {v} ({v / total:.0%})" for k, v in hist.items())
         idle = ", ".join(f"worker {w} {f:.0%}" for w, f in ps.get("idle_fraction", {}).items())
+        shares = ", ".join(f"worker {w} {n:,}" for w, n in ps.get("samples_per_worker", {}).items())
         stdout.print(
             f"parameter server ps-{ps['mode']}: {ps['workers']} workers, {ps['servers']} "
-            f"servers, {result.steps / max(result.seconds, 1e-9):.1f} steps/s, "
+            f"servers, {result.steps / max(result.seconds, 1e-9):.1f} updates/s, "
             f"{ps['bytes_per_step'] / 1e3:.1f} kB per step per worker"
         )
         stdout.print(f"staleness (updates between pull and push): {bars}")
         stdout.print(f"idle (waiting on the servers): {idle}")
+        stdout.print(f"samples trained: {shares}")
         if ps.get("lost_workers"):
             lost = ", ".join(str(w) for w in ps["lost_workers"])
             stdout.print(f"lost workers: {lost}; the others finished the run")

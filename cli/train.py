@@ -160,7 +160,8 @@ Examples:
     default=4,
     show_default=True,
     metavar="TAU",
-    help="ps-ssp: clocks a worker may run ahead of the slowest one.",
+    help="ps-ssp: clocks a worker may run ahead of the slowest batch still being computed; "
+    "a clock is a round of --workers batches (0: bulk-synchronous rounds).",
 )
 @click.option(
     "--sync-warmup-epochs",
@@ -173,7 +174,8 @@ Examples:
     "--straggler",
     default=None,
     metavar="RANK:FACTOR",
-    help="Slow worker RANK down FACTOR times (it sleeps in proportion to its compute).",
+    help="Parameter server: slow worker RANK down FACTOR times (after each step's compute "
+    "it sleeps FACTOR-1 times as long), to compare the strategies with a straggler.",
 )
 @click.option(
     "--grad-compression",
@@ -346,6 +348,8 @@ def _ps_json(result) -> dict:
         "staleness_histogram": s.get("staleness_histogram", {}),
         "idle_fraction": s.get("idle_fraction", {}),
         "lost_workers": s.get("lost_workers", []),
+        "updates": s.get("updates"),
+        "samples_per_worker": s.get("samples_per_worker", {}),
         "max_clock_gap": s.get("max_clock_gap"),
         "straggler": s["straggler"],
     }

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from distrib import launch
+from distrib import launch, paramserver
 from distrib.paramserver import PSConfig
 from distrib.trainer import Checkpointer, Events, TrainConfig, TrainResult, fit, optimizer_for
 from models import checkpoint, data, zoo
@@ -90,8 +90,6 @@ def _run_ps(job: TrainJob, events_factory) -> TrainResult:
             f"{ps.servers} need {ps.workers + ps.servers} (set --nproc-per-node and --nnodes)"
         )
     # Bad model, data or shard counts fail here, in one process, before N + S start.
-    from distrib import paramserver
-
     model = _prepare(job, Events())[2]
     paramserver.shard_bounds(
         sum(p.numel() for p in model.parameters() if p.requires_grad), ps.servers
@@ -114,6 +112,10 @@ def run_ensemble(
 ) -> list[tuple[Path, TrainResult]]:
     """Train `members` independent models side by side, seeds seed..seed+K-1, one process
     each; checkpoints are `--out` with `-0`, `-1`, ... before the suffix."""
+    if job.ps is not None:
+        raise InputError(
+            f"--ensemble trains independent one-process members; drop --strategy ps-{job.ps.mode}"
+        )
     jobs = [
         dataclasses.replace(
             job,
@@ -153,23 +155,27 @@ def _run(job: TrainJob, events: Events | None, rank: int = 0) -> TrainResult | N
     meta = {"data": job.data, "seed": job.config.seed, "parameters": zoo.count_parameters(model)}
     updater = None
     if job.ps is not None:
-        from distrib import paramserver
-
-        cfg = job.config
-        if rank >= job.ps.workers:  # a server: hold a shard until rank 0 says goodbye
-            steps = -(-len(ds.y_train) // (cfg.batch_size * job.ps.workers))
-            paramserver.serve(
-                job.ps,
-                rank,
-                model,
-                functools.partial(optimizer_for, cfg=cfg),
-                cfg.grad_compression,
-                steps,
-                resume,
-            )
+        cfg, ps = job.config, job.ps
+        at = (resume["epoch"], resume["step"]) if resume else (0, 0)
+        n = len(ds.y_train)
+        if rank >= ps.workers:  # a server: hold a shard until rank 0 says goodbye
+            deal = paramserver.Deal.plan(ps, n, cfg.batch_size, cfg.epochs, at)
+            optimizer = functools.partial(optimizer_for, cfg=cfg)
+            paramserver.serve(ps, rank, model, optimizer, cfg.grad_compression, deal, resume)
             return None
-        meta["strategy"] = f"ps-{job.ps.mode}"
-        updater = paramserver.PSWorker(job.ps, rank, model, cfg.optimizer, cfg.grad_compression)
+        meta["strategy"] = f"ps-{ps.mode}"
+        updater = paramserver.PSWorker(
+            ps,
+            rank,
+            model,
+            n,
+            cfg.batch_size,
+            cfg.epochs,
+            cfg.optimizer,
+            cfg.grad_compression,
+            resume_at=at,
+            store=launch.store(),
+        )
     return fit(
         model,
         ds,

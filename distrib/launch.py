@@ -60,6 +60,17 @@ class DistEnv:
         return cls(rank, world, local)
 
 
+_store = None  # the key-value store this process's process group was made with
+
+
+def store():
+    """The job's key-value store (the FileStore of spawned ranks, or torchrun's): shared
+    counters, such as the parameter server's batch dispenser, live in it."""
+    if _store is None:
+        raise RuntimeError("no process group was started by distrib.launch in this process")
+    return _store
+
+
 def is_rank_zero() -> bool:
     """Whether this process reports results: always, unless it is a non-zero torchrun rank."""
     return os.environ.get("RANK", "0") == "0"
@@ -94,6 +105,8 @@ def run(
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"compress/attempt-{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        global _store
+        _store = store
         try:
             return fn(env.rank, env.world)
         finally:
@@ -115,48 +128,63 @@ def run(
             start_method="spawn",
         )
         got: dict[int, Any] = {}
+        reported: dict[int, tuple[str, str]] = {}
         failed = _watch(
-            context.processes, set(expendable), lost if lost is not None else [], results, got
+            context.processes,
+            set(expendable),
+            lost if lost is not None else [],
+            (results, got),
+            (errors, reported),
         )
-        reported = {}
-        while not errors.empty():
-            rank, kind, message = errors.get()
-            reported.setdefault(rank, (kind, message))
         if failed is not None:
             _raise(failed, reported, name)
         return got.get(0)
 
 
-def _watch(processes, expendable, lost, results, got) -> tuple[int, int] | None:
+def _watch(processes, expendable, lost, results, errors) -> tuple[int, int] | None:
     """Wait for every process; (rank, exit code) of the first failure that is not an
-    expendable rank's death (then the others are stopped), or None when all ended well."""
-    alive = dict(enumerate(processes))
-    failed = None
+    expendable rank's death (then the others are stopped), or None when all ended well.
+    `results` and `errors` are (queue, dict) pairs, filled as the ranks report."""
 
     def drain() -> None:
         # Read results as they come: a child blocks on a full pipe until someone reads it.
         # Plain pickle bytes from our own child (multiprocessing pickles the same way): tensors
         # sent as shared-memory handles would vanish with the process that owns them.
-        while not results.empty():
-            rank, blob = results.get()
+        (rq, got), (eq, reported) = results, errors
+        while not rq.empty():
+            rank, blob = rq.get()
             got[rank] = pickle.loads(blob)
+        while not eq.empty():
+            rank, kind, message = eq.get()
+            reported.setdefault(rank, (kind, message))
 
+    def blame(rank: int, code: int) -> int:
+        # Of ranks that ended together, the cause comes first: one killed by a signal, then
+        # one that died without a word or failed on its own; one that only saw a peer fail
+        # ("peer") is a casualty.
+        if code < 0:
+            return 0
+        return 2 if reported.get(rank, ("",))[0] == "peer" else 1
+
+    reported = errors[1]
+    alive = dict(enumerate(processes))
+    failed = None
     while alive and failed is None:
-        ready = set(mp_connection.wait([p.sentinel for p in alive.values()] + [results._reader]))
-        drain()
+        ready = set(mp_connection.wait([p.sentinel for p in alive.values()] + [results[0]._reader]))
         ended = [(r, p) for r, p in alive.items() if p.sentinel in ready]
         for _, proc in ended:
             proc.join()
-        # Of ranks that ended together, one killed by a signal is the cause, not a casualty.
-        for rank, proc in sorted(ended, key=lambda rp: (rp[1].exitcode >= 0, rp[0])):
+        drain()  # after the joins: a rank's report is written before it exits
+        for rank, proc in sorted(ended, key=lambda rp: (blame(rp[0], rp[1].exitcode), rp[0])):
             del alive[rank]
             if proc.exitcode == 0:
                 continue
-            if rank in expendable and proc.exitcode != 2:  # exit 2: bad input, fatal anywhere
+            # An expendable rank may die (killed, crashed, or cut off from a peer); its own
+            # error (bad input, divergence, a bug) would recur, so it stops the job.
+            if rank in expendable and reported.get(rank, ("peer",))[0] == "peer":
                 lost.append(rank)
             elif failed is None:
                 failed = (rank, proc.exitcode)
-    drain()
     if failed is not None:
         # Give the others a moment to exit by themselves with their own report, then stop them.
         deadline = time.monotonic() + 3.0
@@ -170,6 +198,7 @@ def _watch(processes, expendable, lost, results, got) -> tuple[int, int] | None:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    drain()
     return failed
 
 
@@ -263,8 +292,9 @@ def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors) -> 
     share_cores(world)
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    global _store
+    _store = dist.FileStore(store_path, world)
+    dist.init_process_group(backend, store=_store, rank=rank, world_size=world, timeout=timeout)
     code = 0
     try:
         result = fn(rank, world)

@@ -3,13 +3,23 @@ push gradients and pull weights (Li et al., "Scaling Distributed Machine Learnin
 Parameter Server", OSDI 2014; Dean et al., "Large Scale Distributed Deep Networks", NIPS 2012).
 
 Three consistency models, one server loop:
-  * sync:  a server waits for the step's gradient from every worker, averages them and steps
-           once, so N workers train exactly like all-reduce data parallelism (tested allclose);
-  * async: each gradient is applied as it arrives (Downpour SGD), optionally after
-           `sync_warmup_epochs` of synchronous training, as DistBelief started;
-  * ssp:   stale synchronous parallel (Ho et al., NIPS 2013): as async, but a worker that has
-           finished clock c gets its weights back only once the slowest live worker has
-           finished clock c - staleness, so no worker runs more than `staleness` clocks ahead.
+  * sync:  every worker takes its part of each global batch, as in all-reduce; a server waits
+           for the step's gradient from every worker, averages them and steps once, so N
+           workers train exactly like all-reduce data parallelism (tested allclose);
+  * async: batches are handed out as workers come free, and each gradient is applied as it
+           arrives (Downpour SGD), optionally after `sync_warmup_epochs` of synchronous
+           training, as DistBelief started. A fast worker takes more batches than a slow one,
+           so a straggler no longer sets the pace;
+  * ssp:   bounded delay (Li et al. section 3.3; stale synchronous parallel, Ho et al., NIPS
+           2013): as async, but a worker may start batch t only while the slowest batch still
+           being computed is at most `staleness` clocks older. A clock is one round of N
+           batches, the data of one synchronous step: 0 is bulk-synchronous, inf is async.
+
+Batches are dealt from a counter in the job's c10d store (`launch.store()`), batch t being
+batch t mod K of epoch t div K (K batches of `batch_size` per epoch). A worker takes its next
+batch before it pushes, and the push tells the servers which batch that is, so each server
+knows how far every worker has got and holds back the weights of a worker that is too far
+ahead.
 
 Transport: torch.distributed point-to-point messages (send/recv with tags) in the same process
 group machinery as all-reduce; never torch.distributed.rpc (maintenance mode, and its shutdown
@@ -29,7 +39,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distrib.trainer import Batches
 from models.errors import InputError, StageError
 
 MODES = ("sync", "async", "ssp")
@@ -44,11 +55,12 @@ WIRE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Message kinds (the first field of every header) and the two tags that keep headers and
 # payloads apart on one pair of ranks.
-PUSH, PULL, STATE, DONE, STATS, BYE = 1, 2, 3, 4, 5, 6
+PUSH, STATE, DONE, STATS, BYE = 1, 3, 4, 5, 6
 HDR, DATA = 1, 2
-HEADER = 6  # float64 fields: kind, clock, lr, and three figures that depend on the kind
+HEADER = 6  # float64 fields: kind and five that depend on the kind
 HIST_BINS = 64  # staleness histogram bins 0..62, and 63 for "63 or more"
 SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}  # optimizer state
+TASKS_KEY = "ps/batches"  # the store counter that deals batches in the asynchronous modes
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,10 @@ class PSConfig:
             raise InputError(f"--staleness {self.staleness}: give 0 or more clocks")
         if self.sync_warmup_epochs < 0:
             raise InputError(f"--sync-warmup-epochs {self.sync_warmup_epochs}: give 0 or more")
+        if self.sync_warmup_epochs and self.mode != "async":
+            raise InputError(
+                f"--sync-warmup-epochs belongs to ps-async; drop it for ps-{self.mode}"
+            )
         if self.straggler is not None:
             rank, factor = self.straggler
             if not 0 <= rank < self.workers:
@@ -96,6 +112,10 @@ class PSConfig:
         if rank < self.workers:
             return f"worker {rank}"
         return f"server {rank - self.workers} (rank {rank})"
+
+    def synchronous(self, epoch: int) -> bool:
+        """Whether `epoch` trains synchronously (static global batches, averaged gradients)."""
+        return self.mode == "sync" or epoch < self.sync_warmup_epochs
 
 
 # ---- pure tensor plumbing: flatten, shard, rejoin ------------------------------------------
@@ -147,8 +167,33 @@ def _params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _header(kind: int, clock: float = 0, lr: float = 0, a: float = 0, b: float = 0, c: float = 0):
-    return torch.tensor([kind, clock, lr, a, b, c], dtype=torch.float64)
+def _header(kind: int, *fields: float) -> torch.Tensor:
+    """kind and up to five numbers: PUSH (clock, lr, next batch, synchronous, samples),
+    DONE (steps, idle s, training s), STATE reply (optimizer step, slots)."""
+    return torch.tensor([kind, *fields] + [0] * (HEADER - 1 - len(fields)), dtype=torch.float64)
+
+
+# ---- the batch schedule of the asynchronous modes -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deal:
+    """Batches dealt one at a time: batch t is batch t % per_epoch of epoch t // per_epoch."""
+
+    per_epoch: int  # batches of `batch_size` in one epoch
+    total: int  # batches in the whole run
+    first: int  # the first batch dealt in this run (after a warm-up or a resume)
+
+    @classmethod
+    def plan(
+        cls, ps: PSConfig, n: int, batch_size: int, epochs: int, resume_at: tuple[int, int]
+    ) -> Deal:
+        per_epoch = math.ceil(n / batch_size)
+        epoch, step = resume_at
+        first = per_epoch * ps.sync_warmup_epochs  # where the asynchronous epochs begin
+        if not ps.synchronous(epoch):  # a resume inside them: go on from there
+            first = per_epoch * epoch + step
+        return cls(per_epoch, per_epoch * epochs, first)
 
 
 # ---- the worker side ------------------------------------------------------------------------
@@ -160,38 +205,90 @@ class WorkerStats:
     idle_s: float = 0.0  # time spent in push/pull: on the wire or waiting for the servers
     straggle_s: float = 0.0  # simulated slow-down (--straggler)
     steps: int = 0
+    samples: int = 0
 
 
 class PSWorker:
-    """What the training loop calls on a worker rank instead of `optimizer.step()`."""
+    """What the training loop calls on a worker rank: which batches to train (`per_epoch`,
+    `steps`, `indices`, as `trainer.Batches`) and, instead of `optimizer.step()`, `step`."""
 
     def __init__(
         self,
         ps: PSConfig,
         rank: int,
         model: nn.Module,
+        n: int,
+        batch_size: int,
+        epochs: int,
         optimizer: str = "adam",
         compression: str = "none",
+        resume_at: tuple[int, int] = (0, 0),
+        store: Any = None,
     ):
         self.ps, self.rank, self.optimizer = ps, rank, optimizer
         self.workers = ps.workers
         self.wire = WIRE[compression]
-        numel = sum(p.numel() for p in _params(model))
-        self.bounds = shard_bounds(numel, ps.servers)
+        self.bounds = shard_bounds(sum(p.numel() for p in _params(model)), ps.servers)
+        self.static = Batches(n, batch_size, ps.workers, rank)
+        self.batch_size, self.n = batch_size, n
+        self.deal = Deal.plan(ps, n, batch_size, epochs, resume_at)
+        self.store = store
+        self._next: int | None = None  # the batch dealt to this worker and not yet started
+        self._batch = -1  # the batch being computed
         self.stats = WorkerStats()
-        self._t_start = time.perf_counter()
-        self._last = self._t_start  # end of the previous step: the compute time is since then
+        self._began = 0.0  # when this step's batch was handed to the training loop
+        self._first = self._end = 0.0  # when the first batch was handed out, the last step ended
         self._finished = False
         self.summary: dict[str, Any] = {}
 
+    # -- the batch schedule (the interface of trainer.Batches)
+    def per_epoch(self, epoch: int) -> int:
+        return self.static.per_epoch(epoch) if self.ps.synchronous(epoch) else self.deal.per_epoch
+
+    def steps(self, epoch: int, start: int) -> Iterator[int]:
+        if self.ps.synchronous(epoch):
+            for step in self.static.steps(epoch, start):
+                self._start_batch()
+                yield step
+            return
+        while True:
+            t = self._peek()
+            if t >= self.deal.total or t // self.deal.per_epoch > epoch:
+                return  # none left, or the next batch belongs to a later epoch
+            self._next, self._batch = None, t
+            self._start_batch()
+            yield t % self.deal.per_epoch
+
+    def _start_batch(self) -> None:
+        self._began = time.perf_counter()
+        self._first = self._first or self._began
+
+    def indices(self, order: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
+        if self.ps.synchronous(epoch):
+            return self.static.indices(order, epoch, step)
+        return order[step * self.batch_size : (step + 1) * self.batch_size]
+
+    def _peek(self) -> int:
+        if self._next is None:
+            self._next = self.deal.first + int(self.store.add(TASKS_KEY, 1)) - 1
+        return self._next
+
     # -- one training step: push the gradient shards, pull the new weight shards
-    def step(self, model: nn.Module, lr: float, clock: int) -> None:
+    def step(self, model: nn.Module, lr: float, epoch: int, step: int, samples: int) -> None:
         t0 = time.perf_counter()
         if self.ps.straggler is not None and self.ps.straggler[0] == self.rank:
-            pause = (self.ps.straggler[1] - 1.0) * (t0 - self._last)
+            # This step's compute (batch gather, forward, backward) took t0 - began: sleep
+            # (factor - 1) times as long, so the step computes `factor` times slower.
+            pause = (self.ps.straggler[1] - 1.0) * (t0 - self._began)
             time.sleep(pause)
             self.stats.straggle_s += pause
             t0 = time.perf_counter()
+        if self.ps.synchronous(epoch):  # the servers group gradients by global step
+            head = _header(PUSH, epoch * self.static.steps_per_epoch + step, lr, -1, 1, samples)
+        else:  # say which batch comes next, so the servers can bound how far ahead it is
+            nxt = self._peek()
+            nxt = nxt if nxt < self.deal.total else -1
+            head = _header(PUSH, self._batch, lr, nxt, 0, samples)
         params = _params(model)
         grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params]).to(
             self.wire
@@ -199,11 +296,11 @@ class PSWorker:
         pending, inbox = [], []
         for s, (a, b) in enumerate(self.bounds):
             dst = self.ps.server_rank(s)
-            pending.append(dist.isend(_header(PUSH, clock, lr), dst, tag=HDR))
+            pending.append(dist.isend(head, dst, tag=HDR))
             pending.append(dist.isend(grad[a:b].contiguous(), dst, tag=DATA))
             box = torch.empty(b - a, dtype=self.wire)
             inbox.append(box)
-            pending.append(dist.irecv(box, self.ps.server_rank(s), tag=DATA))
+            pending.append(dist.irecv(box, dst, tag=DATA))
         self._wait(pending)
         flat = join(inbox).float()
         with torch.no_grad():
@@ -211,8 +308,9 @@ class PSWorker:
                 p.copy_(w)
         self.stats.comm_bytes += 2 * grad.numel() * grad.element_size()
         self.stats.steps += 1
-        self._last = time.perf_counter()
-        self.stats.idle_s += self._last - t0
+        self.stats.samples += samples
+        self._end = time.perf_counter()
+        self.stats.idle_s += self._end - t0
 
     def _wait(self, works) -> None:
         try:
@@ -224,11 +322,14 @@ class PSWorker:
                 f"{(str(e).splitlines() or [''])[0][:160]}"
             ) from None
 
-    # -- rank 0 only: the servers' master state, for checkpoints
-    def master_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
-        """(fp32 weights, optimizer state_dict in torch's per-parameter format or None),
-        gathered from every server shard. The format is a one-process optimizer's, so a
-        checkpoint resumes under any strategy."""
+    # -- rank 0 only: the servers' master state, for evaluation and checkpoints
+    def take_master(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any] | None:
+        """Copy the servers' weights into `model` and return their optimizer state in torch's
+        one-process format (so a checkpoint resumes under any strategy and shard count).
+        Asynchronous modes go on while the shards are read one after another, so a shard may
+        be a few updates newer than the one before it."""
         params = _params(model)
         weights, slots, steps = [], {}, []
         for s, (a, b) in enumerate(self.bounds):
@@ -241,8 +342,9 @@ class PSWorker:
                 t = torch.empty(b - a)
                 self._wait([dist.irecv(t, src, tag=DATA)])
                 (weights if name == "weights" else slots.setdefault(name, [])).append(t)
-        if optimizer is None:
-            return unflatten(join(weights), params), None
+        with torch.no_grad():
+            for p, w in zip(params, unflatten(join(weights), params), strict=True):
+                p.copy_(w)
         state: dict[int, dict[str, Any]] = {}
         if slots and all(len(parts) == len(self.bounds) for parts in slots.values()):
             full = {name: unflatten(join(parts), params) for name, parts in slots.items()}
@@ -250,49 +352,57 @@ class PSWorker:
                 state[i] = {name: full[name][i] for name in full}
                 if self.optimizer == "adam":
                     state[i]["step"] = torch.tensor(float(min(steps)))
-        groups = optimizer.state_dict()["param_groups"]
-        return unflatten(join(weights), params), {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
-    # -- the end: say done; rank 0 also waits for everyone and fetches the final weights
-    def finish(self, model: nn.Module) -> None:
+    # -- the end: say done; rank 0 also waits for everyone and takes the run's figures
+    def finish(self) -> None:
         if self._finished:
             return
         self._finished = True
-        total = time.perf_counter() - self._t_start
+        st = self.stats
+        total = self._end - self._first  # training time: first batch to last step
         for s in range(self.ps.servers):
-            head = _header(DONE, self.stats.steps, 0, self.stats.idle_s, total)
+            head = _header(DONE, st.steps, st.idle_s, total)
             self._wait([dist.isend(head, self.ps.server_rank(s), tag=HDR)])
         if self.rank != 0:
             return
-        hist, idle, lost, gap = Counter(), {}, set(), 0
+        n = self.workers
+        hist, idle, lost, gap, updates, per_worker = Counter(), {}, set(), 0, 0, {}
         for s in range(self.ps.servers):
             src = self.ps.server_rank(s)
             self._wait([dist.isend(_header(STATS), src, tag=HDR)])
-            buf = torch.empty(HIST_BINS + 3 * self.workers + 1, dtype=torch.float64)
+            buf = torch.empty(HIST_BINS + 4 * n + 2, dtype=torch.float64)
             self._wait([dist.irecv(buf, src, tag=DATA)])
-            for k, v in enumerate(buf[:HIST_BINS].tolist()):
-                if v:
-                    hist[k] += int(v)
             rest = buf[HIST_BINS:].tolist()
-            gap = max(gap, int(rest[-1]))
-            for w in range(self.workers):
-                busy, tot, gone = rest[w], rest[self.workers + w], rest[2 * self.workers + w]
-                if gone:
-                    lost.add(w)
-                elif tot > 0:
-                    idle[w] = busy / tot
-        servers_steps = sum(hist.values()) // max(self.ps.servers, 1)
+            gap = max(gap, int(rest[-2]))
+            lost |= {w for w in range(n) if rest[3 * n + w]}
+            if s == 0:  # every server sees every gradient: count each once, as server 0 saw it
+                hist.update({k: int(v) for k, v in enumerate(buf[:HIST_BINS].tolist()) if v})
+                updates = int(rest[-1])
+                per_worker = {str(w): int(rest[2 * n + w]) for w in range(n)}
+                for w in range(n):
+                    if rest[n + w] > 0 and not rest[3 * n + w]:
+                        idle[w] = rest[w] / rest[n + w]
         self.summary = {
             "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
             "idle_fraction": {str(w): round(f, 4) for w, f in sorted(idle.items())},
             "lost_workers": sorted(lost),
             "max_clock_gap": gap,
-            "gradients_per_server": servers_steps,
+            "updates": updates,
+            "samples": sum(per_worker.values()),
+            "samples_per_worker": per_worker,
         }
-        weights, _ = self.master_state(model)
-        with torch.no_grad():
-            for p, w in zip(_params(model), weights, strict=True):
-                p.copy_(w)
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps the servers took (rank 0, after `finish`): one per synchronous step,
+        one per gradient in the asynchronous modes."""
+        return self.summary.get("updates", self.stats.steps)
+
+    @property
+    def samples(self) -> int:
+        """Samples all workers trained on (rank 0, after `finish`; its own before)."""
+        return self.summary.get("samples", self.stats.samples)
 
     def report(self) -> dict[str, Any]:
         """The run's figures: rank 0's hold the servers' view of every worker."""
@@ -325,17 +435,21 @@ class _Server:
     param: nn.Parameter
     optimizer: torch.optim.Optimizer
     wire: torch.dtype
-    warmup_clocks: int  # pushes with a clock below this are applied synchronously
+    ahead: dict[int, float]  # worker -> the batch it works on next (inf: it has no more)
     version: int = 0  # updates applied to this shard
-    clocks: dict[int, int] = field(default_factory=dict)  # worker -> steps pushed
     sent: dict[int, int] = field(default_factory=dict)  # worker -> version it last pulled
-    done: dict[int, tuple[float, float]] = field(default_factory=dict)  # worker -> (idle, total)
+    done: dict[int, tuple[float, float]] = field(default_factory=dict)  # idle s, training s
+    samples: Counter = field(default_factory=Counter)  # worker -> samples of applied gradients
     lost: set[int] = field(default_factory=set)
     hist: Counter = field(default_factory=Counter)
     max_gap: int = 0
 
     def live(self) -> list[int]:
         return [w for w in range(self.ps.workers) if w not in self.lost and w not in self.done]
+
+    def clock(self, batch: float) -> float:
+        """A batch's clock: one clock is one round of N batches (one synchronous step's data)."""
+        return batch // self.ps.workers if math.isfinite(batch) else math.inf
 
     def apply(self, grad: torch.Tensor, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -346,7 +460,15 @@ class _Server:
 
     def reply(self, w: int) -> None:
         self.sent[w] = self.version
-        dist.send(self.param.detach().to(self.wire), w, tag=DATA)
+        try:
+            dist.send(self.param.detach().to(self.wire), w, tag=DATA)
+        except RuntimeError as e:  # it died after its push: its listener will say so too
+            if w == 0 or self.ps.mode == "sync":
+                raise StageError(
+                    f"server {self.index} lost {self.ps.name(w)} "
+                    f"({(str(e).splitlines() or [''])[0][:160]})"
+                ) from None
+            self.lost.add(w)
 
 
 def serve(
@@ -355,7 +477,7 @@ def serve(
     model: nn.Module,
     make_optimizer,
     compression: str,
-    steps_per_epoch: int,
+    deal: Deal,
     resume: dict[str, Any] | None = None,
 ) -> None:
     """Run server `rank - workers` until rank 0 says goodbye: hold its shard of `model`'s
@@ -368,8 +490,8 @@ def serve(
     optimizer = make_optimizer([param])
     if resume is not None and resume.get("optimizer", {}).get("state"):
         _load_slots(optimizer, param, resume["optimizer"], params, (a, b))
-    warmup = ps.sync_warmup_epochs * steps_per_epoch if ps.mode == "async" else 0
-    srv = _Server(ps, index, param, optimizer, WIRE[compression], warmup)
+    ahead = dict.fromkeys(range(ps.workers), float(deal.first))
+    srv = _Server(ps, index, param, optimizer, WIRE[compression], ahead)
     inbox: queue.Queue = queue.Queue()
     for w in range(ps.workers):
         threading.Thread(target=_listen, args=(w, b - a, srv.wire, inbox), daemon=True).start()
@@ -396,8 +518,9 @@ def _listen(w: int, size: int, wire: torch.dtype, inbox: queue.Queue) -> None:
 
 def _loop(srv: _Server, inbox: queue.Queue) -> None:
     ps = srv.ps
-    sync_group: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}  # clock -> worker -> grad
-    waiting: list[int] = []  # workers whose weights are held back (SSP)
+    # step -> worker -> (gradient, lr, samples)
+    sync_group: dict[int, dict[int, tuple[torch.Tensor, float, float]]] = {}
+    waiting: list[int] = []  # workers whose weights are held back (bounded delay)
     stats_asked = False
     while True:
         w, head, payload = inbox.get()
@@ -411,21 +534,21 @@ def _loop(srv: _Server, inbox: queue.Queue) -> None:
             for group in sync_group.values():
                 group.pop(w, None)
         else:
-            kind, clock, lr = int(head[0]), int(head[1]), head[2]
+            kind = int(head[0])
             if kind == PUSH:
-                srv.clocks[w] = clock + 1
-                if ps.mode == "sync" or clock < srv.warmup_clocks:
-                    sync_group.setdefault(clock, {})[w] = (payload.float(), lr)
+                clock, lr, nxt, synchronous, n = int(head[1]), *head[2:]
+                if synchronous:
+                    sync_group.setdefault(clock, {})[w] = (payload.float(), lr, n)
                 else:
                     srv.hist[min(srv.version - srv.sent.get(w, 0), HIST_BINS - 1)] += 1
                     srv.apply(payload.float(), lr)
+                    srv.samples[w] += int(n)
+                    srv.ahead[w] = nxt if nxt >= 0 else math.inf
                     waiting.append(w)
-            elif kind == PULL:
-                srv.reply(w)
             elif kind == STATE:
                 _send_state(srv, w)
             elif kind == DONE:
-                srv.done[w] = (head[3], head[4])
+                srv.done[w] = (head[2], head[3])
             elif kind == STATS:
                 stats_asked = True
             elif kind == BYE:
@@ -434,24 +557,30 @@ def _loop(srv: _Server, inbox: queue.Queue) -> None:
         for clock in sorted(sync_group):
             group = sync_group[clock]
             if group and set(group) >= set(srv.live()):
-                grads = [g for g, _ in group.values()]
+                grads = [g for g, _, _ in group.values()]
                 srv.hist[0] += len(grads)
                 srv.apply(torch.stack(grads).mean(0), next(iter(group.values()))[1])
+                for x, (_, _, n) in group.items():
+                    srv.samples[x] += int(n)
                 for x in sorted(group):
-                    srv.reply(x)
+                    if x not in srv.lost:
+                        srv.reply(x)
                 del sync_group[clock]
-        # Bounded delay: hand weights back to those within `bound` clocks of the slowest.
-        # A worker that has finished clock c may start c + 1 once the slowest live worker has
-        # finished c - bound (Ho et al.'s SSP; bound 0 is BSP, inf is Downpour).
+        # Bounded delay: a worker gets its weights back, and so starts its next batch, once
+        # that batch is at most `bound` clocks ahead of the oldest batch still being computed
+        # (Li et al.'s bounded delay; 0 is bulk-synchronous, inf is Downpour). The slowest
+        # worker is always within the bound, so someone can always go on.
         if waiting:
-            slowest = min(srv.clocks.get(x, 0) for x in srv.live())
+            going = [x for x in srv.live() if math.isfinite(srv.ahead[x])]
+            slowest = min((srv.clock(srv.ahead[x]) for x in going), default=math.inf)
             still = []
             for x in waiting:
                 if x in srv.lost:
                     continue
-                gap = srv.clocks[x] - slowest
-                if gap <= ps.bound:
-                    srv.max_gap = max(srv.max_gap, gap)
+                gap = srv.clock(srv.ahead[x]) - slowest
+                if not math.isfinite(srv.ahead[x]) or gap <= ps.bound:
+                    if math.isfinite(gap):
+                        srv.max_gap = max(srv.max_gap, int(gap))
                     srv.reply(x)
                 else:
                     still.append(x)
@@ -476,15 +605,19 @@ def _slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
 
 
 def _send_stats(srv: _Server) -> None:
+    """Histogram, then per worker: idle seconds, training seconds, samples of its applied
+    gradients, lost; max gap, updates."""
     n = srv.ps.workers
-    buf = torch.zeros(HIST_BINS + 3 * n + 1, dtype=torch.float64)
+    buf = torch.zeros(HIST_BINS + 4 * n + 2, dtype=torch.float64)
     for k, v in srv.hist.items():
         buf[k] = v
     for w, (idle, total) in srv.done.items():
         buf[HIST_BINS + w], buf[HIST_BINS + n + w] = idle, total
+    for w, samples in srv.samples.items():
+        buf[HIST_BINS + 2 * n + w] = samples
     for w in srv.lost:
-        buf[HIST_BINS + 2 * n + w] = 1
-    buf[-1] = srv.max_gap
+        buf[HIST_BINS + 3 * n + w] = 1
+    buf[-2], buf[-1] = srv.max_gap, srv.version
     dist.send(buf, 0, tag=DATA)
 
 

@@ -163,6 +163,35 @@ class Checkpointer:
         )
 
 
+class Batches:
+    """Which samples each step takes on this rank. Data parallel: the global batch is
+    batch_size x world; step s of an epoch takes the same global batch as one process with
+    that batch would, and rank r takes its r-th part, so N workers with batch b train like 1
+    worker with batch N*b (averaged gradients). Every rank runs the same number of steps, so
+    no rank waits on a collective another skipped. (A parameter-server worker in an
+    asynchronous mode hands out batches as workers come free instead: `paramserver.PSWorker`.)
+    """
+
+    def __init__(self, n: int, batch_size: int, world: int = 1, rank: int = 0):
+        self.world, self.rank = world, rank
+        self.global_batch = batch_size * world
+        self.steps_per_epoch = math.ceil(n / self.global_batch)
+
+    def per_epoch(self, epoch: int) -> int:
+        return self.steps_per_epoch
+
+    def steps(self, epoch: int, start: int) -> range:
+        return range(start, self.steps_per_epoch)
+
+    def indices(self, order: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
+        idx = order[step * self.global_batch : (step + 1) * self.global_batch]
+        if self.world > 1:
+            if len(idx) < self.world:  # a last batch smaller than the world: wrap around
+                idx = torch.cat([idx, order[: self.world - len(idx)]])
+            idx = torch.tensor_split(idx, self.world)[self.rank]
+        return idx
+
+
 def _world() -> tuple[int, int]:
     """(world size, rank) of the default process group; (1, 0) when not distributed."""
     import torch.distributed as dist
@@ -266,67 +295,60 @@ def fit(
         model, comm = allreduce.wrap(model, cfg.grad_compression, device)
     optimizer = make_optimizer(model, cfg)
     n = len(data.y_train)
-    # Data parallel: the global batch is batch_size x world; step s of an epoch takes the same
-    # global batch as one process with that batch would, and rank r takes its r-th part, so
-    # N workers with batch b train like 1 worker with batch N*b (averaged gradients). Every
-    # rank runs the same number of steps, so no rank waits on a collective another skipped.
-    global_batch = cfg.batch_size * world
-    steps_per_epoch = math.ceil(n / global_batch)
-    total_steps = steps_per_epoch * cfg.epochs
+    batches = updater if updater is not None else Batches(n, cfg.batch_size, world, rank)
     state = _initial_state(resume, optimizer, cfg)
+    written, have = state.get("steps_per_epoch"), batches.per_epoch(state["epoch"])
+    if state["step"] and written is not None and written != have:
+        # A step's size depends on the workers and the strategy: another layout would skip or
+        # repeat part of the epoch.
+        raise InputError(
+            f"--resume: the checkpoint stopped mid-epoch at step {state['step']} of {written}, "
+            f"but this run takes {have} steps per epoch (another --workers, --batch-size or "
+            "--strategy); resume with the settings it was written with"
+        )
     history = [EpochRecord(**r) for r in state["history"]]
     start = (state["epoch"], state["step"])
     t0 = time.perf_counter()
     steps = samples = 0
 
-    def save(**metadata: Any) -> None:
+    def save(gathered: dict[str, Any] | None = None, **metadata: Any) -> None:
         if checkpointer is None:
             return
         state["rng"] = torch.get_rng_state()
         if updater is None:
             state["optimizer"] = optimizer.state_dict()
-            path = checkpointer.save(model, state, **metadata)
         else:  # the servers hold the master weights and the optimizer state: gather them
-            master, state["optimizer"] = updater.master_state(model, optimizer)
-            params = [p for p in model.parameters() if p.requires_grad]
-            mine = [p.detach().clone() for p in params]
-            with torch.no_grad():
-                for p, w in zip(params, master, strict=True):
-                    p.copy_(w)
-                path = checkpointer.save(model, state, **metadata)
-                for p, w in zip(params, mine, strict=True):
-                    p.copy_(w)
+            state["optimizer"] = gathered or updater.take_master(model, optimizer)
+        path = checkpointer.save(model, state, **metadata)
         events.checkpoint(path, state["epoch"], state["step"])
 
     model.train()
     for epoch in range(state["epoch"], cfg.epochs):
         t_epoch = time.perf_counter()
         order = epoch_order(n, cfg.seed, epoch)
+        steps_per_epoch = state["steps_per_epoch"] = batches.per_epoch(epoch)
         events.epoch_start(epoch + 1, cfg.epochs, steps_per_epoch, state["step"])
-        for step in range(state["step"], steps_per_epoch):
-            idx = order[step * global_batch : (step + 1) * global_batch]
-            if world > 1:
-                if len(idx) < world:  # a last batch smaller than the world: wrap around
-                    idx = torch.cat([idx, order[: world - len(idx)]])
-                idx = torch.tensor_split(idx, world)[rank]
+        for step in batches.steps(epoch, state["step"]):
+            idx = batches.indices(order, epoch, step)
             xb, yb = data.x_train[idx].to(device), data.y_train[idx].to(device)
-            lr = cfg.lr_at(state["global_step"], total_steps)
+            # The schedule's position: step s of epoch e, as a fraction of the whole run.
+            lr = cfg.lr_at(epoch * steps_per_epoch + step, cfg.epochs * steps_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with _autocast(cfg.precision, device):
                 loss, logits = loss_fn(model, xb, yb)
+            value = float(loss.detach())
+            if not math.isfinite(value):  # before the step: a NaN gradient never reaches weights
+                raise StageError(
+                    f"training diverged at epoch {epoch + 1} step {step + 1} (loss {value}); "
+                    "lower --lr or use --optimizer adam"
+                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if updater is None:
                 optimizer.step()
             else:
-                updater.step(model, lr, state["global_step"])
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise StageError(
-                    f"training diverged at epoch {epoch + 1} step {step + 1} (loss {value}); "
-                    "lower --lr or use --optimizer adam"
-                )
+                updater.step(model, lr, epoch, step, len(yb))
             state["loss_sum"] += value * len(yb)
             state["correct"] += int((logits.argmax(1) == yb).sum())
             state["seen"] += len(yb)
@@ -345,8 +367,12 @@ def fit(
             )
             torch.distributed.all_reduce(totals)
             state["loss_sum"], state["correct"], state["seen"] = totals.tolist()
-        if updater is not None and epoch == cfg.epochs - 1:
-            updater.finish(model)  # rank 0: wait for every worker, take the final weights
+        gathered = None
+        if updater is not None:
+            if epoch == cfg.epochs - 1:
+                updater.finish()  # rank 0: wait for every worker and take the run's figures
+            if rank == 0:  # evaluate and save the servers' weights, not the last ones pulled
+                gathered = updater.take_master(model, optimizer)
         if updater is not None and rank != 0:  # only rank 0 reports a parameter-server run
             test_loss, test_acc = math.nan, math.nan
         else:
@@ -364,19 +390,19 @@ def fit(
         history.append(record)
         state.update(epoch=epoch + 1, step=0, loss_sum=0.0, correct=0, seen=0)
         state["history"] = [vars(r) for r in history]
-        save(test_accuracy=test_acc, epochs=epoch + 1)
+        save(gathered, test_accuracy=test_acc, epochs=epoch + 1)
         events.epoch_end(record)
 
     if updater is not None:
-        updater.finish(model)  # a no-op unless the run had nothing left to train
+        updater.finish()  # a no-op unless the run had nothing left to train
         updater.close()
     final_acc = history[-1].test_accuracy if history else float("nan")
     return TrainResult(
         history=history,
         test_accuracy=final_acc,
         epochs=len(history),
-        steps=steps,
-        samples=samples * world,  # the global count: every rank trains its own part
+        steps=updater.updates if updater is not None else steps,
+        samples=updater.samples if updater is not None else samples * world,
         seconds=time.perf_counter() - t0,
         checkpoint=checkpointer.path if checkpointer else None,
         resumed_from=start if resume else None,

@@ -235,9 +235,18 @@ def _children(pid):
     ]
 
 
-def test_torchrun_two_nodes_on_localhost_train_and_write_one_checkpoint(tmp_path):
-    """The same `compress train` command under torchrun (2 nodes x 1 process, c10d
-    rendezvous on 127.0.0.1) joins torchrun's job instead of spawning."""
+@pytest.mark.parametrize(
+    ("per_node", "flags"),
+    [
+        ("1", []),
+        ("2", ["--strategy", "ps-sync", "--workers", "2", "--servers", "2"]),
+    ],
+    ids=["allreduce", "ps-sync"],
+)
+def test_torchrun_two_nodes_on_localhost_train_and_write_one_checkpoint(tmp_path, per_node, flags):
+    """The same `compress train` command under torchrun (2 nodes, c10d rendezvous on
+    127.0.0.1) joins torchrun's job instead of spawning; the parameter server's 2 workers and
+    2 servers are torchrun's 4 ranks."""
     import socket
     import subprocess
     import sys
@@ -253,7 +262,7 @@ def test_torchrun_two_nodes_on_localhost_train_and_write_one_checkpoint(tmp_path
         "--nnodes",
         "2",
         "--nproc-per-node",
-        "1",
+        per_node,
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -271,6 +280,7 @@ def test_torchrun_two_nodes_on_localhost_train_and_write_one_checkpoint(tmp_path
         "2",
         "--timeout",
         "60",
+        *flags,
         "--out",
         str(out),
         "--json",
@@ -293,6 +303,8 @@ def test_torchrun_two_nodes_on_localhost_train_and_write_one_checkpoint(tmp_path
     reports = [json.loads(o[0]) for o in outs if o[0].strip()]
     assert len(reports) == 1 and reports[0]["workers"] == 2  # rank 0 alone reports
     assert reports[0]["test_accuracy"] > 0.5
+    if flags:
+        assert reports[0]["strategy"] == "ps-sync" and reports[0]["servers"] == 2
     from models import checkpoint
 
     assert checkpoint.load(out).metadata["epochs"] == 2
@@ -357,6 +369,9 @@ def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path):
     assert state["step"] > 0  # written mid-epoch (every 7 steps, 44 steps per epoch)
     got = launch.run(functools.partial(_resumed, path), workers=2, timeout_s=60)
     assert all(torch.equal(want[k], got[k]) for k in want)
+    # One worker takes twice as many steps per epoch: resuming mid-epoch would skip data.
+    with pytest.raises(InputError, match=r"mid-epoch at step \d+ of 44, but this run takes 88"):
+        _resumed(path, 0, 1)
 
 
 def test_ensemble_trains_k_independent_members(run, tmp_path):
