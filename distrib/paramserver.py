@@ -230,7 +230,7 @@ class PSWorker:
         self.wire = WIRE[compression]
         self.bounds = shard_bounds(sum(p.numel() for p in _params(model)), ps.servers)
         self.static = Batches(n, batch_size, ps.workers, rank)
-        self.batch_size, self.n = batch_size, n
+        self.batch_size = batch_size
         self.deal = Deal.plan(ps, n, batch_size, epochs, resume_at)
         self.store = store
         self._next: int | None = None  # the batch dealt to this worker and not yet started

@@ -126,11 +126,16 @@ class Net(nn.Sequential):
 """
 
 
-@pytest.fixture
-def slow_job(tmp_path, monkeypatch):
-    (tmp_path / "slow.py").write_text(SLOW)
+def _importable(tmp_path, monkeypatch, name, source):
+    """Write module `name` to tmp_path and make it importable here and in spawned ranks."""
+    (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the spawned ranks import it too
+
+
+@pytest.fixture
+def slow_job(tmp_path, monkeypatch):
+    _importable(tmp_path, monkeypatch, "slow", SLOW)
 
     def job(ps, epochs=1, **kw):
         config = TrainConfig(epochs=epochs, batch_size=32, seed=0)
@@ -255,9 +260,7 @@ class Net(nn.Sequential):
 
 @pytest.fixture
 def dying(tmp_path, monkeypatch):
-    (tmp_path / "dying.py").write_text(DYING)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the spawned ranks import it too
+    _importable(tmp_path, monkeypatch, "dying", DYING)
 
     def job(who, mode, epochs=4):
         monkeypatch.setenv("WHO", str(who))
