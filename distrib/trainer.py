@@ -276,7 +276,8 @@ def fit(
 
     `resume` is the `train_state` of a checkpoint written by this loop; the caller has already
     loaded the matching weights into `model`. `updater` (a parameter-server worker) replaces
-    the local optimizer step: it pushes the gradient and pulls the new weights.
+    the local optimizer step (it pushes the gradient and pulls the new weights) and says which
+    batches this rank trains (the `Batches` interface).
     """
     world, rank = (updater.workers, updater.rank) if updater is not None else _world()
     if rank != 0:  # only rank 0 reports progress and writes checkpoints
