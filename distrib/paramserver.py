@@ -294,11 +294,11 @@ class PSWorker:
             self.wire
         )
         pending, inbox = [], []
-        for s, (a, b) in enumerate(self.bounds):
+        for s, part in enumerate(shard(grad, self.bounds)):
             dst = self.ps.server_rank(s)
             pending.append(dist.isend(head, dst, tag=HDR))
-            pending.append(dist.isend(grad[a:b].contiguous(), dst, tag=DATA))
-            box = torch.empty(b - a, dtype=self.wire)
+            pending.append(dist.isend(part.contiguous(), dst, tag=DATA))
+            box = torch.empty_like(part)
             inbox.append(box)
             pending.append(dist.irecv(box, dst, tag=DATA))
         self._wait(pending)
@@ -485,16 +485,16 @@ def serve(
     index = rank - ps.workers
     params = _params(model)
     bounds = shard_bounds(sum(p.numel() for p in params), ps.servers)
-    a, b = bounds[index]
-    param = nn.Parameter(flatten(params)[a:b].clone())
+    param = nn.Parameter(shard(flatten(params), bounds)[index].clone())
     optimizer = make_optimizer([param])
     if resume is not None and resume.get("optimizer", {}).get("state"):
-        _load_slots(optimizer, param, resume["optimizer"], params, (a, b))
+        _load_slots(optimizer, param, resume["optimizer"], params, bounds, index)
     ahead = dict.fromkeys(range(ps.workers), float(deal.first))
     srv = _Server(ps, index, param, optimizer, WIRE[compression], ahead)
     inbox: queue.Queue = queue.Queue()
+    size = param.numel()
     for w in range(ps.workers):
-        threading.Thread(target=_listen, args=(w, b - a, srv.wire, inbox), daemon=True).start()
+        threading.Thread(target=_listen, args=(w, size, srv.wire, inbox), daemon=True).start()
     _loop(srv, inbox)
 
 
@@ -621,15 +621,15 @@ def _send_stats(srv: _Server) -> None:
     dist.send(buf, 0, tag=DATA)
 
 
-def _load_slots(optimizer, param, saved, params, span) -> None:
-    """Take this shard's part of a one-process optimizer state (any strategy wrote it)."""
-    a, b = span
+def _load_slots(optimizer, param, saved, params, bounds, index) -> None:
+    """Take shard `index` of a one-process optimizer state (any strategy wrote it)."""
     state = saved["state"]
     names = _slots(optimizer)
     if len(state) != len(params) or not all(n in state[i] for i in state for n in names):
         return  # nothing to take (e.g. SGD without momentum): a fresh state is the same
     st = optimizer.state[param]
     for name in names:
-        st[name] = flatten([state[i][name] for i in range(len(params))])[a:b].clone()
+        full = flatten([state[i][name] for i in range(len(params))])
+        st[name] = shard(full, bounds)[index].clone()
     if "step" in state[0]:
         st["step"] = torch.tensor(float(state[0]["step"]))
