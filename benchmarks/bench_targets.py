@@ -9,8 +9,8 @@
     python benchmarks/bench_targets.py            # about 5 minutes on 2 cores
 
 Models come from `compress train` (weights barely trained: latency does not depend on them)
-and `compress shrink` with only the export stage (INT8 everywhere, latency-aware choice off, so
-the INT8 file really is all-INT8).
+and `compress shrink` with only the export stage (INT8 everywhere: target mobile times nothing
+and the agreement floor is 0, so the INT8 file really is all-INT8).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ enabled = false
 [huffman]
 enabled = false
 [export]
-latency_aware = false
+target = "mobile"
+min_agreement = 0.0
 ort = false
 """
 

@@ -117,6 +117,17 @@ STAGE_LABELS = {
 }
 
 
+def int8_warning(report: dict) -> None:
+    """Say loudly on stderr when no INT8 file was written (even under --json)."""
+    miss = report.get("int8_not_written")
+    if miss:
+        stderr.print(
+            f"warning: no INT8 file written: {miss['reason']}; "
+            f"ship student.fp32.onnx (it is what an INT8 file here would compute)",
+            style="bold yellow",
+        )
+
+
 def shrink_summary(report: dict) -> None:
     if report.get("student", {}).get("distilled"):
         t, st = report["teacher"], report["student"]
@@ -178,15 +189,29 @@ def shrink_summary(report: dict) -> None:
     for kind, o in report.get("onnx", {}).items():
         extra = ""
         if kind == "int8":
-            lat = o["latency_ms_batch1"]
+            lat = o.get("latency_ms_batch1")
+            timed = f", batch-1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms" if lat else ""
             extra = (
-                f", batch-1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms, "
-                f"{o['int8_nodes']} of {o['quantizable_nodes']} nodes in INT8"
+                f"{timed}, {o['int8_nodes']} of {o['quantizable_nodes']} nodes in INT8 "
+                f"({o['scheme']}, target {o['target']})"
             )
         stdout.print(
             f"onnx {kind}: {o['bytes']:,} bytes, test acc {o['test_accuracy']:.2%}, "
-            f"top-1 agreement {o['top1_agreement']:.2%}, max |Δ| {o['max_abs_diff']:.3g}{extra}"
+            f"top-1 agreement {o['top1_agreement']:.2%}, max |Δ| {o['max_abs_diff']:.3g}{extra}; "
+            f"opset {o['opsets'].get('ai.onnx')}, IR {o['ir_version']}, "
+            f"ONNX Runtime ≥ {o['min_ort']}"
         )
+        if kind == "int8":
+            h = o["host_kernels"]
+            stdout.print(
+                f"  on this CPU's optimized kernels: top-1 agreement with FP32 "
+                f"{h['top1_agreement_fp32']:.2%}, max |Δ| {h['max_abs_diff_fp32']:.3g}"
+                + (
+                    " (AVX2 without VNNI: u8s8 kernels can saturate here, not on a phone)"
+                    if h["saturating_cpu"]
+                    else ""
+                )
+            )
     if "mobile" in report:
         stdout.print(
             f"mobile: NNAPI {report['mobile']['nnapi']}, CoreML {report['mobile']['coreml']}"

@@ -83,6 +83,13 @@ Examples:
     default=None,
     help="ONNX opset of the exported files [default: 18; 13..23].",
 )
+@click.option(
+    "--target",
+    type=click.Choice(["mobile", "host"]),
+    default=None,
+    help="Who runs the INT8 file: mobile (default: nothing timed, the same bytes on every "
+    "build) or host (latency-aware on this machine) [recipe export.target].",
+)
 @click.option("--model", default=None, help="Model name, for a bare state_dict checkpoint.")
 @click.option("--model-kwargs", default=None, metavar="JSON", help="Kwargs for --model.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
@@ -99,6 +106,7 @@ def shrink(
     teachers: tuple[Path, ...],
     calibration: Path | None,
     opset: int | None,
+    target: str | None,
     model: str | None,
     model_kwargs: str | None,
     quiet: bool,
@@ -119,6 +127,7 @@ def shrink(
         ("distill", "teachers", "--teacher"): [str(t) for t in teachers] or None,
         ("export", "calibration_data", "--calibration"): str(calibration) if calibration else None,
         ("export", "opset", "--opset"): opset,
+        ("export", "target", "--target"): target,
     }
     given = []
     for (section, key, flag), value in flags.items():
@@ -135,6 +144,7 @@ def shrink(
         return
     out = out or model_path.with_name(model_path.stem + "-shrunk")
     report = run_shrink(model_path, data, out, recipe, model, model_kwargs, quiet)
+    render.int8_warning(report)
     if as_json:
         emit_json(json_view(report))
     else:
@@ -149,6 +159,7 @@ JSON_KEYS = (
     "ort",
     "mobile",
     "mobile_fixed_batch",
+    "int8_not_written",
     "teacher",
     "student",
     "hint",

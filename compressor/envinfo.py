@@ -70,6 +70,11 @@ def _cpuinfo() -> dict:
         return parse_cpuinfo("")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU flags every core of this machine lists (empty where /proc/cpuinfo is absent)."""
+    return set(_cpuinfo()["flags"])
+
+
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)

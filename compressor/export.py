@@ -1,19 +1,15 @@
 """PyTorch -> ONNX FP32 -> INT8 ONNX, with ONNX Runtime's own quantizer, and the checks that
 say the files still answer like the model.
 
-* `export_onnx`: `torch.onnx.export` (the dynamo exporter) to one self-contained file (no
-  external data), a dynamic batch axis, a chosen opset; optionally IR 9 so ONNX Runtime <= 1.17
-  loads it. Every file passes `onnx.checker.check_model(full_check=True)` and loads in ORT.
-* `quantize_int8`: `quant_pre_process`, then static QDQ quantization calibrated on training
-  inputs: uint8 activations, int8 per-channel weights (U8S8, `reduce_range=False`), MinMax by
-  default, Entropy or Percentile on request.
-* `choose_precision`: latency- and accuracy-aware mixed precision. INT8 is not always faster:
-  a 1->6-channel first conv runs 2.4x slower in INT8 on our CPU (KNOW-HOW). Each quantizable
-  node is tried in FP32, measured against the current best, and kept in FP32 when that is
-  clearly faster (beyond `clearly_faster`'s noise margin) or answers closer to FP32; if the
-  result is still clearly slower than the FP32 model, every node stays FP32. What is returned
-  is not slower than FP32 beyond measurement noise, at the measured batch size.
-* `parity`: accuracy, top-1 agreement and max |delta logit| of a file against the model.
+* `export_onnx`: `torch.onnx.export` to one self-contained file (no external data), a dynamic
+  batch axis, exactly the opset asked for (read back; converted, or refused before any work by
+  `probe_opset`), the lowest IR version that declares it unless one is given (9 for ONNX
+  Runtime 1.16-1.17), and only the opset imports its nodes use. Every file passes
+  `onnx.checker.check_model(full_check=True)` and loads in ORT.
+* `quantize_int8`: static QDQ quantization of a `preprocess`ed model through
+  `compressor.int8` (which also chooses the nodes that stay FP32 for a target).
+* `parity`: accuracy, top-1 agreement and max |delta logit| of a file against the model, as
+  written (reference semantics) or on this host's optimized kernels.
 * `weight_invariants`: pruned zeros stay zero and shared layers keep <= 2^bits values, read
   back from the exported file.
 
@@ -26,8 +22,9 @@ import contextlib
 import copy
 import io
 import tempfile
+import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +32,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import benchmark, prune
+from compressor import int8, onnxcompat, prune
 from models.errors import InputError, StageError
 from models.fileio import atomic_path
 
-QUANTIZABLE = ("Conv", "Gemm", "MatMul")
-METHODS = ("minmax", "entropy", "percentile")
+QUANTIZABLE = int8.QUANTIZABLE
+QuantConfig = int8.QuantConfig
+agreement = int8.agreement
 
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """opset: ONNX opset of the file; ir_version: 9 for ONNX Runtime <= 1.17 (None: the
-    exporter's); dynamic_batch: a symbolic batch axis (else the example's batch is fixed)."""
+    """opset: ONNX opset of every file written (read back and checked, never assumed);
+    ir_version: 9 for ONNX Runtime 1.16-1.17, 8 for 1.10-1.15 (None: the lowest IR that can
+    declare the opset, as the exporter writes); dynamic_batch: a symbolic batch axis."""
 
     opset: int = 18
     ir_version: int | None = None
@@ -57,8 +56,12 @@ class ExportConfig:
             raise InputError(f"opset {self.opset} is out of range; give 13..23 (default 18)")
         if self.ir_version is not None and self.ir_version not in (8, 9, 10, 11):
             raise InputError(f"ir_version {self.ir_version} is not one of 8, 9, 10, 11")
-        if self.ir_version == 9 and self.opset > 20:
-            raise InputError(f"IR 9 (ONNX Runtime <= 1.17) reads opsets up to 20, not {self.opset}")
+        need = onnxcompat.min_ir_for(self.opset)
+        if self.ir_version is not None and self.ir_version < need:
+            raise InputError(
+                f"ir_version {self.ir_version} cannot declare opset {self.opset} (it needs IR "
+                f"{need} or more); raise ir_version or lower the opset"
+            )
 
 
 def check_runtime_opset(opset: int, ir_version: int | None = None) -> None:
@@ -151,39 +154,97 @@ def predict(path: Path, x: np.ndarray) -> np.ndarray:
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: ExportConfig) -> Path:
-    """Write `model` (masks and shared weights baked in) as one ONNX file at `path`."""
+    """Write `model` (masks and shared weights baked in) as one ONNX file at `path`, at exactly
+    `cfg.opset` and `cfg.ir_version`, only used opsets imported; returns the path.
+
+    torch's dynamo exporter writes opset 18 and converts to other opsets itself; where that
+    conversion fails it keeps 18 without an error. So the opset is read back: a mismatch goes
+    through onnx's version converter, then torch's TorchScript exporter (which writes low
+    opsets natively); a file that still is not at `cfg.opset` is refused (InputError, nothing
+    written)."""
     import onnx
 
     model = prune.bake_(copy.deepcopy(model)).eval()
-    dynamic = ({0: torch.export.Dim("batch")},) if cfg.dynamic_batch else None
+    proto, how = _to_opset(model, example, cfg)
+    onnxcompat.keep_used_opsets(proto)
+    proto.ir_version = cfg.ir_version or onnxcompat.min_ir_for(cfg.opset)
+    proto.doc_string = f"compress: torch {how} exporter, opset {cfg.opset}"
+    with atomic_path(path) as out:
+        onnx.save(proto, str(out))
+        check(out)
+    return path
+
+
+def _opset(proto) -> int:
+    return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _to_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig):
+    """The exported ModelProto at cfg.opset and which route made it."""
+    import onnx
+    from onnx import version_converter
+
+    proto = _export(model, example, cfg, dynamo=True)
+    if _opset(proto) == cfg.opset:
+        return proto, "dynamo"
+    wrote = _opset(proto)
+    try:
+        with _quiet_stdio():
+            converted = version_converter.convert_version(proto, cfg.opset)
+        onnx.checker.check_model(converted)
+        if _opset(converted) == cfg.opset:
+            return converted, "dynamo + onnx version converter"
+    except Exception as e:
+        why = " ".join(str(e).split())[-120:]
+    else:
+        why = f"the converter wrote opset {_opset(converted)}"
+    try:  # deprecated in torch, but the one exporter that writes opsets below 18 natively
+        legacy = _export(model, example, cfg, dynamo=False, name=proto.graph.input[0].name)
+        if _opset(legacy) == cfg.opset:
+            return legacy, "TorchScript"
+    except StageError as e:
+        why += f"; TorchScript exporter: {e}"
+    raise InputError(
+        f"opset {cfg.opset}: torch's exporter wrote opset {wrote} and it could not be converted "
+        f"({why}); choose opset {wrote} or higher"
+    )
+
+
+def _export(model, example, cfg: ExportConfig, dynamo: bool, name: str = "x"):
+    import onnx
+
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "model.onnx"
+        if dynamo:
+            dynamic = ({0: torch.export.Dim("batch")},) if cfg.dynamic_batch else None
+            kwargs: dict[str, Any] = {"dynamic_shapes": dynamic, "external_data": False}
+        else:
+            axes = {name: {0: "batch"}} if cfg.dynamic_batch else None
+            kwargs = {"dynamo": False, "input_names": [name], "dynamic_axes": axes}
         try:
             # The exporter reports progress on stdout/stderr and through torch's loggers; the
             # library stays silent.
-            with (
-                _quiet(),
-                contextlib.redirect_stdout(io.StringIO()),
-                contextlib.redirect_stderr(io.StringIO()),
-            ):
-                torch.onnx.export(
-                    model,
-                    (example,),
-                    str(raw),
-                    dynamic_shapes=dynamic,
-                    external_data=False,
-                    opset_version=cfg.opset,
-                )
+            with _quiet(), _quiet_stdio(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(model, (example,), str(raw), opset_version=cfg.opset, **kwargs)
         except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise StageError(f"ONNX export failed: {type(e).__name__}: {first}") from None
-        proto = onnx.load(str(raw))
-        if cfg.ir_version is not None:
-            proto.ir_version = cfg.ir_version
-        with atomic_path(path) as out:
-            onnx.save(proto, str(out))
-            check(out)
-    return path
+        return onnx.load(str(raw))
+
+
+@contextlib.contextmanager
+def _quiet_stdio():
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def probe_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig) -> None:
+    """Before any training: export `model` as it is now at cfg.opset into a temporary file, so
+    an opset the exporter cannot write is refused in seconds, not after the pipeline."""
+    # An export failure unrelated to the opset (StageError) surfaces at the export stage.
+    with tempfile.TemporaryDirectory() as tmp, contextlib.suppress(StageError):
+        export_onnx(model, example, Path(tmp) / "probe.onnx", cfg)
 
 
 @contextlib.contextmanager
@@ -217,42 +278,7 @@ def check(path: Path) -> None:
 
 
 # --- INT8 -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """Static INT8 quantization. `calibration`: samples from the training set; `method`:
-    minmax, entropy or percentile; `latency_aware`: keep slower or harmful nodes in FP32;
-    `min_agreement`: top-1 agreement with FP32 below which nodes go back to FP32;
-    `batch`: the batch size latency is measured at."""
-
-    calibration: int = 256
-    method: str = "minmax"
-    per_channel: bool = True
-    latency_aware: bool = True
-    min_agreement: float = 0.995
-    batch: int = 1
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InputError(f"quantization method {self.method!r}: one of {', '.join(METHODS)}")
-        if self.calibration < 1:
-            raise InputError(f"calibration samples {self.calibration}: give 1 or more")
-        if not 0 <= self.min_agreement <= 1:
-            raise InputError(f"min_agreement {self.min_agreement}: a fraction in [0, 1]")
-
-
-def _reader(x: np.ndarray, input_name: str, batch: int = 32):
-    from onnxruntime.quantization import CalibrationDataReader
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.batches = iter([{input_name: x[i : i + batch]} for i in range(0, len(x), batch)])
-
-        def get_next(self):
-            return next(self.batches, None)
-
-    return Reader()
+# The choice of which nodes run in INT8 lives in compressor.int8; these are the file-level steps.
 
 
 def _check_calibration(path: Path, calib: np.ndarray) -> str:
@@ -276,7 +302,11 @@ def preprocess(fp32: Path, out: Path) -> Path:
     """ORT's quant_pre_process (shape inference + graph optimisation) before quantizing."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+        _root_log_quiet(),
+    ):
         quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
     return out
 
@@ -288,104 +318,26 @@ def quantizable_nodes(path: Path) -> list[str]:
 
 
 def quantize_int8(
-    prepared: Path, out: Path, calib: np.ndarray, cfg: QuantConfig, exclude: Iterable[str] = ()
+    prepared: Path,
+    out: Path,
+    calib: np.ndarray,
+    cfg: QuantConfig,
+    exclude: Iterable[str] = (),
+    ir_version: int | None = None,
 ) -> Path:
-    """Static QDQ U8S8 quantization of a `preprocess`ed model; `exclude` nodes stay FP32."""
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    """Static QDQ quantization of a `preprocess`ed model with our scheme (`cfg.scheme`,
+    per-channel, reduce_range as set; "auto" is off), `exclude` nodes in FP32, orphan Q/DQ
+    removed and only used opsets imported. Writes `out` atomically and checks it."""
+    import onnx
 
-    name = _check_calibration(prepared, calib)
-    method = {
-        "minmax": CalibrationMethod.MinMax,
-        "entropy": CalibrationMethod.Entropy,
-        "percentile": CalibrationMethod.Percentile,
-    }[cfg.method]
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        q = Path(tmp) / "int8.onnx"
-        quantize_static(
-            str(prepared),
-            str(q),
-            _reader(calib, name),
-            quant_format=QuantFormat.QDQ,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            per_channel=cfg.per_channel,
-            reduce_range=False,
-            calibrate_method=method,
-            nodes_to_exclude=list(exclude),
-        )
-        with atomic_path(out) as dst:
-            dst.write_bytes(q.read_bytes())
-            check(dst)
+    _check_calibration(prepared, calib)
+    with _root_log_quiet():
+        q = int8.Quantizer(prepared, calib, cfg.method)
+        model = q.build(int8.scheme_for(cfg, cfg.reduce_range is True), list(exclude), ir_version)
+    with atomic_path(out) as dst:
+        onnx.save(model, str(dst))
+        check(dst)
     return out
-
-
-def latency_ms(
-    paths: list[Path], batch: int, shape: tuple[int, ...], seconds: float = 0.6
-) -> list[float]:
-    """p50 latency (ms) of each model at `batch`, measured interleaved, one thread each."""
-    x = np.random.default_rng(0).random((batch, *shape), dtype=np.float32)
-    return benchmark.p50_ms([benchmark.onnx_runner(p, x) for p in paths], seconds)
-
-
-def agreement(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.mean(a.argmax(1) == b.argmax(1)))
-
-
-@dataclass
-class PrecisionChoice:
-    path: Path
-    fp32_nodes: dict[str, str] = field(default_factory=dict)  # node -> why it stayed FP32
-    latency_ms: dict[str, float] = field(default_factory=dict)
-    agreement: float = 1.0
-    int8_nodes: int = 0  # quantizable nodes that run in INT8 in the shipped file
-    quantizable: int = 0
-
-
-def choose_precision(
-    fp32: Path, out: Path, calib: np.ndarray, check_x: np.ndarray, cfg: QuantConfig
-) -> PrecisionChoice:
-    """Quantize, then keep in FP32 each node where INT8 is slower or less faithful."""
-    shape = tuple(check_x.shape[1:])
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        prepared = preprocess(fp32, tmp / "prepared.onnx")
-        nodes = quantizable_nodes(prepared)
-        reference = run(_session(fp32), check_x)
-        best = quantize_int8(prepared, tmp / "best.onnx", calib, cfg)
-        best_agree = agreement(run(_session(best), check_x), reference)
-        excluded: dict[str, str] = {}
-        if cfg.latency_aware:
-            for i, node in enumerate(nodes):
-                cand = quantize_int8(prepared, tmp / f"c{i}.onnx", calib, cfg, [*excluded, node])
-                t_best, t_cand = latency_ms([best, cand], cfg.batch, shape)
-                cand_agree = agreement(run(_session(cand), check_x), reference)
-                if clearly_faster(t_cand, t_best):
-                    why = f"INT8 slower: {t_best:.3f} ms with it in INT8, {t_cand:.3f} ms in FP32"
-                elif best_agree < cfg.min_agreement and cand_agree > best_agree:
-                    why = f"accuracy: top-1 agreement {best_agree:.4f} -> {cand_agree:.4f} in FP32"
-                else:
-                    continue
-                excluded[node] = why
-                best, best_agree = cand, cand_agree
-        t_fp32, t_best = latency_ms([fp32, best], cfg.batch, shape)
-        if cfg.latency_aware and clearly_faster(t_fp32, t_best) and len(excluded) < len(nodes):
-            # Mixed precision still loses to FP32: ship FP32 weights in the "INT8" file.
-            excluded = {
-                n: f"whole model: INT8 {t_best:.3f} ms vs FP32 {t_fp32:.3f} ms" for n in nodes
-            }
-            best = quantize_int8(prepared, tmp / "all_fp32.onnx", calib, cfg, nodes)
-            best_agree = 1.0
-            t_fp32, t_best = latency_ms([fp32, best], cfg.batch, shape)
-        with atomic_path(out) as dst:
-            dst.write_bytes(best.read_bytes())
-        return PrecisionChoice(
-            out,
-            excluded,
-            {"fp32": t_fp32, "int8": t_best},
-            best_agree,
-            int8_nodes=len(nodes) - len(excluded),
-            quantizable=len(nodes),
-        )
 
 
 # Below these, two medians are a tie: one ORT call from Python costs ~7 us and its jitter is a
@@ -402,12 +354,16 @@ def clearly_faster(a_ms: float, b_ms: float) -> bool:
 # --- parity and invariants --------------------------------------------------------------------
 
 
-def parity(model: nn.Module, path: Path, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """The file's test accuracy, its top-1 agreement with the PyTorch model, max |delta logit|."""
+def parity(
+    model: nn.Module, path: Path, x: torch.Tensor, y: torch.Tensor, optimized: bool = True
+) -> dict[str, float]:
+    """The file's test accuracy, its top-1 agreement with the PyTorch model, max |delta logit|.
+    optimized=False: the file as written (ORT with graph optimizations off, the reference
+    semantics); True: this host's ORT with its default fused kernels."""
     model = prune.bake_(copy.deepcopy(model)).eval()
     with torch.no_grad():
         ref = torch.cat([model(x[i : i + 512]) for i in range(0, len(x), 512)]).numpy()
-    got = run(_session(path), x.numpy())
+    got = int8.outputs(int8.session(path, optimized), x.numpy())
     return {
         "test_accuracy": float(np.mean(got.argmax(1) == y.numpy())),
         "top1_agreement": agreement(got, ref),
@@ -478,7 +434,7 @@ def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
         prepared = preprocess(fp32, Path(tmp) / "prepared.onnx")
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             quantize_dynamic(str(prepared), str(dynamic), weight_type=QuantType.QInt8)
-            quantize_static(str(prepared), str(static), _reader(calib, name))
+            quantize_static(str(prepared), str(static), int8._reader(calib, name))
     return [dynamic, static]
 
 

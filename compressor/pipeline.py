@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import archive, distill, export, mobile
+from compressor import archive, distill, envinfo, export, int8, mobile, onnxcompat
 from compressor import report as report_mod
 from compressor import shrink as shrink_mod
 from models import checkpoint
@@ -31,6 +31,10 @@ OUTPUTS = (
     "student.int8.ort",
     "student.int8.required_operators.config",
     "student.int8.fixed.onnx",
+    # where no INT8 compute is worth shipping, the mobile files are made from the FP32 graph
+    "student.fp32.ort",
+    "student.fp32.required_operators.config",
+    "student.fp32.fixed.onnx",
     "student.dcz",
     "student.pt",
     "report.json",
@@ -67,6 +71,8 @@ def shrink_to_folder(
     """Run the pipeline and write student.dcz, student.pt, report.json/.md and plots into `out`."""
     check_out_dir(out)
     calib = preflight(recipe, data)
+    if recipe["export"]["enabled"] and data is not None:
+        _probe_opset(model, recipe, data)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
     try:
@@ -96,24 +102,25 @@ def shrink_to_folder(
             if data is None:
                 raise InputError("export needs the data set (calibration and parity)")
             report["onnx"] = _export(model, recipe["export"], report, data, calib, tmp, out)
-            if recipe["export"]["ort"] and "int8" in report["onnx"]:
-                int8 = tmp / "student.int8.onnx"
-                ort_file = mobile.to_ort(int8, tmp / "student.int8.ort")
+            # What an app ships: the INT8 file, or the FP32 one where no INT8 file is written.
+            kind = "int8" if "int8" in report["onnx"] else "fp32"
+            shipped = tmp / f"student.{kind}.onnx"
+            if recipe["export"]["ort"]:
+                ort_file = mobile.to_ort(shipped, tmp / f"student.{kind}.ort")
                 report["ort"] = {
                     **ort_file,
-                    "path": str(out / "student.int8.ort"),
+                    "path": str(out / f"student.{kind}.ort"),
                     "config": str(out / Path(ort_file["config"]).name),
                 }
-                report["mobile"] = mobile.usability(int8)
+                report["mobile"] = mobile.usability(shipped)
             n = recipe["export"]["fixed_batch"]
-            if n and "int8" in report["onnx"]:
-                fixed = mobile.fixed_batch(
-                    tmp / "student.int8.onnx", tmp / "student.int8.fixed.onnx", n
-                )
+            if n:
+                fixed = mobile.fixed_batch(shipped, tmp / f"student.{kind}.fixed.onnx", n)
                 report["mobile_fixed_batch"] = {
                     "path": str(out / fixed.name),
                     "batch": n,
                     "bytes": fixed.stat().st_size,
+                    **onnxcompat.describe(_load(fixed)),
                     **mobile.usability(fixed),
                 }
         # Save through a freshly built model so the checkpoint's keys are in the order a plain
@@ -163,6 +170,22 @@ def preflight(recipe: dict[str, Any], data: Dataset | None) -> np.ndarray | None
         except InputError as err:
             raise InputError(f"--teacher / distill.teachers: {err}") from None
     return calib
+
+
+def _probe_opset(model: nn.Module, recipe: dict[str, Any], data: Dataset) -> None:
+    """An opset the exporter cannot write for this model is refused now, not after training.
+    Opset 18 is the exporter's own: nothing to convert, nothing to probe."""
+    e, d = recipe["export"], recipe["distill"]
+    if e["opset"] == 18:
+        return
+    if d["student"]:  # the model that will be exported is the student, not the teacher
+        from models import zoo
+
+        spec = zoo.resolve_spec(
+            d["student"], dict(d["student_kwargs"]), data.in_shape, data.num_classes
+        )
+        model = zoo.build(spec, seed=0)
+    export.probe_opset(model, data.x_train[:2], export_config(e))
 
 
 def _keep_to(hooks: shrink_mod.Hooks, train_on: Dataset, n_real: int) -> shrink_mod.Hooks:
@@ -218,8 +241,11 @@ def _teacher_student(report, distilled, teacher_name, student_name, model, final
 
 
 def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, out: Path) -> dict:
-    """FP32 ONNX, then INT8 ONNX (ORT static QDQ, latency-aware); parity and invariants."""
-    cfg = export.ExportConfig(opset=e["opset"], ir_version=e["ir_version"] or None)
+    """FP32 ONNX, then INT8 ONNX chosen for `export.target`; parity, invariants and the
+    versions read back from each file written."""
+    import onnx
+
+    cfg = export_config(e)
     fp32 = export.export_onnx(model, data.x_train[:2], tmp / "student.fp32.onnx", cfg)
     bits = {
         r["name"].removesuffix(".weight"): r["weight_bits"]
@@ -227,52 +253,107 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
         if r.get("codebook")
     }
 
-    def describe(path: Path) -> dict[str, Any]:
+    def describe(path: Path, optimized: bool = True) -> dict[str, Any]:
         checks = export.weight_invariants(path, model, bits)
         return {
             "path": str(out / path.name),
             "bytes": path.stat().st_size,
-            **export.parity(model, path, data.x_test, data.y_test),
+            **onnxcompat.describe(onnx.load(str(path))),
+            **export.parity(model, path, data.x_test, data.y_test, optimized),
             "weights_ok": all(c["ok"] for c in checks.values()),
             "weights": checks,
         }
 
     result = {"fp32": describe(fp32)}
-    if e["int8"]:
-        q = export.QuantConfig(
-            calibration=e["calibration"],
-            method=e["method"],
-            latency_aware=e["latency_aware"],
-            min_agreement=e["min_agreement"],
-        )
-        # Calibration: a seeded random draw from the training set. Precision is chosen on other
-        # training images, never on the test set the parity figures come from.
-        pick = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
-        source = e["calibration_data"] or "training set"
-        if calib is None:
-            calib = data.x_train[pick[: q.calibration]].numpy()
-            check_x = data.x_train[pick[q.calibration : q.calibration + 1000]].numpy()
-        else:  # the user's own calibration inputs; precision still checked on training data
-            calib = calib[: q.calibration]
-            check_x = data.x_train[pick[:1000]].numpy()
-        if len(check_x) == 0:
-            check_x = calib
-        choice = export.choose_precision(fp32, tmp / "student.int8.onnx", calib, check_x, q)
-        result["int8"] = {
-            **describe(choice.path),
-            # against the FP32 ONNX file (the other figures are against PyTorch)
-            **_int8_vs_fp32(fp32, choice.path, data.x_test),
-            "calibration": {"source": source, "samples": len(calib), "method": q.method},
-            "fp32_nodes": choice.fp32_nodes,
-            "int8_nodes": choice.int8_nodes,
-            "quantizable_nodes": choice.quantizable,
-            "latency_ms_batch1": choice.latency_ms,
-        }
+    if not e["int8"]:
+        return result
+    q = quant_config(e)
+    # Calibration: a seeded random draw from the training set. Precision is chosen on other
+    # training images, never on the test set the parity figures come from.
+    pick = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
+    source = e["calibration_data"] or "training set"
+    if calib is None:
+        calib = data.x_train[pick[: q.calibration]].numpy()
+        check_x = data.x_train[pick[q.calibration : q.calibration + 1000]].numpy()
+    else:  # the user's own calibration inputs; precision still checked on training data
+        calib = calib[: q.calibration]
+        check_x = data.x_train[pick[:1000]].numpy()
+    if len(check_x) == 0:
+        check_x = calib
+    flags = envinfo.cpu_flags()
+    prepared = export.preprocess(fp32, tmp / ".prepared.onnx")
+    try:
+        export._check_calibration(prepared, calib)
+        with export._root_log_quiet():
+            choice = int8.choose(
+                prepared, fp32.read_bytes(), calib, check_x, q, flags, cfg.ir_version
+            )
+    finally:
+        prepared.unlink(missing_ok=True)
+    sel = choice.selection
+    record = {
+        "target": q.target,
+        "scheme": sel.scheme.name,
+        "reduce_range": choice.reduce_range,
+        "decided_on": choice.semantics,
+        "candidates": choice.candidates,
+        "check_agreement": sel.agreement,
+        "min_agreement": q.min_agreement,
+        "calibration": {"source": source, "samples": len(calib), "method": q.method},
+        "fp32_nodes": sel.fp32_nodes,
+        "int8_nodes": sel.int8_nodes,
+        "quantizable_nodes": choice.quantizable,
+        "latency_ms_batch1": sel.latency_ms,
+    }
+    if choice.model is None:
+        # No INT8 compute survives: that file would be the FP32 graph under an INT8 name.
+        report["int8_not_written"] = {**record, "reason": choice.reason}
+        return result
+    path = tmp / "student.int8.onnx"
+    with atomic_path(path) as dst:
+        onnx.save(choice.model, str(dst))
+        export.check(dst)
+    host = export.parity(model, path, data.x_test, data.y_test, optimized=True)
+    result["int8"] = {
+        # As written (ORT, graph optimizations off): what wasm and other runtimes compute.
+        **describe(path, optimized=False),
+        # against the FP32 ONNX file (the other figures are against PyTorch)
+        **_int8_vs_fp32(fp32, path, data.x_test, optimized=False),
+        **record,
+        "host_kernels": {
+            **host,
+            **_int8_vs_fp32(fp32, path, data.x_test, optimized=True),
+            "cpu_flags": sorted(flags & set(envinfo.CPU_FLAGS) | flags & {"avx_vnni"}),
+            "saturating_cpu": int8.saturating_cpu(flags),
+        },
+    }
     return result
 
 
-def _int8_vs_fp32(fp32: Path, int8: Path, x: torch.Tensor) -> dict[str, float]:
-    a, b = export.predict(fp32, x.numpy()), export.predict(int8, x.numpy())
+def _load(path: Path):
+    import onnx
+
+    return onnx.load(str(path))
+
+
+def export_config(e: dict[str, Any]) -> export.ExportConfig:
+    return export.ExportConfig(opset=e["opset"], ir_version=e["ir_version"] or None)
+
+
+def quant_config(e: dict[str, Any]) -> int8.QuantConfig:
+    return int8.QuantConfig(
+        calibration=e["calibration"],
+        method=e["method"],
+        target=e["target"],
+        scheme=e["scheme"],
+        reduce_range=e["reduce_range"],
+        min_agreement=e["min_agreement"],
+    )
+
+
+def _int8_vs_fp32(fp32: Path, path: Path, x: torch.Tensor, optimized: bool) -> dict[str, float]:
+    a = int8.outputs(int8.session(fp32, optimized), x.numpy())
+    b = int8.outputs(int8.session(path, optimized), x.numpy())
     return {
         "top1_agreement_fp32": export.agreement(b, a),
         "max_abs_diff_fp32": float(np.abs(a - b).max()),

@@ -16,7 +16,8 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
                 lr, dense = "float16" | "float32"
     [huffman]   enabled, fc_gap_bits = 5, conv_gap_bits = 8, gap_bits = "auto" | "fixed"
     [export]    enabled, opset = 18, ir_version, int8, method, calibration, calibration_data,
-                latency_aware, min_agreement, ort, fixed_batch       # ONNX FP32, INT8, .ort
+                target = "mobile" | "host", scheme = "u8s8" | "u8u8", reduce_range,
+                min_agreement, ort, fixed_batch                     # ONNX FP32, INT8, .ort
 """
 
 from __future__ import annotations
@@ -94,13 +95,20 @@ DEFAULTS: dict[str, Any] = {
     "export": {
         "enabled": True,
         "opset": 18,
-        "ir_version": 0,  # 0: the exporter's; 9 for ONNX Runtime <= 1.17
+        # 0: the lowest IR that declares the opset (8 for opset 18: ONNX Runtime >= 1.14);
+        # 9 for ONNX Runtime 1.16-1.17
+        "ir_version": 0,
         "int8": True,
         "method": "minmax",
         "calibration": 256,  # samples drawn from the training set...
         "calibration_data": "",  # ...or a .npy file of inputs (samples first) to draw from
-        # keep nodes in FP32 where INT8 is slower (or less faithful than min_agreement)
-        "latency_aware": True,
+        # "mobile": nothing is timed on the build machine, INT8 wherever min_agreement holds,
+        # the same bytes on every build; "host": also keep node groups in FP32 where timings on
+        # this machine say INT8 is slower beyond a 95% confidence interval
+        "target": "mobile",
+        "scheme": "u8s8",  # uint8 activations with int8 ("u8s8") or uint8 ("u8u8") weights
+        # 7-bit weights: "auto" turns them on for target host on an x86 CPU without VNNI
+        "reduce_range": "auto",
         "min_agreement": 0.995,
         "ort": True,  # also the .ort file for mobile ORT builds, and the NNAPI/CoreML verdicts
         "fixed_batch": 0,  # N > 0: also student.int8.fixed.onnx with batch N (NNAPI needs it)
@@ -114,7 +122,17 @@ _CHOICES = {
     ("quantize", "dense"): ("float16", "float32"),
     ("huffman", "gap_bits"): ("auto", "fixed"),
     ("export", "method"): ("minmax", "entropy", "percentile"),
+    ("export", "target"): ("mobile", "host"),
+    ("export", "scheme"): ("u8s8", "u8u8"),
     ("distill", "transfer"): ("none", "mixup", "munge"),
+}
+
+
+_REPLACED = {
+    ("export", "latency_aware"): (
+        'is gone: use export.target = "host" (latency-aware on this machine) or '
+        '"mobile" (the default: nothing timed, the same file on every build)'
+    ),
 }
 
 
@@ -167,6 +185,8 @@ def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> dict[s
         if not isinstance(value, dict):
             raise InputError(f"{source}: [{key}] must be a table")
         for k, v in value.items():
+            if (key, k) in _REPLACED:
+                raise InputError(f"{source}: {key}.{k} {_REPLACED[key, k]}")
             if k not in DEFAULTS[key]:
                 raise InputError(
                     f"{source}: unknown key {key}.{k}; [{key}] takes {', '.join(DEFAULTS[key])}"
@@ -195,7 +215,6 @@ def _validate(r: dict[str, Any], source: str) -> None:
         ("prune", "include_bias"),
         ("export", "enabled"),
         ("export", "int8"),
-        ("export", "latency_aware"),
         ("export", "ort"),
     ):
         if not isinstance(r[section][key], bool):
@@ -265,6 +284,27 @@ def _validate(r: dict[str, Any], source: str) -> None:
     if r["export"]["ir_version"] not in (0, 8, 9, 10, 11):
         raise _bad(
             source, "export.ir_version", r["export"]["ir_version"], "0 (default), 8, 9, 10 or 11"
+        )
+    ir, opset = r["export"]["ir_version"], r["export"]["opset"]
+    if ir:
+        from compressor.onnxcompat import min_ir_for
+
+        if ir < min_ir_for(opset):
+            raise _bad(
+                source,
+                "export.ir_version",
+                ir,
+                f"opset {opset} needs IR {min_ir_for(opset)} or more; raise it or lower the opset",
+            )
+    rr = r["export"]["reduce_range"]
+    if not (isinstance(rr, bool) or rr == "auto"):
+        raise _bad(source, "export.reduce_range", rr, 'true, false or "auto"')
+    if r["export"]["reduce_range"] is True and r["export"]["scheme"] != "u8s8":
+        raise _bad(
+            source,
+            "export.reduce_range",
+            True,
+            f"7-bit weights need int8 weights (scheme u8s8), not {r['export']['scheme']}",
         )
     _int(r, source, "export", "calibration", 1)
     if not isinstance(r["export"]["calibration_data"], str):

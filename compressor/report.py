@@ -110,31 +110,57 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
         "## ONNX",
         "",
         "| file | bytes | test accuracy | top-1 agreement with PyTorch | max abs Δ logit "
-        "| pruned zeros and ≤ 2^bits values kept |",
-        "|---|---|---|---|---|---|",
+        "| pruned zeros and ≤ 2^bits values kept | opset / IR | loads in ONNX Runtime |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for o in report["onnx"].values():
         lines.append(
             f"| `{Path(o['path']).name}` | {o['bytes']:,} | {o['test_accuracy']:.2%} | "
             f"{o['top1_agreement']:.2%} | {o['max_abs_diff']:.4g} | "
-            f"{'yes' if o['weights_ok'] else 'NO'} |"
+            f"{'yes' if o['weights_ok'] else 'NO'} | "
+            f"{o['opsets'].get('ai.onnx')} / {o['ir_version']} | ≥ {o['min_ort']} |"
         )
-    int8 = report["onnx"].get("int8")
+    int8 = report["onnx"].get("int8") or report.get("int8_not_written")
     if int8:
-        lat = int8["latency_ms_batch1"]
         lines += [
             "",
-            f"Batch-1 latency on ORT CPU (1 thread): FP32 {lat['fp32']:.3f} ms, "
-            f"shipped INT8 {lat['int8']:.3f} ms.",
+            f"INT8 chosen for target `{int8['target']}` ({int8['scheme']}, reduce_range "
+            f"{str(int8['reduce_range']).lower()}), decided on the "
+            f"{'file as written (reference semantics)' if int8['decided_on'] == 'reference' else 'optimized kernels of this host'}"
+            f": {int8['int8_nodes']} of {int8['quantizable_nodes']} nodes in INT8, top-1 "
+            f"agreement {int8['check_agreement']:.2%} on held-out training inputs "
+            f"(floor {int8['min_agreement']:.2%}).",
         ]
+        lat = int8.get("latency_ms_batch1")
+        if lat:
+            lines.append(
+                f"Batch-1 latency on ORT CPU (1 thread): FP32 {lat['fp32']:.3f} ms, "
+                f"shipped INT8 {lat['int8']:.3f} ms."
+            )
         if int8["fp32_nodes"]:
             lines += ["Kept in FP32:"] + [
                 f"- `{n}`: {why}" for n, why in int8["fp32_nodes"].items()
             ]
         else:
             lines.append("Every quantizable node runs in INT8.")
-        if int8.get("int8_nodes") == 0:
-            lines.append("No node runs in INT8: this file is an FP32 graph (INT8 was slower).")
+        if "reason" in int8:
+            lines.append(
+                f"**No INT8 file was written** ({int8['reason']}): ship `student.fp32.onnx`."
+            )
+        else:
+            h = int8["host_kernels"]
+            lines.append(
+                "Figures above are the file as written (ONNX Runtime with graph optimizations "
+                "off, what onnxruntime-web computes). On this CPU's optimized kernels: top-1 "
+                f"agreement with FP32 {h['top1_agreement_fp32']:.2%}, max abs Δ "
+                f"{h['max_abs_diff_fp32']:.4g}"
+                + (
+                    " — an x86 CPU with AVX2 but no VNNI, whose u8s8 kernels can saturate; "
+                    "a phone's kernels do not."
+                    if h["saturating_cpu"]
+                    else "."
+                )
+            )
     if "mobile" in report:
         m, o = report["mobile"], report["ort"]
         lines += [

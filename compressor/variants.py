@@ -2,7 +2,7 @@
 
 An input is a `.pt` checkpoint, an `.onnx` or `.ort` file, or a `compress shrink` output folder
 (then every model in it: `student.pt`, `student.fp32.onnx`, `student.int8.onnx`,
-`student.int8.ort`). Each file becomes one `Model` (format, precision, bytes, parameters,
+`student.int8.ort`, or `student.fp32.ort` where shrink wrote no INT8 file). Each file becomes one `Model` (format, precision, bytes, parameters,
 input shape), and each model on each runtime one `Variant`: PyTorch eager FP32 (and bf16 where
 the CPU has native bf16), ONNX Runtime on the CPU provider, and on CUDA/TensorRT when present.
 A runtime that is asked for but missing is returned as a skip with its reason, never an error.
@@ -18,7 +18,13 @@ from models import checkpoint
 from models.errors import InputError
 from models.zoo import ModelSpec
 
-SHRINK_FILES = ("student.pt", "student.fp32.onnx", "student.int8.onnx", "student.int8.ort")
+SHRINK_FILES = (
+    "student.pt",
+    "student.fp32.onnx",
+    "student.int8.onnx",
+    "student.int8.ort",
+    "student.fp32.ort",
+)
 SUFFIXES = (".pt", ".onnx", ".ort")
 # --providers names -> ONNX Runtime execution providers; "torch" runs PyTorch eager.
 PROVIDERS = {

@@ -260,7 +260,6 @@ def test_demo_end_to_end_small(run, tmp_path, monkeypatch):
             "distill": {"student": "mlp", "student_kwargs": {"hidden": [16]}, "epochs": 2},
             "prune": {"rounds": 1, "retrain_epochs": 1},
             "quantize": {"finetune_epochs": 1},
-            "export": {"latency_aware": False},
         },
     )
     result = run("demo", "--out", tmp_path / "d", "--json", "-q")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from compressor import export as E
-from compressor import kmeans, prune
+from compressor import int8, kmeans, prune
 from models import available, tiny
 
 
@@ -66,7 +66,10 @@ def test_ir9_for_older_runtimes(tmp_path):
 
 @pytest.mark.parametrize(
     ("cfg", "message"),
-    [({"opset": 30}, "out of range"), ({"opset": 21, "ir_version": 9}, "up to 20")],
+    [
+        ({"opset": 30}, "out of range"),
+        ({"opset": 21, "ir_version": 9}, "ir_version 9 cannot declare opset 21"),
+    ],
 )
 def test_bad_export_settings(cfg, message):
     with pytest.raises(E.InputError, match=message):
@@ -82,7 +85,9 @@ def test_onnx_path_in_a_missing_folder(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def int8(tmp_path_factory):
+def int8_file(tmp_path_factory):
+    import onnx
+
     tmp = tmp_path_factory.mktemp("int8")
     g = torch.Generator().manual_seed(0)
     model = tiny("lenet5", in_shape=(1, 8, 8)).eval()
@@ -91,37 +96,44 @@ def int8(tmp_path_factory):
     fp32 = tmp / "fp32.onnx"
     E.export_onnx(model, torch.rand(2, 1, 8, 8), fp32, E.ExportConfig())
     calib = torch.rand(64, 1, 8, 8, generator=g).numpy()
-    choice = E.choose_precision(
-        fp32, tmp / "int8.onnx", calib, calib, E.QuantConfig(min_agreement=0.9)
+    cfg = E.QuantConfig(min_agreement=0.9)  # target mobile: nothing timed
+    choice = int8.choose(
+        E.preprocess(fp32, tmp / "prep.onnx"), fp32.read_bytes(), calib, calib, cfg, set()
     )
+    choice.path = tmp / "int8.onnx"
+    onnx.save(choice.model or onnx.load(str(fp32)), str(choice.path))
     return model, fp32, choice, calib
 
 
-def test_int8_answers_like_fp32_on_calibration_data(int8):
+def test_int8_answers_like_fp32_on_calibration_data(int8_file):
     import onnx
 
-    _, fp32, choice, calib = int8
+    _, fp32, choice, calib = int8_file
     ref = E.run(E._session(fp32), calib)
     got = E.run(E._session(choice.path), calib)
-    assert E.agreement(got, ref) >= 0.9 and choice.agreement >= 0.9
+    sel = choice.selection
+    assert E.agreement(got, ref) >= 0.9 and sel.agreement >= 0.9
     ops = {n.op_type for n in onnx.load(str(choice.path)).graph.node}
-    if len(choice.fp32_nodes) < 4:  # some node is INT8: QDQ pairs are in the graph
+    if sel.int8_nodes:  # some node is INT8: QDQ pairs are in the graph
         assert {"QuantizeLinear", "DequantizeLinear"} <= ops
-    assert set(choice.latency_ms) == {"fp32", "int8"}
-    assert all(isinstance(v, str) and v for v in choice.fp32_nodes.values())
+    else:  # none: the FP32 graph, not a fake-quantized one
+        assert not {"QuantizeLinear", "DequantizeLinear"} & ops
+    assert sel.latency_ms is None  # target mobile times nothing
+    assert all(isinstance(v, str) and v for v in sel.fp32_nodes.values())
 
 
-def test_compression_survives_export(int8):
-    model, fp32, choice, _ = int8
+def test_compression_survives_export(int8_file):
+    model, fp32, choice, _ = int8_file
     bits = {"conv1": 4, "conv2": 4, "fc1": 3, "fc2": 3}
+    assert choice.selection.int8_nodes, "the check below needs int8 weights in the file"
     for path in (fp32, choice.path):
         checks = E.weight_invariants(path, model, bits)
         assert set(checks) == {"conv1.weight", "conv2.weight", "fc1.weight", "fc2.weight"}
         assert all(c["ok"] for c in checks.values()), checks
 
 
-def test_calibration_data_must_fit(int8, tmp_path):
-    _, fp32, _, calib = int8
+def test_calibration_data_must_fit(int8_file, tmp_path):
+    _, fp32, _, calib = int8_file
     prepared = E.preprocess(fp32, tmp_path / "p.onnx")
     with pytest.raises(E.InputError, match="does not fit"):
         E.quantize_int8(prepared, tmp_path / "q.onnx", calib[:, :, :4], E.QuantConfig())
@@ -130,8 +142,8 @@ def test_calibration_data_must_fit(int8, tmp_path):
     assert not (tmp_path / "q.onnx").exists()
 
 
-def test_parity_against_pytorch(int8):
-    model, fp32, _, calib = int8
+def test_parity_against_pytorch(int8_file):
+    model, fp32, _, calib = int8_file
     x = torch.from_numpy(calib)
     with torch.no_grad():
         y = prune.bake_(copy.deepcopy(model))(x).argmax(1)

@@ -107,11 +107,20 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     assert onnx["fp32"]["top1_agreement"] == 1.0 and onnx["fp32"]["max_abs_diff"] < 1e-4
     assert onnx["int8"]["top1_agreement"] >= 0.99
     assert onnx["fp32"]["test_accuracy"] == pytest.approx(report["stages"][-1]["test_accuracy"])
-    lat = onnx["int8"]["latency_ms_batch1"]
-    assert set(lat) == {"fp32", "int8"} and all(v > 0 for v in lat.values())
-    assert isinstance(onnx["int8"]["fp32_nodes"], dict)
-    assert onnx["int8"]["quantizable_nodes"] == 3  # fc1..fc3
-    assert onnx["int8"]["int8_nodes"] == 3 - len(onnx["int8"]["fp32_nodes"])
+    q = onnx["int8"]
+    assert q["target"] == "mobile" and q["latency_ms_batch1"] is None  # nothing timed
+    assert q["decided_on"] == "reference" and q["check_agreement"] >= q["min_agreement"]
+    assert [c["scheme"] for c in q["candidates"]][1].startswith("ort-default")
+    assert isinstance(q["fp32_nodes"], dict)
+    assert q["quantizable_nodes"] == 3  # fc1..fc3
+    assert q["int8_nodes"] == 3 - len(q["fp32_nodes"])
+    # parity twice: the file as written (above) and this CPU's optimized kernels
+    assert {"top1_agreement_fp32", "max_abs_diff_fp32", "saturating_cpu"} <= q[
+        "host_kernels"
+    ].keys()
+    # versions read back from each file: the exporter's opset 18 at its lowest IR (8)
+    for o in (onnx["fp32"], q, report["mobile_fixed_batch"]):
+        assert o["opsets"] == {"ai.onnx": 18} and o["ir_version"] == 8 and o["min_ort"] == "1.14"
     assert report["ort"]["bytes"] == (out / "student.int8.ort").stat().st_size
     assert (out / "student.int8.required_operators.config").is_file()
     assert report["mobile"]["nnapi"] in ("yes", "partial", "no")
@@ -119,6 +128,52 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     fixed = report["mobile_fixed_batch"]
     assert fixed["batch"] == 2 and fixed["nnapi"] == "yes"  # NNAPI needs the fixed shape
     assert Path(fixed["path"]).is_file()
+
+
+def _without(d, keys=("seconds", "path", "files", "config", "checkpoint", "source")):
+    """A report without what differs between two runs into two folders: paths and timings."""
+    if isinstance(d, dict):
+        return {k: _without(v, keys) for k, v in d.items() if k not in keys}
+    if isinstance(d, list):
+        return [_without(v, keys) for v in d]
+    return d
+
+
+def test_target_mobile_writes_the_same_bytes_on_every_build(run, trained, tmp_path):
+    folder, out, first = trained
+    again = tmp_path / "again"
+    args = ["shrink", folder / "lenet300.pt", "--recipe", folder / "fast.toml", "--out", again]
+    result = run(*args, "--fixed-batch", "2", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    for name in ("student.int8.onnx", "student.fp32.onnx", "student.int8.fixed.onnx"):
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+    assert _without(result.json()) == _without(first)
+
+
+def test_target_host_may_ship_no_int8_file_and_says_so(run, trained, tmp_path, monkeypatch):
+    """On a machine where FP32 is faster, host ships the FP32 graph's .ort, warns, and writes
+    no student.int8.onnx (an "INT8" name on an FP32 graph)."""
+    from compressor import int8
+
+    monkeypatch.setattr(int8, "fp32_clearly_faster", lambda a, b, margin=0.05: True)
+    monkeypatch.setattr(int8, "ROUNDS", 3)
+    folder, _, _ = trained
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        "[prune]\nenabled = false\n[quantize]\nenabled = false\n[huffman]\nenabled = false\n"
+    )
+    out = tmp_path / "host"
+    args = ["shrink", folder / "lenet300.pt", "--recipe", recipe, "--target", "host"]
+    result = run(*args, "--out", out, "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert "warning: no INT8 file written: INT8 slower" in result.stderr
+    r = result.json()
+    assert "int8" not in r["onnx"] and not (out / "student.int8.onnx").exists()
+    miss = r["int8_not_written"]
+    assert miss["target"] == "host" and miss["int8_nodes"] == 0
+    assert set(miss["latency_ms_batch1"]) == {"fp32", "int8"}
+    assert (out / "student.fp32.ort").is_file() and r["ort"]["path"].endswith("student.fp32.ort")
+    assert "No INT8 file was written" in (out / "report.md").read_text()
 
 
 def test_index_bits_count_escapes(trained):
@@ -246,6 +301,11 @@ def _write_recipe(tmp_path, text):
         ("hint without teacher layer", "hint_student and distill.hint_teacher go together"),
         ("transfer unknown", "distill.transfer = 'gan' is impossible"),
         ("labels zero", "distill.labels = 0 is impossible"),
+        ("unknown target", "Invalid value for '--target'"),
+        ("ir_version below the opset's", "opset 19 needs IR 9 or more"),
+        ("reduce_range with uint8 weights", "need int8 weights (scheme u8s8), not u8u8"),
+        ("old latency_aware key", "export.latency_aware is gone: use export.target"),
+        ("opset the exporter cannot write", "opset 13: torch's exporter wrote opset 18"),
     ],
 )
 def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
@@ -343,6 +403,29 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
         args += _write_recipe(tmp_path, '[distill]\nstudent = "mlp"\ntransfer = "gan"\n')
     elif case == "labels zero":
         args += _write_recipe(tmp_path, '[distill]\nstudent = "mlp"\nlabels = 0\n')
+    elif case == "unknown target":
+        args += ["--target", "phone"]
+    elif case == "ir_version below the opset's":
+        args += _write_recipe(tmp_path, "[export]\nopset = 19\nir_version = 8\n")
+    elif case == "reduce_range with uint8 weights":
+        args += _write_recipe(tmp_path, '[export]\nscheme = "u8u8"\nreduce_range = true\n')
+    elif case == "old latency_aware key":
+        args += _write_recipe(tmp_path, "[export]\nlatency_aware = false\n")
+    elif case == "opset the exporter cannot write":
+        from compressor import export
+
+        real = export._export
+
+        def dynamo_only(model, example, cfg, dynamo, name="x"):
+            if not dynamo:  # as if torch had dropped its TorchScript exporter
+                raise export.StageError("ONNX export failed: gone")
+            return real(model, example, cfg, dynamo)
+
+        monkeypatch.setattr(export, "_export", dynamo_only)
+        monkeypatch.setattr(
+            "cli.shrink.fit", lambda *a, **k: pytest.fail("trained before refusing")
+        )
+        args += ["--opset", "13"]
     before = {p.name for p in tmp_path.iterdir()}
     result = run("shrink", *args, "--out", out, "--json")
     assert result.exit_code == 2, result.stderr
@@ -391,9 +474,7 @@ def test_shrink_distils_the_teacher_into_an_int8_student(run, trained, tmp_path)
     folder, _, _ = trained
     (tmp_path / "d.toml").write_text(
         '[distill]\nepochs = 3\ntransfer = "mixup"\ntransfer_size = 0.5\n'
-        'hint_student = "fc1"\nhint_teacher = "fc2"\nhint_epochs = 1\n'
-        + FAST
-        + "[export]\nlatency_aware = false\n"  # the chooser is tested on the fixture's run
+        'hint_student = "fc1"\nhint_teacher = "fc2"\nhint_epochs = 1\n' + FAST
     )
     out = tmp_path / "s"
     result = run(
