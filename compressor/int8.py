@@ -19,9 +19,11 @@ decides which Conv/Gemm/MatMul nodes keep INT8 and cleans what the quantizer lea
   same bytes. `host` is latency-aware for the machine that builds: node groups go back to FP32
   only when repeated interleaved timings put FP32 faster with the whole 95% bootstrap interval
   of the paired ratio below 1 - margin (`fp32_clearly_faster`), so load noise keeps INT8.
+* **Bias correction.** Each INT8 Conv/Gemm's bias absorbs the mean shift quantization puts on
+  its outputs (`correct_bias`), kept only when the check inputs say the file got closer to FP32.
 * **Never worse than ORT's defaults.** The same selection runs for ORT's default static scheme
-  (S8S8, per-tensor); the file with more INT8 nodes ships, then the one agreeing more with FP32
-  (ties: ours).
+  (S8S8, per-tensor); the file with more INT8 nodes ships, then the one agreeing more with FP32,
+  then the one whose logits are closer to FP32 (mean squared error).
 
 Why reference semantics decide for `mobile`: on an x86 CPU with AVX2 but no VNNI, ORT's fused
 u8s8 kernels can saturate (vpmaddubsw) and put INT8 logits far from FP32 (4.07 vs 0.55 as
@@ -198,6 +200,7 @@ class Quantizer:
             calibrator.collect_data(_reader(calib, name))
             self.ranges = calibrator.compute_data()
             del calibrator
+        self.calib = calib  # bias correction measures on the same inputs
         self.nodes = [n.name for n in self.model.graph.node if n.op_type in QUANTIZABLE]
 
     def build(self, scheme: Scheme, exclude: Sequence[str] = (), ir_version: int | None = None):
@@ -340,6 +343,70 @@ def _drop_value_info(graph) -> None:
     graph.value_info.extend(keep)
 
 
+# --- bias correction ---------------------------------------------------------------------------
+
+
+def correct_bias(model, fp32: bytes, x: np.ndarray, optimized: bool) -> tuple[Any, int]:
+    """Empirical bias correction (Nagel et al., "Data-Free Quantization", ICCV 2019, §4.2;
+    NNCF's default does the same): quantization shifts the mean output of each channel of an
+    INT8 Conv/Gemm; subtract that shift, measured on `x` against the FP32 model, from the
+    layer's int32 bias. Layers are corrected in graph order, each measured after the ones
+    before it, so a correction never counts an upstream error twice. Returns a new model and
+    the number of layers corrected (those with a quantized bias)."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    model = copy.deepcopy(model)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    layers = []  # (node name, its output in the INT8 graph, bias initializer, bias scale)
+    for n in int8_compute_nodes(graph):
+        dq = producer.get(n.input[2]) if len(n.input) > 2 else None
+        quantized_bias = (
+            dq is not None
+            and dq.op_type == "DequantizeLinear"
+            and dq.input[0] in inits
+            and dq.input[1] in inits
+            and inits[dq.input[0]].data_type == TensorProto.INT32
+        )
+        if quantized_bias:
+            layers.append((n.name, n.output[0], inits[dq.input[0]], inits[dq.input[1]]))
+    if not layers:
+        return model, 0
+    ref_model = onnx.load_from_string(fp32)
+    ref_out = {n.name: n.output[0] for n in ref_model.graph.node}
+    names = [ref_out.get(name) for name, *_ in layers]
+    if None in names:  # a node the INT8 graph has and the FP32 graph lacks: leave it be
+        return model, 0
+    ref = _run_with(ref_model, names, x, optimized)
+    for k, (_, out, bias, scale) in enumerate(layers):
+        got = _run_with(model, [out], x, optimized)[0]
+        axes = tuple(a for a in range(got.ndim) if a != 1)  # channel axis 1 (NCHW, N x C)
+        shift = (got.astype(np.float64) - ref[k]).mean(axis=axes)
+        s = numpy_helper.to_array(scale).astype(np.float64)
+        b = numpy_helper.to_array(bias).astype(np.float64) - np.rint(shift / s)
+        b = np.clip(b, np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
+        bias.CopyFrom(numpy_helper.from_array(b, bias.name))
+    return model, len(layers)
+
+
+def _run_with(model, names: list[str], x: np.ndarray, optimized: bool) -> list[np.ndarray]:
+    """The values of tensors `names` for inputs `x`, by exposing them as graph outputs."""
+    from onnx import TensorProto, helper
+
+    m = copy.deepcopy(model)
+    have = {o.name for o in m.graph.output}
+    m.graph.output.extend(
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names if n not in have
+    )
+    sess = session(m.SerializeToString(), optimized)
+    inp = sess.get_inputs()[0].name
+    idx = [[o.name for o in sess.get_outputs()].index(n) for n in names]
+    parts = [sess.run(None, {inp: x[i : i + 256]}) for i in range(0, len(x), 256)]
+    return [np.concatenate([p[j] for p in parts]).astype(np.float64) for j in idx]
+
+
 # --- host timing: a decision that does not flip under load ----------------------------------
 
 
@@ -379,7 +446,9 @@ class Selection:
     model: Any  # onnx.ModelProto
     fp32_nodes: dict[str, str] = field(default_factory=dict)  # node -> why it stayed FP32
     agreement: float = 1.0  # on the check inputs, in the target's semantics
+    mse: float = 0.0  # mean squared logit error against FP32 there: the finer tie-breaker
     int8_nodes: int = 0
+    bias_corrected: int = 0  # layers whose bias absorbed their quantization shift
     latency_ms: dict[str, float] | None = None  # host only: {"fp32", "int8"} p50 at cfg.batch
 
 
@@ -416,16 +485,23 @@ def choose(
         for s in (scheme_for(cfg, rr), ORT_DEFAULT)
     ]
     candidates = [
-        {"scheme": s.scheme.name, "int8_nodes": s.int8_nodes, "agreement": s.agreement}
+        {
+            "scheme": s.scheme.name,
+            "int8_nodes": s.int8_nodes,
+            "agreement": s.agreement,
+            "mse": s.mse,
+            "bias_corrected": s.bias_corrected,
+        }
         for s in selections
     ]
     if host and all(s.latency_ms for s in selections) and selections[1].int8_nodes:
         ours, ort = (s.latency_ms["int8"] for s in selections)  # type: ignore[index]
         best = selections[0] if ours <= ort * (1 + MARGIN) else selections[1]
-        if selections[1].agreement > best.agreement and ort <= ours * (1 + MARGIN):
+        closer = (selections[1].agreement, -selections[1].mse) > (best.agreement, -best.mse)
+        if closer and ort <= ours * (1 + MARGIN):
             best = selections[1]
-    else:  # more INT8 compute first, then agreement; ties keep ours (index 0)
-        best = max(selections, key=lambda s: (s.int8_nodes, s.agreement, -selections.index(s)))
+    else:  # more INT8 compute first, then agreement, then logits closer to FP32
+        best = max(selections, key=lambda s: (s.int8_nodes, s.agreement, -s.mse))
     shipped = best.model if best.int8_nodes else None
     reason = ""
     if shipped is None:
@@ -444,10 +520,21 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         got = outputs(session(model.SerializeToString(), optimized=host), x)
         return model, got
 
+    def closeness(got) -> tuple[float, float]:
+        return agreement(got, reference), -float(np.mean((got - reference) ** 2))
+
+    def finish(model, got):
+        """Bias correction, kept only where the check inputs say INT8 got closer to FP32."""
+        corrected, n = correct_bias(model, fp32, q.calib, host)
+        if n:
+            c_out = outputs(session(corrected.SerializeToString(), optimized=host), x)
+            if closeness(c_out) > closeness(got):
+                return corrected, c_out, n
+        return model, got, 0
+
     model, got = build()
-    agree = agreement(got, reference)
     latency = None
-    if host:
+    if host:  # latency first: it does not depend on the bias values
         for group in _groups(q):
             if all(n in excluded for n in group):
                 continue
@@ -457,9 +544,11 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 ms = 1000 * np.median(t, axis=0)
                 for n in group:
                     excluded[n] = f"INT8 slower: {ms[1]:.3f} ms in INT8, {ms[0]:.3f} ms in FP32"
-                model, agree = cand, agreement(cand_out, reference)
-    if agree < cfg.min_agreement:
-        model, agree = _fall_back(q, scheme, excluded, build, reference, agree, cfg.min_agreement)
+                model, got = cand, cand_out
+    model, got, n_bias = finish(model, got)
+    if agreement(got, reference) < cfg.min_agreement:
+        model, got, n_bias = _fall_back(q, excluded, build, finish, reference, model, got, cfg)
+    agree, mse = agreement(got, reference), float(np.mean((got - reference) ** 2))
     n_int8 = len(int8_compute_nodes(model.graph))
     if host:
         t = paired_rounds([fp32, model.SerializeToString()], timing_x)
@@ -468,30 +557,30 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         if n_int8 and fp32_clearly_faster(t[:, 0], t[:, 1]):
             why = f"whole model: INT8 {ms[1]:.3f} ms vs FP32 {ms[0]:.3f} ms"
             excluded.update({n: why for n in q.nodes if n not in excluded})
-            model, agree, n_int8 = q.build(scheme, list(excluded), ir_version), 1.0, 0
+            model, agree, mse, n_int8 = q.build(scheme, list(excluded), ir_version), 1.0, 0.0, 0
             latency["int8"] = latency["fp32"]
-    return Selection(scheme, model, excluded, agree, n_int8, latency)
+    return Selection(scheme, model, excluded, agree, mse, n_int8, n_bias, latency)
 
 
-def _fall_back(q, scheme, excluded, build, reference, agree, floor):
+def _fall_back(q, excluded, build, finish, reference, model, got, cfg):
     """Nodes back to FP32 until the agreement floor holds, most harmful first: the node whose
     FP32 copy brings the outputs closest to FP32 (mean squared error, ties in graph order).
     Deterministic: the order depends only on the model and the check inputs."""
     remaining = [n for n in q.nodes if n not in excluded]
     score = {}
     for n in remaining:
-        _, got = build([n])
-        score[n] = float(np.mean((got - reference) ** 2))
+        _, out = build([n])
+        score[n] = float(np.mean((out - reference) ** 2))
     order = sorted(remaining, key=lambda n: (score[n], q.nodes.index(n)))
-    model = None
+    agree, n_bias = agreement(got, reference), 0
     for n in order:
         before = agree
-        model, got = build([n])
+        model, got, n_bias = finish(*build([n]))
         agree = agreement(got, reference)
         excluded[n] = f"accuracy: top-1 agreement {before:.4f} -> {agree:.4f} with it in FP32"
-        if agree >= floor:
+        if agree >= cfg.min_agreement:
             break
-    return model, agree
+    return model, got, n_bias
 
 
 def _groups(q: Quantizer) -> list[list[str]]:

@@ -298,6 +298,7 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
         "decided_on": choice.semantics,
         "candidates": choice.candidates,
         "check_agreement": sel.agreement,
+        "bias_corrected": sel.bias_corrected,
         "min_agreement": q.min_agreement,
         "calibration": {"source": source, "samples": len(calib), "method": q.method},
         "fp32_nodes": sel.fp32_nodes,

@@ -289,3 +289,29 @@ def test_reduce_range_auto_and_cpu_flags():
 def test_bad_quantization_settings(cfg, message):
     with pytest.raises(E.InputError, match=message):
         I.QuantConfig(**cfg)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bias_correction_removes_the_mean_shift(tmp_path, bias):
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4, bias=bias).eval()
+    fp32 = E.export_onnx(model, torch.rand(2, 16), tmp_path / "g.onnx", E.ExportConfig())
+    x = (np.random.default_rng(1).standard_normal((128, 16)) + 2.0).astype(np.float32)
+    q = I.Quantizer(E.preprocess(fp32, tmp_path / "p.onnx"), x)
+    qdq = q.build(I.ORT_DEFAULT)  # per-tensor: a visible shift per channel
+    fixed, n = I.correct_bias(qdq, fp32.read_bytes(), x, optimized=False)
+    assert n == (1 if bias else 0)
+    # The Gemm's own output (before the output Q/DQ, whose rounding is not the bias's).
+    gemm = next(n.output[0] for n in qdq.graph.node if n.op_type == "Gemm")
+    ref = I._run_with(onnx.load(str(fp32)), [onnx.load(str(fp32)).graph.output[0].name], x, False)
+    shift = [np.abs((I._run_with(m, [gemm], x, False)[0] - ref[0]).mean(0)) for m in (qdq, fixed)]
+    if not bias:  # nothing to correct: the model comes back unchanged
+        assert fixed.SerializeToString() == qdq.SerializeToString()
+        return
+    scale = next(
+        numpy_helper.to_array(t)
+        for t in fixed.graph.initializer
+        if t.name.endswith("bias_quantized_scale")
+    )
+    assert np.all(shift[1] <= scale / 2 + 1e-6), (shift, scale)  # within one bias step
+    assert shift[1].sum() < shift[0].sum()
