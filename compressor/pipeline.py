@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import archive, distill, envinfo, export, int8, mobile, onnxcompat
+from compressor import archive, distill, envinfo, export
 from compressor import report as report_mod
 from compressor import shrink as shrink_mod
+from compressor.export import compat, int8, mobile
 from models import checkpoint
 from models.data import Dataset
 from models.errors import InputError
@@ -120,7 +121,7 @@ def shrink_to_folder(
                     "path": str(out / fixed.name),
                     "batch": n,
                     "bytes": fixed.stat().st_size,
-                    **onnxcompat.describe(_load(fixed)),
+                    **compat.describe(_load(fixed)),
                     **mobile.usability(fixed),
                 }
         # Save through a freshly built model so the checkpoint's keys are in the order a plain
@@ -258,7 +259,7 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
         return {
             "path": str(out / path.name),
             "bytes": path.stat().st_size,
-            **onnxcompat.describe(onnx.load(str(path))),
+            **compat.describe(onnx.load(str(path))),
             **export.parity(model, path, data.x_test, data.y_test, optimized),
             "weights_ok": all(c["ok"] for c in checks.values()),
             "weights": checks,
@@ -283,8 +284,8 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
     flags = envinfo.cpu_flags()
     prepared = export.preprocess(fp32, tmp / ".prepared.onnx")
     try:
-        export._check_calibration(prepared, calib)
-        with export._root_log_quiet():
+        export.check_calibration(prepared, calib)
+        with export.errors_only():
             choice = int8.choose(
                 prepared, fp32.read_bytes(), calib, check_x, q, flags, cfg.ir_version
             )

@@ -287,7 +287,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         )
     ir, opset = r["export"]["ir_version"], r["export"]["opset"]
     if ir:
-        from compressor.onnxcompat import min_ir_for
+        from compressor.export.compat import min_ir_for
 
         if ir < min_ir_for(opset):
             raise _bad(

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from compressor import benchmark, export, mobile, variants
+from compressor import benchmark, export, variants
+from compressor.export import mobile
 from models import ModelSpec, checkpoint, tiny
 
 RESULT_KEYS = {

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from compressor import export as E
-from compressor import int8, kmeans, prune
+from compressor import kmeans, prune
+from compressor.export import int8
+from compressor.export import onnxfile as E
 from models import available, tiny
 
 

@@ -10,25 +10,12 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-from compressor import export as E
-from compressor import int8 as I
-from compressor import mobile, onnxcompat
+from compressor.export import compat as onnxcompat
+from compressor.export import int8 as I
+from compressor.export import mobile
+from compressor.export import onnxfile as E
 from models import tiny
-
-
-class Residual(nn.Module):
-    """Conv -> BN -> ReLU, a residual Add, a head: the glue ORT's quantizer wraps in Q/DQ."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
-        self.head = nn.Linear(4 * 8 * 8, 3)
-
-    def forward(self, x):
-        h = torch.relu(self.bn(self.conv(x)))
-        return self.head((h + self.conv2(h)).flatten(1))
+from tests.test_export import Residual  # BatchNorm, ReLU, a residual Add, a head
 
 
 def _residual() -> nn.Module:

@@ -1,4 +1,4 @@
-"""compressor.mobile: .ort conversion, NNAPI/CoreML usability verdicts, fixing the batch.
+"""compressor.export.mobile: .ort conversion, NNAPI/CoreML usability verdicts, fixing the batch.
 
 Models are exported once per module (the torch exporter takes a second or two each):
 LeNet-5 and an MLP in FP32 with a dynamic batch, and LeNet-5 as a QDQ INT8 model (U8S8).
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from compressor import mobile
+from compressor.export import mobile
 from models import tiny
 from models.errors import InputError, StageError
 
@@ -227,6 +227,6 @@ def test_to_ort_checks_the_names(models_dir, tmp_path):
 
 
 def test_import_is_light():
-    code = "import sys, compressor.mobile; print(any(m in sys.modules for m in ('onnx', 'onnxruntime')))"
+    code = "import sys, compressor.export.mobile; print(any(m in sys.modules for m in ('onnx', 'onnxruntime')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

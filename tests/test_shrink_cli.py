@@ -153,7 +153,7 @@ def test_target_mobile_writes_the_same_bytes_on_every_build(run, trained, tmp_pa
 def test_target_host_may_ship_no_int8_file_and_says_so(run, trained, tmp_path, monkeypatch):
     """On a machine where FP32 is faster, host ships the FP32 graph's .ort, warns, and writes
     no student.int8.onnx (an "INT8" name on an FP32 graph)."""
-    from compressor import int8
+    from compressor.export import int8
 
     monkeypatch.setattr(int8, "fp32_clearly_faster", lambda a, b, margin=0.05: True)
     monkeypatch.setattr(int8, "ROUNDS", 3)
@@ -412,7 +412,7 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
     elif case == "old latency_aware key":
         args += _write_recipe(tmp_path, "[export]\nlatency_aware = false\n")
     elif case == "opset the exporter cannot write":
-        from compressor import export
+        from compressor.export import onnxfile as export
 
         real = export._export
 

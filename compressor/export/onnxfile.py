@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import int8, onnxcompat, prune
+from compressor import prune
+from compressor.export import compat, int8
 from models.errors import InputError, StageError
 from models.fileio import atomic_path
 
@@ -56,7 +57,7 @@ class ExportConfig:
             raise InputError(f"opset {self.opset} is out of range; give 13..23 (default 18)")
         if self.ir_version is not None and self.ir_version not in (8, 9, 10, 11):
             raise InputError(f"ir_version {self.ir_version} is not one of 8, 9, 10, 11")
-        need = onnxcompat.min_ir_for(self.opset)
+        need = compat.min_ir_for(self.opset)
         if self.ir_version is not None and self.ir_version < need:
             raise InputError(
                 f"ir_version {self.ir_version} cannot declare opset {self.opset} (it needs IR "
@@ -166,8 +167,8 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: Export
 
     model = prune.bake_(copy.deepcopy(model)).eval()
     proto, how = _to_opset(model, example, cfg)
-    onnxcompat.keep_used_opsets(proto)
-    proto.ir_version = cfg.ir_version or onnxcompat.min_ir_for(cfg.opset)
+    compat.keep_used_opsets(proto)
+    proto.ir_version = cfg.ir_version or compat.min_ir_for(cfg.opset)
     proto.doc_string = f"compress: torch {how} exporter, opset {cfg.opset}"
     with atomic_path(path) as out:
         onnx.save(proto, str(out))
@@ -224,7 +225,7 @@ def _export(model, example, cfg: ExportConfig, dynamo: bool, name: str = "x"):
         try:
             # The exporter reports progress on stdout/stderr and through torch's loggers; the
             # library stays silent.
-            with _quiet(), _quiet_stdio(), warnings.catch_warnings():
+            with errors_only("torch.onnx"), _quiet_stdio(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch.onnx.export(model, (example,), str(raw), opset_version=cfg.opset, **kwargs)
         except Exception as e:
@@ -248,16 +249,19 @@ def probe_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig) -> N
 
 
 @contextlib.contextmanager
-def _quiet():
+def errors_only(logger: str | None = None):
+    """Only errors from `logger` while the block runs (None: the root logger, through which
+    ORT's quantizer warns and which Python prints to stderr when no handler is configured;
+    "torch.onnx": the exporter's progress). The library stays silent."""
     import logging
 
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        log.setLevel(level)
 
 
 def check(path: Path) -> None:
@@ -281,7 +285,7 @@ def check(path: Path) -> None:
 # The choice of which nodes run in INT8 lives in compressor.int8; these are the file-level steps.
 
 
-def _check_calibration(path: Path, calib: np.ndarray) -> str:
+def check_calibration(path: Path, calib: np.ndarray) -> str:
     session = _session(path)
     inp = session.get_inputs()[0]
     want = [d if isinstance(d, int) else None for d in inp.shape[1:]]
@@ -305,7 +309,7 @@ def preprocess(fp32: Path, out: Path) -> Path:
     with (
         contextlib.redirect_stdout(io.StringIO()),
         contextlib.redirect_stderr(io.StringIO()),
-        _root_log_quiet(),
+        errors_only(),
     ):
         quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
     return out
@@ -330,8 +334,8 @@ def quantize_int8(
     removed and only used opsets imported. Writes `out` atomically and checks it."""
     import onnx
 
-    _check_calibration(prepared, calib)
-    with _root_log_quiet():
+    check_calibration(prepared, calib)
+    with errors_only():
         q = int8.Quantizer(prepared, calib, cfg.method)
         model = q.build(int8.scheme_for(cfg, cfg.reduce_range is True), list(exclude), ir_version)
     with atomic_path(out) as dst:
@@ -427,8 +431,8 @@ def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
     stem = Path(fp32).name.removesuffix(".onnx").removesuffix(".fp32")
     dynamic = out_dir / f"{stem}.ort-dynamic.onnx"
     static = out_dir / f"{stem}.ort-static-default.onnx"
-    name = _check_calibration(fp32, calib)
-    with tempfile.TemporaryDirectory() as tmp, _root_log_quiet():
+    name = check_calibration(fp32, calib)
+    with tempfile.TemporaryDirectory() as tmp, errors_only():
         # ORT's shape pre-processing first, as its docs ask (the dynamo exporter's shape
         # annotations otherwise trip its shape inference); the quantizers then run on defaults.
         prepared = preprocess(fp32, Path(tmp) / "prepared.onnx")
@@ -436,18 +440,3 @@ def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
             quantize_dynamic(str(prepared), str(dynamic), weight_type=QuantType.QInt8)
             quantize_static(str(prepared), str(static), int8._reader(calib, name))
     return [dynamic, static]
-
-
-@contextlib.contextmanager
-def _root_log_quiet():
-    """ORT's quantizer warns through the root logger, which Python prints to stderr when no
-    handler is configured; the library stays silent."""
-    import logging
-
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        root.setLevel(level)

@@ -15,7 +15,7 @@ How each tool is driven, and why:
 - Fixing the batch uses `onnx_model_utils.make_dim_param_fixed` and `fix_output_shapes`, the
   functions behind `make_dynamic_shape_fixed`.
 
-onnx and onnxruntime are imported inside the functions so that `import compressor.mobile` stays
+onnx and onnxruntime are imported inside the functions so that `import compressor.export.mobile` stays
 light. Nothing here prints or exits; a bad file or argument raises `InputError`, a tool that
 fails or a converted model that answers differently raises `StageError`.
 """
@@ -259,7 +259,7 @@ def usability(onnx_path: Path) -> dict:
 
     # A Logger made directly (not via getLogger) has no parent, so nothing propagates to the
     # root logger and no global logging state changes.
-    logger = logging.Logger("compressor.mobile.usability", logging.INFO)
+    logger = logging.Logger("compressor.export.mobile.usability", logging.INFO)
     collect = _Collect()
     logger.addHandler(collect)
     try:

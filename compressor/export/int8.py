@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from compressor import onnxcompat, stats
+from compressor import stats
+from compressor.export import compat
 from models.errors import InputError
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
@@ -228,7 +229,7 @@ class Quantizer:
             q.model._check_init(init, "end")  # the same final check quantize_static makes
         out = q.model.model
         strip_orphan_qdq(out)
-        onnxcompat.keep_used_opsets(out)
+        compat.keep_used_opsets(out)
         if ir_version is not None:
             out.ir_version = ir_version
         return out

@@ -1,0 +1,59 @@
+"""Deployment: the files an app ships, and the runtimes that load them.
+
+    onnxfile   PyTorch -> one ONNX file at exactly the opset/IR asked for; parity, invariants
+    int8       which nodes run in INT8 for a target (mobile: reproducible; host: timed)
+    compat     versions read back from a file; the oldest ONNX Runtime that loads it
+    mobile     .ort conversion, NNAPI/CoreML verdicts, fixed-batch copies
+
+`from compressor import export` gives the ONNX-file functions below (the module every caller
+used before this package existed); the other modules are imported by name. onnx and
+onnxruntime are imported inside functions, so importing this package stays light.
+"""
+
+from compressor.export.onnxfile import (
+    QUANTIZABLE,
+    ExportConfig,
+    QuantConfig,
+    agreement,
+    check,
+    check_calibration,
+    check_runtime_opset,
+    clearly_faster,
+    errors_only,
+    export_onnx,
+    load_calibration,
+    ort_baselines,
+    parity,
+    predict,
+    preprocess,
+    probe_opset,
+    quantizable_nodes,
+    quantize_int8,
+    run,
+    runtime_runs,
+    weight_invariants,
+)
+
+__all__ = [
+    "QUANTIZABLE",
+    "ExportConfig",
+    "QuantConfig",
+    "agreement",
+    "check",
+    "check_calibration",
+    "check_runtime_opset",
+    "clearly_faster",
+    "errors_only",
+    "export_onnx",
+    "load_calibration",
+    "ort_baselines",
+    "parity",
+    "predict",
+    "preprocess",
+    "probe_opset",
+    "quantizable_nodes",
+    "quantize_int8",
+    "run",
+    "runtime_runs",
+    "weight_invariants",
+]
