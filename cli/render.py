@@ -192,8 +192,8 @@ def shrink_summary(report: dict) -> None:
             lat = o.get("latency_ms_batch1")
             timed = f", batch-1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms" if lat else ""
             extra = (
-                f"{timed}, {o['int8_nodes']} of {o['quantizable_nodes']} nodes in INT8 "
-                f"({o['scheme']}, target {o['target']})"
+                f"{timed}, {o['int8_nodes']} of {o['quantizable_nodes']} nodes in INT8, "
+                f"{o['scheme']}, target {o['target']}"
             )
         stdout.print(
             f"onnx {kind}: {o['bytes']:,} bytes, test acc {o['test_accuracy']:.2%}, "

@@ -119,14 +119,14 @@ class Scheme:
     reduce_range: bool = False
 
 
-ORT_DEFAULT = Scheme("ort-default (s8s8, per-tensor)", "QInt8", "QInt8", per_channel=False)
+ORT_DEFAULT = Scheme("ort-default s8s8 per-tensor", "QInt8", "QInt8", per_channel=False)
 
 
 def scheme_for(cfg: QuantConfig, reduce_range: bool) -> Scheme:
     weight = "QInt8" if cfg.scheme == "u8s8" else "QUInt8"
     channel = "per-channel" if cfg.per_channel else "per-tensor"
     rr = ", 7-bit weights" if reduce_range else ""
-    return Scheme(f"{cfg.scheme} ({channel}{rr})", "QUInt8", weight, cfg.per_channel, reduce_range)
+    return Scheme(f"{cfg.scheme} {channel}{rr}", "QUInt8", weight, cfg.per_channel, reduce_range)
 
 
 # --- sessions: the file's reference semantics vs this host's kernels -------------------------
@@ -424,10 +424,12 @@ def fp32_clearly_faster(
     return hi < 1.0 - margin
 
 
-def paired_rounds(models: Sequence[bytes], x: np.ndarray, rounds: int = ROUNDS) -> np.ndarray:
-    """[rounds, len(models)] median seconds per call, the models interleaved in each round."""
+def paired_rounds(models: Sequence[bytes], x: np.ndarray, rounds: int | None = None) -> np.ndarray:
+    """[rounds, len(models)] median seconds per call, the models interleaved in each round
+    (ROUNDS rounds unless given)."""
     from compressor import benchmark
 
+    rounds = rounds or ROUNDS
     sessions = [session(m, optimized=True) for m in models]
     name = sessions[0].get_inputs()[0].name
     calls = [(lambda s=s: s.run(None, {name: x})) for s in sessions]
