@@ -180,7 +180,6 @@ class Quantizer:
         import onnx
         from onnxruntime.quantization import CalibrationMethod
         from onnxruntime.quantization.calibrate import create_calibrator
-        from onnxruntime.quantization.qdq_quantizer import QDQQuantizer  # noqa: F401 (fail early)
         from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
         # Sorted: a set's order changes between processes, and the files must not.
