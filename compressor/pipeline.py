@@ -254,13 +254,19 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
         if r.get("codebook")
     }
 
+    # The PyTorch logits every parity figure is measured against: one forward pass.
+    torch_ref = export.torch_logits(model, data.x_test)
+
+    def parity(path: Path, optimized: bool = True) -> dict[str, float]:
+        return export.parity(model, path, data.x_test, data.y_test, optimized, torch_ref)
+
     def describe(path: Path, optimized: bool = True) -> dict[str, Any]:
         checks = export.weight_invariants(path, model, bits)
         return {
             "path": str(out / path.name),
             "bytes": path.stat().st_size,
             **compat.describe(onnx.load(str(path))),
-            **export.parity(model, path, data.x_test, data.y_test, optimized),
+            **parity(path, optimized),
             "weights_ok": all(c["ok"] for c in checks.values()),
             "weights": checks,
         }
@@ -315,7 +321,7 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
     with atomic_path(path) as dst:
         onnx.save(choice.model, str(dst))
         export.check(dst)
-    host = export.parity(model, path, data.x_test, data.y_test, optimized=True)
+    host = parity(path, optimized=True)
     result["int8"] = {
         # As written (ORT, graph optimizations off): what wasm and other runtimes compute.
         **describe(path, optimized=False),

@@ -31,6 +31,7 @@ from compressor.export.onnxfile import (
     quantize_int8,
     run,
     runtime_runs,
+    torch_logits,
     weight_invariants,
 )
 
@@ -55,5 +56,6 @@ __all__ = [
     "quantize_int8",
     "run",
     "runtime_runs",
+    "torch_logits",
     "weight_invariants",
 ]

@@ -148,9 +148,10 @@ def session(model: bytes | str | Path, optimized: bool, threads: int = 1):
 
 
 def outputs(sess, x: np.ndarray, batch: int = 256) -> np.ndarray:
+    """The first output of `sess` for inputs `x`, run `batch` samples at a time."""
     name = sess.get_inputs()[0].name
     parts = [sess.run(None, {name: x[i : i + batch]})[0] for i in range(0, len(x), batch)]
-    return np.concatenate(parts)
+    return np.concatenate(parts) if parts else np.zeros((0,))
 
 
 def agreement(a: np.ndarray, b: np.ndarray) -> float:

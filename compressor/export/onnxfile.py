@@ -134,19 +134,11 @@ def load_calibration(path: Path, flag: str = "--calibration") -> np.ndarray:
 
 
 def _session(path: Path | str, threads: int = 1):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    """ORT CPU session with this host's default optimizations."""
+    return int8.session(path, optimized=True, threads=threads)
 
 
-def run(session, x: np.ndarray, batch: int = 256) -> np.ndarray:
-    name = session.get_inputs()[0].name
-    outs = [session.run(None, {name: x[i : i + batch]})[0] for i in range(0, len(x), batch)]
-    return np.concatenate(outs) if outs else np.zeros((0,))
+run = int8.outputs
 
 
 def predict(path: Path, x: np.ndarray) -> np.ndarray:
@@ -306,11 +298,7 @@ def preprocess(fp32: Path, out: Path) -> Path:
     """ORT's quant_pre_process (shape inference + graph optimisation) before quantizing."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    with (
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-        errors_only(),
-    ):
+    with _quiet_stdio(), errors_only():
         quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
     return out
 
@@ -359,20 +347,31 @@ def clearly_faster(a_ms: float, b_ms: float) -> bool:
 
 
 def parity(
-    model: nn.Module, path: Path, x: torch.Tensor, y: torch.Tensor, optimized: bool = True
+    model: nn.Module,
+    path: Path,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optimized: bool = True,
+    reference: np.ndarray | None = None,
 ) -> dict[str, float]:
     """The file's test accuracy, its top-1 agreement with the PyTorch model, max |delta logit|.
     optimized=False: the file as written (ORT with graph optimizations off, the reference
-    semantics); True: this host's ORT with its default fused kernels."""
-    model = prune.bake_(copy.deepcopy(model)).eval()
-    with torch.no_grad():
-        ref = torch.cat([model(x[i : i + 512]) for i in range(0, len(x), 512)]).numpy()
+    semantics); True: this host's ORT with its default fused kernels. `reference`: the
+    model's logits for `x` (`torch_logits`), when the caller already has them."""
+    ref = torch_logits(model, x) if reference is None else reference
     got = int8.outputs(int8.session(path, optimized), x.numpy())
     return {
         "test_accuracy": float(np.mean(got.argmax(1) == y.numpy())),
         "top1_agreement": agreement(got, ref),
         "max_abs_diff": float(np.abs(got - ref).max()),
     }
+
+
+def torch_logits(model: nn.Module, x: torch.Tensor) -> np.ndarray:
+    """The model's outputs for `x` with masks and shared weights baked in, as numpy."""
+    model = prune.bake_(copy.deepcopy(model)).eval()
+    with torch.no_grad():
+        return torch.cat([model(x[i : i + 512]) for i in range(0, len(x), 512)]).numpy()
 
 
 def weight_invariants(path: Path, model: nn.Module, bits: dict[str, int]) -> dict[str, Any]:
@@ -436,7 +435,7 @@ def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
         # ORT's shape pre-processing first, as its docs ask (the dynamo exporter's shape
         # annotations otherwise trip its shape inference); the quantizers then run on defaults.
         prepared = preprocess(fp32, Path(tmp) / "prepared.onnx")
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with _quiet_stdio():
             quantize_dynamic(str(prepared), str(dynamic), weight_type=QuantType.QInt8)
             quantize_static(str(prepared), str(static), int8._reader(calib, name))
     return [dynamic, static]
