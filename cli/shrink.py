@@ -244,11 +244,39 @@ Example:
     default=None,
     help="Allow importing the pkg.module:Class the archive names (your own model).",
 )
+@click.option(
+    "--max-elements",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Refuse archives declaring more tensor elements than this "
+    "[default: $COMPRESS_MAX_ELEMENTS or 2^31].",
+)
+@click.option(
+    "--expect",
+    "sha256",
+    metavar="SHA256",
+    default=None,
+    help="Refuse the archive unless its SHA-256 is this (the sha256 in report.json).",
+)
 @json_option
-def decode(archive_path: Path, out: Path | None, model: str | None, as_json: bool) -> None:
-    """Rebuild a .pt checkpoint from a .dcz archive, bit for bit."""
+def decode(
+    archive_path: Path,
+    out: Path | None,
+    model: str | None,
+    max_elements: int | None,
+    sha256: str | None,
+    as_json: bool,
+) -> None:
+    """Rebuild a .pt checkpoint from a .dcz archive, bit for bit.
+
+    The archive is checked before anything is built: a damaged or crafted file is refused with
+    exit 2. Its CRC32 catches damage, not tampering: pass --expect with the SHA-256 from
+    report.json (sent over a channel you trust) to know it is the archive that was written.
+    """
     out = out or archive_path.with_suffix(".decoded.pt")
-    result = pipeline.decode_to_checkpoint(archive_path, out, allow_import=model)
+    result = pipeline.decode_to_checkpoint(
+        archive_path, out, allow_import=model, max_elements=max_elements, sha256=sha256
+    )
     if as_json:
         emit_json(result)
     else:

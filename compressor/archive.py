@@ -36,15 +36,34 @@ each entry's position and +0.0 elsewhere.
 
 A wrong magic, a newer version, a bad checksum, a truncated file or an inconsistent record is
 an `InputError` naming the file: a damaged archive never decodes to a wrong model.
+
+Integrity: the CRC32 catches damage (a flipped bit, a cut download), not tampering. Anyone can
+write an archive with a valid checksum, and it decodes to the weights its author chose. To know
+that an archive is the one you were sent, compare its SHA-256 (`sha256` in `report.json`, the
+same as `sha256sum student.dcz`) through a channel you trust: `compress decode --expect SHA`.
+
+Crafted files: the reader trusts no count in the file. Every length, shape and count is checked
+against what the remaining bytes can hold before anything is allocated (a stream of B bytes
+codes at most 8B symbols; a dense record's byte count is numel x itemsize), the header inflates
+to at most 1 MiB and must be the JSON object above (nesting depth <= 32), all tensors together
+declare at most 2^31 elements unless the cap is raised (`--max-elements`, $COMPRESS_MAX_ELEMENTS),
+and the file must be in the one form `encode` writes (optimal code lengths for its symbols, zero
+padding bits, a stored dtype that is the tensor's own or exact float16, canonical header JSON):
+an archive that decodes re-encodes to the same bytes. `compress decode` builds the model the
+header names on the meta device first and checks every record's name and shape against it
+before decoding the record.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import math
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +72,7 @@ import numpy as np
 import torch
 
 from compressor import huffman
+from models import limits
 from models.errors import InputError
 from models.fileio import atomic_path
 
@@ -115,6 +135,7 @@ class Encoded:
 
     bytes: int
     header_bytes: int
+    sha256: str = ""  # of the whole file, as `sha256sum` prints it
     layers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -153,6 +174,7 @@ def encode(
     body = out.getvalue()
     data = body + struct.pack("<I", zlib.crc32(body))
     stats.bytes = len(data)
+    stats.sha256 = hashlib.sha256(data).hexdigest()
     return data, stats
 
 
@@ -204,6 +226,15 @@ def write(path: str | os.PathLike, entries, spec, metadata) -> Encoded:
 
 
 # --- reading --------------------------------------------------------------------------------
+#
+# The reader trusts nothing in the file: every count, shape and length is checked against what
+# the bytes can hold before anything is allocated, the header is inflated under a size limit,
+# and the file must be in the one form `encode` writes (optimal code lengths, zero padding,
+# canonical header JSON), so a file that decodes re-encodes to the same bytes: nothing is
+# silently reinterpreted. CRC32 catches damage, not tampering (docs/archive-format.md).
+
+# The inflated header is a model spec and a little metadata: a few kB in practice.
+MAX_HEADER_BYTES = 1 << 20
 
 
 @dataclass
@@ -211,11 +242,23 @@ class Decoded:
     spec: dict[str, Any]
     metadata: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
+    # The records as `encode` takes them (only with keep_entries=True): encode(entries, spec,
+    # metadata) gives back the same bytes.
+    entries: list[Dense | Shared] | None = None
 
 
 class _Reader:
-    def __init__(self, data: bytes, path: str) -> None:
+    def __init__(self, data: bytes, path: str, max_elements: int) -> None:
         self.data, self.pos, self.path = data, 0, path
+        self.elements_left = max_elements
+        self.max_elements = max_elements
+        self.expect: dict[str, tuple[int, ...]] | None = None
+        self.model = ""
+
+    def fail(self, what: str) -> InputError:
+        return InputError(
+            f"{self.path}: {what}; the archive is damaged or was not written by compress"
+        )
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
@@ -226,19 +269,46 @@ class _Reader:
         self.pos += n
         return chunk
 
+    def left(self) -> int:
+        return len(self.data) - self.pos
+
     def unpack(self, fmt: str):
         return struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt)))
 
 
-def read(path: str | os.PathLike) -> Decoded:
-    """Decode an archive into a model spec, metadata and a state_dict."""
+def read(path: str | os.PathLike, **options: Any) -> Decoded:
+    """Decode an archive file into a model spec, metadata and a state_dict (see `decode`)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such archive")
-    return decode(path.read_bytes(), str(path))
+    return decode(path.read_bytes(), str(path), **options)
 
 
-def decode(data: bytes, path: str = "archive") -> Decoded:
+def decode(
+    data: bytes,
+    path: str = "archive",
+    *,
+    max_elements: int | None = None,
+    keep_entries: bool = False,
+    expect: Callable[[dict[str, Any]], dict[str, tuple[int, ...]] | None] | None = None,
+    sha256: str | None = None,
+) -> Decoded:
+    """Decode archive bytes; any malformed or crafted input is an `InputError` naming `path`.
+
+    `max_elements` caps the tensor elements the archive may declare in all (default
+    `models.limits.max_elements()`: 2^31, or $COMPRESS_MAX_ELEMENTS). `expect`, given the
+    header's model spec, returns the state_dict shapes that model has (or None to skip): each
+    record's name and shape is then checked before the record is allocated, so a small file
+    cannot make the reader build a large tensor its model does not have. `sha256`, when given,
+    must be the file's SHA-256 (hex), checked before anything else.
+    """
+    if sha256 is not None:
+        got = hashlib.sha256(data).hexdigest()
+        if got != sha256.strip().lower():
+            raise InputError(
+                f"{path}: SHA-256 is {got}, not the {sha256.strip()} expected: this is not the "
+                "archive you were given (or the expected hash is wrong)"
+            )
     if not data.startswith(MAGIC):
         raise InputError(f"{path}: not a compress archive (.dcz): wrong magic bytes")
     if len(data) < len(MAGIC) + 10:
@@ -248,24 +318,79 @@ def decode(data: bytes, path: str = "archive") -> Decoded:
         raise InputError(
             f"{path}: archive format version {version} is newer than this compress reads ({VERSION}); upgrade compress"
         )
+    if version < 1:
+        raise InputError(f"{path}: archive format version {version} does not exist")
     body, (crc,) = data[:-4], struct.unpack("<I", data[-4:])
     if zlib.crc32(body) != crc:
         raise InputError(f"{path}: checksum mismatch: the archive is truncated or corrupted")
-    r = _Reader(body, path)
+    r = _Reader(body, path, limits.max_elements() if max_elements is None else max_elements)
     r.take(len(MAGIC) + 2)
     (hlen,) = r.unpack("I")
-    try:
-        header = json.loads(zlib.decompress(r.take(hlen)))
-    except (zlib.error, ValueError):
-        raise InputError(f"{path}: archive header is damaged") from None
+    spec, metadata = _read_header(r, r.take(hlen))
+    r.expect = expect(spec) if expect else None
+    r.model = spec["name"]
     (count,) = r.unpack("I")
+    # A record takes at least 10 bytes (name length, dtype, ndim, encoding, stored dtype, size).
+    if count > r.left() // 10:
+        raise r.fail(f"header claims {count:,} tensors in {r.left():,} bytes")
     state: dict[str, torch.Tensor] = {}
+    entries: list[Dense | Shared] = []
     for _ in range(count):
-        name, tensor = _read_record(r)
-        state[name] = tensor
+        entry = _read_record(r)
+        if entry.name in state:
+            raise r.fail(f"tensor {entry.name!r} appears twice")
+        state[entry.name] = entry.tensor if isinstance(entry, Dense) else entry.decoded
+        if keep_entries:
+            entries.append(entry.entry if isinstance(entry, _SharedRecord) else entry)
     if r.pos != len(body):
         raise InputError(f"{path}: {len(body) - r.pos} unexpected bytes after the last record")
-    return Decoded(header.get("model", {}), header.get("metadata", {}), state)
+    if r.expect is not None and len(state) != len(r.expect):
+        missing = next(k for k in r.expect if k not in state)
+        raise InputError(
+            f"{path}: model {r.model} has tensor {missing!r}, which the archive lacks; "
+            "the archive is damaged or names the wrong model"
+        )
+    return Decoded(spec, metadata, state, entries if keep_entries else None)
+
+
+def _read_header(r: _Reader, raw: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The header's spec and metadata: inflated under MAX_HEADER_BYTES, then checked."""
+    inflater = zlib.decompressobj()
+    try:
+        text = inflater.decompress(raw, MAX_HEADER_BYTES)
+    except zlib.error:
+        raise InputError(f"{r.path}: archive header is damaged (not zlib data)") from None
+    if inflater.unconsumed_tail:
+        raise r.fail(f"header inflates past the {MAX_HEADER_BYTES:,}-byte limit")
+    if not inflater.eof or inflater.unused_data:
+        raise InputError(f"{r.path}: archive header is damaged (incomplete or trailing zlib data)")
+    try:
+        header = json.loads(text)
+    except RecursionError:
+        raise r.fail("header JSON is nested too deeply") from None
+    except ValueError:  # bad UTF-8 or bad JSON
+        raise InputError(f"{r.path}: archive header is damaged (not JSON)") from None
+    if not isinstance(header, dict) or list(header) != ["model", "metadata"]:
+        raise r.fail('header is not a JSON object {"model": ..., "metadata": ...}')
+    spec, metadata = header["model"], header["metadata"]
+    if (
+        not isinstance(spec, dict)
+        or not isinstance(spec.get("name"), str)
+        or not isinstance(spec.get("kwargs", {}), dict)
+    ):
+        raise r.fail('header "model" is not a model spec {"name": str, "kwargs": {...}}')
+    if not isinstance(metadata, dict):
+        raise r.fail('header "metadata" is not a JSON object')
+    if limits.nesting_depth(header) > limits.MAX_NESTING:
+        raise r.fail(f"header JSON is nested deeper than {limits.MAX_NESTING} levels")
+    # The one text `encode` writes: other spellings (spaces, duplicate keys, 1e2) are refused.
+    if _header_text(spec, metadata) != text:
+        raise r.fail("header JSON is not in the form compress writes")
+    return spec, metadata
+
+
+def _header_text(spec: dict[str, Any], metadata: dict[str, Any]) -> bytes:
+    return json.dumps({"model": spec, "metadata": metadata}, separators=(",", ":")).encode()
 
 
 def _dtype(r: _Reader, code: int) -> torch.dtype:
@@ -274,43 +399,132 @@ def _dtype(r: _Reader, code: int) -> torch.dtype:
     return DTYPES[code]
 
 
-def _read_record(r: _Reader) -> tuple[str, torch.Tensor]:
+@dataclass
+class _SharedRecord:
+    name: str
+    entry: Shared
+    decoded: torch.Tensor
+
+
+def _read_record(r: _Reader) -> Dense | _SharedRecord:
     (nlen,) = r.unpack("H")
-    name = r.take(nlen).decode("utf-8", errors="replace")
+    try:
+        name = r.take(nlen).decode("utf-8")
+    except UnicodeDecodeError:
+        raise r.fail("a tensor name is not UTF-8") from None
+    if not name:
+        raise r.fail("a tensor has an empty name")
     dcode, ndim = r.unpack("BB")
     dtype = _dtype(r, dcode)
     shape = r.unpack(f"{ndim}I")
-    numel = int(np.prod(shape, dtype=np.int64))
+    if r.expect is not None and r.expect.get(name) != shape:
+        what = (
+            f"shape {list(shape)}, model {r.model}'s is {list(r.expect[name])}"
+            if name in r.expect
+            else f"model {r.model} has no such tensor"
+        )
+        raise InputError(
+            f"{r.path}: tensor {name}: {what}; the archive is damaged or names the wrong model"
+        )
+    numel = math.prod(shape)
+    # The cap is on all tensors together, checked before this one is allocated.
+    if numel > r.elements_left:
+        raise InputError(
+            f"{r.path}: tensor {name}: shape {list(shape)} takes the archive past "
+            f"{r.max_elements:,} elements; if the model really is this large, raise the cap "
+            f"(--max-elements or ${limits.ENV_MAX_ELEMENTS})"
+        )
+    r.elements_left -= numel
     (encoding,) = r.unpack("B")
     if encoding == 0:
-        scode, nbytes = r.unpack("BI")
-        stored = _dtype(r, scode)
-        raw = r.take(nbytes)
-        if stored == torch.bfloat16:
-            t = torch.from_numpy(np.frombuffer(raw, "<i2").copy()).view(torch.bfloat16)
-        else:
-            t = torch.from_numpy(np.frombuffer(raw, _NP[stored]).copy())
-        if t.numel() != numel:
-            raise InputError(f"{r.path}: tensor {name}: {t.numel()} values for shape {shape}")
-        return name, t.to(dtype).reshape(shape)
+        return _read_dense(r, name, dtype, shape, numel)
     if encoding != 1:
         raise InputError(f"{r.path}: tensor {name}: unknown encoding {encoding}")
+    if dtype != torch.float32:
+        raise r.fail(f"tensor {name}: a shared tensor decodes to float32, not {dtype}")
+    entry = _read_shared(r, name, shape, numel)
+    return _SharedRecord(name, entry, entry.weight())
+
+
+def _read_dense(r: _Reader, name: str, dtype: torch.dtype, shape, numel: int) -> Dense:
+    scode, nbytes = r.unpack("BI")
+    stored = _dtype(r, scode)
+    # The writer stores a tensor as itself, or float32 as float16 when that is exact.
+    as_fp16 = stored == torch.float16 and dtype == torch.float32
+    if stored != dtype and not as_fp16:
+        raise r.fail(f"tensor {name}: {dtype} stored as {stored}")
+    if nbytes != numel * stored.itemsize:
+        raise InputError(
+            f"{r.path}: tensor {name}: {nbytes:,} bytes for shape {list(shape)} of {stored} "
+            f"(needs {numel * stored.itemsize:,}); the archive is damaged"
+        )
+    raw = r.take(nbytes)
+    if stored == torch.bfloat16:
+        t = torch.from_numpy(np.frombuffer(raw, "<i2").copy()).view(torch.bfloat16)
+    else:
+        values = np.frombuffer(raw, _NP[stored])
+        if stored == torch.bool and numel and values.view(np.uint8).max() > 1:
+            raise r.fail(f"tensor {name}: a bool byte other than 0 or 1")
+        t = torch.from_numpy(values.copy())
+    t = t.to(dtype).reshape(shape)
+    if as_fp16 and not _fp16_exact(t):  # NaN: the writer would have kept float32
+        raise r.fail(f"tensor {name}: float16 storage of values that are not exact (NaN)")
+    return Dense(name, t, store_fp16=as_fp16)
+
+
+def _read_shared(r: _Reader, name: str, shape, numel: int) -> Shared:
     (k,) = r.unpack("H")
     codebook = np.frombuffer(r.take(4 * k), "<f4").copy()
     gap_bits, n, g = r.unpack("BII")
+    if gap_bits > huffman.MAX_GAP_BITS:
+        raise r.fail(f"tensor {name}: gap width {gap_bits} bits (at most {huffman.MAX_GAP_BITS})")
     index_lengths = np.frombuffer(r.take(k), np.uint8)
     gap_lengths = np.frombuffer(r.take(2**gap_bits if gap_bits else 0), np.uint8)
     ib, gb = r.unpack("II")
     index_stream, gap_stream = r.take(ib), r.take(gb)
+
+    # What the streams can hold, before decoding allocates n or g symbols: every code takes at
+    # least one bit; gap symbols are the entries plus escapes of 2^b - 1 zeros each.
+    bad = None
+    if n > numel:
+        bad = f"{n:,} entries for {numel:,} positions"
+    elif n > 8 * ib:
+        bad = f"{n:,} entries coded in {ib:,} bytes"
+    elif gap_bits == 0 and (n != numel or g or gb):
+        bad = "a dense shared tensor (no gap stream) must have an entry at every position"
+    elif gap_bits and not n <= g <= min(8 * gb, n + (numel - n) // (2**gap_bits - 1)):
+        bad = f"{g:,} gap symbols for {n:,} entries in {gb:,} bytes and {numel:,} positions"
+    elif n and k == 0:
+        bad = f"{n:,} entries and an empty codebook"
+    if bad:
+        raise InputError(f"{r.path}: tensor {name}: streams do not fit shape {list(shape)} ({bad})")
     try:
-        index = huffman.decode(index_stream, index_lengths, n)
+        index = _decode_canonical(index_stream, index_lengths, n, k)
         if gap_bits:
-            positions = huffman.decode_gaps(huffman.decode(gap_stream, gap_lengths, g), gap_bits)
+            gaps = _decode_canonical(gap_stream, gap_lengths, g, 2**gap_bits)
+            positions = huffman.decode_gaps(gaps, gap_bits)
         else:
             positions = np.arange(n, dtype=np.int64)
     except ValueError as e:
         raise InputError(f"{r.path}: tensor {name}: damaged stream ({e})") from None
-    if len(positions) != n or (n and (positions[-1] >= numel or index.max() >= k)):
-        raise InputError(f"{r.path}: tensor {name}: streams do not fit shape {shape}")
-    weight = Shared(name, shape, codebook, index, positions, gap_bits).weight()
-    return name, weight.to(dtype)
+    if len(positions) != n or (n and positions[-1] >= numel):
+        raise InputError(f"{r.path}: tensor {name}: streams do not fit shape {list(shape)}")
+    return Shared(name, tuple(shape), codebook, index, positions, gap_bits)
+
+
+def _decode_canonical(stream: bytes, lengths: np.ndarray, n: int, alphabet: int) -> np.ndarray:
+    """n symbols from a stream that must be exactly what `encode` writes for them.
+
+    ValueError when the code lengths are not the optimal ones for the decoded symbols' counts,
+    or the stream is longer than its codes or pads with anything but zero bits.
+    """
+    symbols = huffman.decode(stream, lengths, n)
+    counts = np.bincount(symbols, minlength=alphabet)
+    if not np.array_equal(huffman.code_lengths(counts), lengths):
+        raise ValueError("code lengths are not the Huffman code of the symbols they code")
+    bits = huffman.stream_bits(symbols, lengths)
+    if len(stream) != (bits + 7) // 8:
+        raise ValueError(f"{len(stream)} bytes for {bits} bits of codes")
+    if bits % 8 and stream[-1] & ((1 << (8 - bits % 8)) - 1):
+        raise ValueError("padding bits are not zero")
+    return symbols

@@ -49,7 +49,7 @@ from bitarray.util import canonical_decode
 MAX_CODE_LENGTH = 24
 
 # Largest gap_bits: gap symbols are stored as uint16.
-_MAX_GAP_BITS = 16
+MAX_GAP_BITS = 16
 
 
 def _check_counts(counts: np.ndarray) -> np.ndarray:
@@ -285,8 +285,8 @@ def entropy_bits(counts: np.ndarray) -> float:
 
 
 def _escape(gap_bits: int) -> int:
-    if not isinstance(gap_bits, (int, np.integer)) or not 1 <= gap_bits <= _MAX_GAP_BITS:
-        raise ValueError(f"gap_bits must be an integer in 1..{_MAX_GAP_BITS}, got {gap_bits}")
+    if not isinstance(gap_bits, (int, np.integer)) or not 1 <= gap_bits <= MAX_GAP_BITS:
+        raise ValueError(f"gap_bits must be an integer in 1..{MAX_GAP_BITS}, got {gap_bits}")
     return (1 << int(gap_bits)) - 1
 
 

@@ -5,6 +5,7 @@ at the end, so a failed or interrupted run leaves nothing half-written."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from models import checkpoint
 from models.data import Dataset
 from models.errors import InputError
 from models.fileio import atomic_path, check_writable, umask
-from models.zoo import ModelSpec, build
+from models.zoo import ModelSpec, build, state_shapes
 
 OUTPUTS = (
     "student.fp32.onnx",
@@ -380,10 +381,35 @@ def _move_into(tmp: Path, out: Path) -> None:
             (out / name).unlink()
 
 
-def decode_to_checkpoint(path: Path, out: Path, allow_import: str | None = None) -> dict[str, Any]:
-    """Rebuild a checkpoint from a .dcz archive; the model spec inside must build and fit."""
+def decode_to_checkpoint(
+    path: Path,
+    out: Path,
+    allow_import: str | None = None,
+    max_elements: int | None = None,
+    sha256: str | None = None,
+) -> dict[str, Any]:
+    """Rebuild a checkpoint from a .dcz archive; the model spec inside must build and fit.
+
+    The model the header names is first built on the meta device (which allocates nothing);
+    every record must have one of its names and shapes before the record is decoded, and the
+    real model is built only after all records check out: a small file cannot make us build a
+    huge model or a huge tensor.
+    """
     check_writable(out)
-    decoded = archive.read(path)
+
+    def expect(header_spec: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+        spec = ModelSpec.from_dict(header_spec)
+        if spec.is_import_path and allow_import != spec.name:  # a file never picks the code
+            raise InputError(
+                f"{path}: names model code {spec.name}; pass --model {spec.name} "
+                "to allow importing it"
+            )
+        try:
+            return state_shapes(spec)
+        except InputError as e:
+            raise InputError(f"{path}: {e}") from None
+
+    decoded = archive.read(path, max_elements=max_elements, expect=expect, sha256=sha256)
     spec = ModelSpec.from_dict(decoded.spec)
     ck = checkpoint.Checkpoint(spec, decoded.state_dict, decoded.metadata, path=path)
     model = ck.build_model(allow_import=allow_import == spec.name)
@@ -394,5 +420,6 @@ def decode_to_checkpoint(path: Path, out: Path, allow_import: str | None = None)
         "model": spec.name,
         "tensors": len(decoded.state_dict),
         "archive_bytes": path.stat().st_size,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "parameters": sum(p.numel() for p in model.parameters()),
     }

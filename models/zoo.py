@@ -198,6 +198,22 @@ def build(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
         ) from None
 
 
+def state_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]] | None:
+    """The state_dict shapes the spec's model would have, built on the meta device (no memory).
+
+    Lets a caller check weights against a model before building it for real, so a file that
+    names a huge model costs nothing until its weights are known to fit. None when the class
+    cannot be built on the meta device (it computes with its weights in `__init__`).
+    """
+    cls = resolve(spec.name)
+    try:
+        with torch.device("meta"):
+            model = cls(**spec.kwargs)
+    except Exception:  # bad kwargs are reported by `build`; meta-hostile classes skip the check
+        return None
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def tiny(name: str, *, in_shape=(1, 8, 8), num_classes: int = 10, seed: int = 0) -> nn.Module:
     """A small seeded instance of a zoo model, for tests and examples."""
     resolve(name)
