@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import emit_json, json_option
+from cli.main import OutPath, emit_json, json_option
 from cli.shrink import json_view, run_shrink
 from compressor import benchmark, envinfo, pipeline, variants
 from compressor import recipe as recipe_mod
@@ -36,7 +36,7 @@ Example:
 )
 @click.option(
     "--out",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutPath(file_okay=False, path_type=Path),
     default=Path("compress-demo"),
     show_default=True,
     help="Folder for teacher.pt and the student/ outputs.",

@@ -27,6 +27,19 @@ class Interrupted(click.ClickException):
     exit_code = EXIT_INTERRUPTED
 
 
+class OutPath(click.Path):
+    """An output path: a symbolic link there is refused before click's own file/folder checks,
+    so the message says what is wrong (compress never writes through a link)."""
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        from models.fileio import link_problem
+
+        problem = link_problem(os.fsdecode(value))
+        if problem:
+            self.fail(f"{os.fsdecode(value)} {problem}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class _State:
     json = False
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import emit_json, json_option
+from cli.main import OutPath, emit_json, json_option
 from compressor import pipeline
 from compressor import recipe as recipe_mod
 from compressor.shrink import Hooks
@@ -235,7 +235,7 @@ Example:
 @click.argument("archive_path", metavar="MODEL.dcz", type=click.Path(path_type=Path))
 @click.option(
     "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutPath(dir_okay=False, path_type=Path),
     default=None,
     help="Checkpoint to write [default: MODEL.decoded.pt].",
 )

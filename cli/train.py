@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import Interrupted, emit_json, json_option
+from cli.main import Interrupted, OutPath, emit_json, json_option
 from distrib import launch
 from distrib.job import TrainJob, run, run_ensemble
 from distrib.paramserver import PSConfig
@@ -95,7 +95,7 @@ Examples:
 )
 @click.option(
     "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutPath(dir_okay=False, path_type=Path),
     default=None,
     help="Checkpoint to write [default: MODEL.pt].",
 )

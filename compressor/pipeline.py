@@ -24,7 +24,7 @@ from compressor.export import compat, int8, mobile
 from models import checkpoint
 from models.data import Dataset
 from models.errors import InputError
-from models.fileio import atomic_path, check_writable, umask
+from models.fileio import atomic_path, check_writable, refuse_link, umask
 from models.zoo import ModelSpec, build, state_shapes
 
 OUTPUTS = (
@@ -48,6 +48,7 @@ OUTPUTS = (
 
 def check_out_dir(out: Path) -> Path:
     """--out must be a folder we can create or fill; fail before any work."""
+    refuse_link(out, "--out")
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder; give a folder path")
     if not out.parent.is_dir():
@@ -56,6 +57,7 @@ def check_out_dir(out: Path) -> Path:
     if out.is_dir():  # we replace our files inside it: each must be replaceable
         check_writable(out / ".compress.probe")
         for name in OUTPUTS:
+            refuse_link(out / name, f"--out {out}:")
             if (out / name).exists() and not (out / name).is_file():
                 raise InputError(f"--out {out}: {name} there is not a regular file; remove it")
     return out

@@ -4,6 +4,10 @@ Everything `compress` writes (checkpoints, archives, ONNX files, reports) goes t
 `atomic_path`: the caller writes a temporary file in the destination folder, which is renamed
 over the destination only when the block finishes without an exception (`os.replace` is atomic
 on POSIX and Windows when both paths are on one file system, hence the same folder).
+
+An output path that is a symbolic link is refused, never written through: a link planted at
+`--out` would otherwise make `compress` replace whatever file it points to. (Links among the
+parent folders are the user's own layout and are followed.)
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ def check_writable(path: str | os.PathLike, flag: str = "--out") -> Path:
     Probes by creating a file rather than with `os.access`, which says yes to root for
     read-only mounts and no for ACL-granted users.
     """
-    path = Path(os.path.realpath(path))  # write through a symlink to its target
+    refuse_link(path, flag)
+    path = Path(os.path.abspath(path))
     parent = path.parent
     if path.exists() and not path.is_file() and not path.is_dir():
         raise InputError(f"{flag} {path}: exists and is not a regular file; choose another path")
@@ -44,6 +49,23 @@ def check_writable(path: str | os.PathLike, flag: str = "--out") -> Path:
     return path
 
 
+def link_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` may not be written, when it is itself a symbolic link; else None."""
+    if not os.path.islink(path):
+        return None
+    return (
+        f"is a symbolic link (to {os.readlink(path)}); compress never writes through a link: "
+        "remove it or give another path"
+    )
+
+
+def refuse_link(path: str | os.PathLike, flag: str = "") -> None:
+    """InputError if `path` itself is a symbolic link (to a file, a folder, or nothing)."""
+    problem = link_problem(path)
+    if problem:
+        raise InputError(f"{flag} {path}: {problem}" if flag else f"{path}: {problem}")
+
+
 def umask() -> int:
     """The process umask (read without changing it for longer than a call)."""
     mask = os.umask(0)
@@ -58,7 +80,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     On any exception (KeyboardInterrupt included) the temporary file is removed and `path`
     keeps whatever it held before.
     """
-    path = Path(os.path.realpath(path))  # replace a symlink's target, not the link
+    refuse_link(path)
+    path = Path(os.path.abspath(path))
     if path.exists() and not path.is_file():
         raise InputError(f"{path}: exists and is not a regular file; refusing to replace it")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

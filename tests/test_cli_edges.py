@@ -81,14 +81,53 @@ def test_bare_compress_shows_help(run):
     assert result.exit_code == 0 and "Commands:" in result.stdout
 
 
-def test_out_through_a_symlink_writes_the_target(run, tmp_path):
-    (tmp_path / "real").mkdir()
-    link = tmp_path / "link.pt"
-    link.symlink_to(tmp_path / "real" / "m.pt")
-    result = run("train", "--model", "mlp", "--epochs", "1", "--out", link, "-q")
-    assert result.exit_code == 0, result.stderr
-    assert link.is_symlink() and checkpoint.load(tmp_path / "real" / "m.pt").spec.name == "mlp"
-    assert oct((tmp_path / "real" / "m.pt").stat().st_mode & 0o777) == oct(0o666 & ~umask())
+@pytest.fixture
+def teacher_pt(tmp_path):
+    from models import ModelSpec, build
+
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [8]})
+    return checkpoint.save(tmp_path / "teacher.pt", build(spec), spec)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--model", "mlp", "--epochs", "1", "-q", "--out", "{link}"],
+        ["shrink", "{teacher}", "-q", "--out", "{link}"],
+        ["decode", "{archive}", "--out", "{link}"],
+        ["bench", "{teacher}", "--report", "{link}"],
+        ["bench", "{teacher}", "--plot", "{link}"],
+        ["demo", "-q", "--out", "{link}"],
+    ],
+    ids=["train", "shrink", "decode", "bench-report", "bench-plot", "demo"],
+)
+@pytest.mark.parametrize("target", ["file", "folder", "dangling"])
+def test_out_that_is_a_symlink_is_refused_and_its_target_untouched(
+    run, tmp_path, teacher_pt, command, target
+):
+    from compressor import archive
+
+    victim = tmp_path / "victim"
+    if target == "file":
+        victim.write_text("precious")
+    elif target == "folder":
+        victim.mkdir()
+        (victim / "report.json").write_text("precious")
+    link = tmp_path / "link"
+    link.symlink_to(victim)
+    dcz = tmp_path / "m.dcz"
+    archive.write(dcz, [], {"name": "mlp", "kwargs": {}}, {})
+    args = [a.format(link=link, teacher=teacher_pt, archive=dcz) for a in command]
+    result = run(*args)
+    _one_line(result, 2, "is a symbolic link")
+    assert link.is_symlink()
+    if target == "file":
+        assert victim.read_text() == "precious"
+    elif target == "folder":
+        assert [p.name for p in victim.iterdir()] == ["report.json"]
+        assert (victim / "report.json").read_text() == "precious"
+    else:
+        assert not victim.exists()
 
 
 def test_out_that_is_not_a_regular_file_is_refused(run, tmp_path):
