@@ -1,5 +1,5 @@
 """`python -m cli` runs the `compress` command."""
 
-from cli.main import main
+from cli.entry import main
 
 main()

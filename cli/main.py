@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from cli import entry
 from models.errors import CompressError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -104,6 +105,8 @@ class CompressGroup(click.Group):
         except (click.Abort, KeyboardInterrupt):
             _fail("interrupted", EXIT_INTERRUPTED)
         except Exception as e:  # not foreseen: still one line and a JSON object, exit 1
+            if entry.INTERRUPTED:  # a library swallowed the Ctrl-C and then failed
+                _fail("interrupted", EXIT_INTERRUPTED)
             if os.environ.get("COMPRESS_DEBUG"):
                 raise
             detail = (str(e).strip().splitlines() or [""])[0]
@@ -111,6 +114,8 @@ class CompressGroup(click.Group):
                 f"{type(e).__name__}: {detail} (unexpected; COMPRESS_DEBUG=1 shows the traceback)",
                 EXIT_FAILURE,
             )
+        if entry.INTERRUPTED:  # a library swallowed the Ctrl-C and the command went on
+            _fail("interrupted", EXIT_INTERRUPTED)
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 

@@ -1,0 +1,78 @@
+"""The `compress` console script: Ctrl-C at any moment, imports included, is exit 130.
+
+`cli.main` imports click, torch and the whole library, which takes seconds; a Ctrl-C in that
+window used to print a multi-line traceback from deep inside an import, or worse: a library
+that swallows the KeyboardInterrupt mid-import (numpy, then scipy) leaves modules half-built
+and the command fails later with an unrelated RecursionError. So this module, which imports
+nothing heavy, handles SIGINT in two phases:
+
+* while the command's modules import, Ctrl-C ends the process at once (nothing is being
+  written yet): `error: interrupted`, exit 130;
+* while the command runs, Ctrl-C raises KeyboardInterrupt as usual (so `finally` blocks and
+  atomic writes clean up) and is also remembered in `INTERRUPTED`: `cli.main` reports any
+  failure that follows an interrupt, or a command that finishes after one, as the interrupt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+EXIT_INTERRUPTED = 130
+
+# Set by the SIGINT handler while a command runs (see the module docstring).
+INTERRUPTED = False
+
+
+def interrupted(message: str | None = "interrupted") -> None:
+    """Report an interrupt in one line (unless already reported) and leave with exit 130.
+
+    Further Ctrl-C are ignored from here on, and the process ends with `os._exit` after
+    flushing: interpreter shutdown (atexit hooks of half-imported modules, worker pools) is
+    where a second traceback would otherwise come from. Outputs are written atomically
+    (models.fileio.atomic_path), so nothing half-written is left to clean up.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if message:
+            sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except Exception:  # a closed pipe: the exit code still says it
+        pass
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _while_importing(signum, frame) -> None:
+    interrupted()
+
+
+def _while_running(signum, frame) -> None:
+    global INTERRUPTED
+    INTERRUPTED = True
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    previous = signal.signal(signal.SIGINT, _while_importing)
+    try:
+        from cli.main import main as run
+    except KeyboardInterrupt:  # a SIGINT that arrived before the handler was set
+        interrupted()
+    if previous is signal.default_int_handler:  # leave a shell's SIG_IGN (nohup, &) alone
+        signal.signal(signal.SIGINT, _while_running)
+    else:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        run()
+    except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported
+        interrupted()
+    except SystemExit as e:
+        if e.code == EXIT_INTERRUPTED:  # reported by cli.main; leave without shutdown noise
+            interrupted(None)
+        raise
+
+
+if __name__ == "__main__":
+    main()

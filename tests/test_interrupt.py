@@ -1,0 +1,106 @@
+"""Ctrl-C at any moment of a `compress` command: `error: interrupted`, exit 130, no traceback,
+nothing half-written. Real processes and real SIGINTs (the console script, as a user runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from models import ModelSpec, build, checkpoint
+
+COMPRESS = shutil.which("compress", path=str(Path(sys.executable).parent)) or shutil.which(
+    "compress"
+)
+pytestmark = pytest.mark.skipif(
+    COMPRESS is None or os.name != "posix", reason="needs the installed console script"
+)
+
+
+def _interrupt(args: list[str], cwd: Path, *, after: float = 0.0, when: str | None = None):
+    """Start `compress ARGS`, send SIGINT `after` seconds (or once stderr shows `when`)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("COMPRESS_DEBUG", None)
+    p = subprocess.Popen(
+        [COMPRESS, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    seen = b""
+    if when is not None:
+        deadline = time.monotonic() + 120
+        while when.encode() not in seen and time.monotonic() < deadline:
+            chunk = os.read(p.stderr.fileno(), 4096)
+            if not chunk:
+                break
+            seen += chunk
+        assert when.encode() in seen, seen.decode()[-2000:]
+    time.sleep(after)
+    p.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = p.communicate(timeout=60)
+    return p.returncode, (seen + err).decode(), time.monotonic() - sent
+
+
+def _assert_interrupted(code: int, err: str, seconds: float) -> None:
+    assert code == 130, err[-2000:]
+    assert "Traceback" not in err and "Fatal Python error" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted"), err[-2000:]
+    assert seconds < 10
+
+
+@pytest.mark.parametrize("after", [0.25, 0.7, 1.5])
+def test_ctrl_c_while_modules_import(tmp_path, after):
+    # The first second or two go to importing torch and the library.
+    code, err, seconds = _interrupt(
+        ["train", "--model", "mlp", "--epochs", "50", "--out", "m.pt"], tmp_path, after=after
+    )
+    _assert_interrupted(code, err, seconds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_training_keeps_no_half_written_checkpoint(tmp_path):
+    code, err, seconds = _interrupt(
+        ["train", "--model", "mlp", "--epochs", "200", "--out", "m.pt"],
+        tmp_path,
+        after=0.3,
+        when="epoch",
+    )
+    _assert_interrupted(code, err, seconds)
+    assert "last good checkpoint: m.pt (continue with --resume)" in err
+    # Only whole checkpoints (written by epochs that finished) may be there; no temp files.
+    assert [p.name for p in tmp_path.iterdir() if p.name != "m.pt"] == []
+    if (tmp_path / "m.pt").exists():
+        assert checkpoint.load(tmp_path / "m.pt").spec.name == "mlp"
+
+
+def test_ctrl_c_while_shrinking_writes_no_output_folder(tmp_path):
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [32]})
+    checkpoint.save(tmp_path / "t.pt", build(spec, seed=0), spec)
+    code, err, seconds = _interrupt(
+        ["shrink", "t.pt", "--out", "out"], tmp_path, after=0.5, when="epoch"
+    )
+    _assert_interrupted(code, err, seconds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt"]
+
+
+def test_a_failure_after_a_swallowed_ctrl_c_is_reported_as_the_interrupt(run, monkeypatch):
+    # Some libraries catch KeyboardInterrupt mid-import and fail later with something else
+    # (numpy then scipy: RecursionError); the SIGINT handler remembers the Ctrl-C.
+    from cli import entry
+    from compressor import pipeline
+
+    def broken(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(pipeline, "decode_to_checkpoint", broken)
+    result = run("decode", "x.dcz")
+    assert result.exit_code == 1 and "RecursionError" in result.stderr
+    monkeypatch.setattr(entry, "INTERRUPTED", True)
+    result = run("decode", "x.dcz")
+    assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted"
