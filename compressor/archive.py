@@ -427,8 +427,9 @@ def _read_record(r: _Reader) -> Dense | _SharedRecord:
             f"{r.path}: tensor {name}: {what}; the archive is damaged or names the wrong model"
         )
     numel = math.prod(shape)
-    # The cap is on all tensors together, checked before this one is allocated.
-    if numel > r.elements_left:
+    # The cap is on all tensors together, checked before this one is allocated. An empty
+    # tensor's other dims still set its strides, which must fit too.
+    if numel > r.elements_left or math.prod(max(d, 1) for d in shape) > r.max_elements:
         raise InputError(
             f"{r.path}: tensor {name}: shape {list(shape)} takes the archive past "
             f"{r.max_elements:,} elements; if the model really is this large, raise the cap "

@@ -109,6 +109,12 @@ def test_a_shape_of_2_to_the_31_elements_is_refused_before_allocating():
     )
 
 
+def test_an_empty_tensor_with_huge_other_dims_is_refused():
+    # Found by the 100,000-case fuzzer: RuntimeError "Stride calculation overflowed".
+    tail = struct.pack("<BBI", 0, 0, 0)
+    _refused(_archive([_record("e", (0, 2**32 - 1, 2**32 - 1), tail)]), "past")
+
+
 def test_a_huge_entry_count_is_refused_before_decoding():
     # Was MemoryError from np.fromiter(count=n) with n from the file.
     tail = _shared_tail(2, 0, 2**31, 0, b"\x00")
