@@ -330,6 +330,7 @@ class Tally:
     slow: list[str] = field(default_factory=list)
     reinterpreted: list[str] = field(default_factory=list)
     by_kind: Counter = field(default_factory=Counter)
+    retimed: int = 0  # cases over the time bound, timed again (the lower time counts)
     worst_seconds: float = 0.0
     worst_case: str = ""
     rss_start: int = 0
@@ -339,6 +340,37 @@ class Tally:
     @property
     def failures(self) -> int:
         return len(self.crashes) + len(self.slow) + len(self.reinterpreted)
+
+
+def _outcome(data: bytes, max_elements: int) -> archive.Decoded | InputError:
+    try:
+        return archive.decode(data, "fuzz.dcz", max_elements=max_elements, keep_entries=True)
+    except InputError as e:
+        return e
+
+
+def _timed(data: bytes, max_elements: int) -> float:
+    started = time.perf_counter()
+    _outcome(data, max_elements)
+    return time.perf_counter() - started
+
+
+def _timed_case(t: Tally, name: str, data: bytes, max_elements: int) -> float:
+    """Decode one case, file its outcome in the tally, return the seconds it took."""
+    started = time.perf_counter()
+    try:
+        result = _outcome(data, max_elements)
+    except Exception as e:  # anything but InputError is a crash
+        t.crashes.append(f"{name}: {type(e).__name__}: {e}"[:300])
+        return time.perf_counter() - started
+    took = time.perf_counter() - started
+    if isinstance(result, InputError):
+        t.refused += 1
+    else:
+        t.decoded += 1
+        if not reencodes_to_itself(data, result):
+            t.reinterpreted.append(name)
+    return took
 
 
 def run(cases: int, seed: int = 0, max_elements: int = 1 << 22, seconds: float = 2.0) -> Tally:
@@ -356,18 +388,10 @@ def run(cases: int, seed: int = 0, max_elements: int = 1 << 22, seconds: float =
         name = f"case {case} ({kind} of seed {which})"
         t.cases += 1
         t.by_kind[kind.split(":")[0]] += 1
-        started = time.perf_counter()
-        try:
-            d = archive.decode(data, "fuzz.dcz", max_elements=max_elements, keep_entries=True)
-        except InputError:
-            t.refused += 1
-        except Exception as e:  # anything but InputError is a crash
-            t.crashes.append(f"{name}: {type(e).__name__}: {e}"[:300])
-        else:
-            t.decoded += 1
-            if not reencodes_to_itself(data, d):
-                t.reinterpreted.append(name)
-        took = time.perf_counter() - started
+        took = _timed_case(t, name, data, max_elements)
+        if took > seconds:  # a shared machine stalls now and then: a slow case must repeat
+            t.retimed += 1
+            took = min(took, _timed(data, max_elements))
         if took > t.worst_seconds:
             t.worst_seconds, t.worst_case = took, name
         if took > seconds:
@@ -397,7 +421,7 @@ def main() -> int:
     print(f"  decoded, re-encoded to the same bytes {t.decoded - len(t.reinterpreted):,}")
     print(f"  crashes (any other exception) {len(t.crashes)}")
     print(f"  decoded but re-encoded differently {len(t.reinterpreted)}")
-    print(f"  over the {a.seconds:g} s time bound {len(t.slow)}")
+    print(f"  over the {a.seconds:g} s time bound {len(t.slow)} (timed twice: {t.retimed})")
     over = grew > a.memory_mib
     print(f"  over the {a.memory_mib:g} MiB memory bound {int(over)}")
     print(f"slowest case {t.worst_seconds * 1000:.1f} ms: {t.worst_case}")
