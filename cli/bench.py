@@ -12,6 +12,7 @@ from cli.main import emit_json, json_option
 from compressor import benchmark, benchreport, envinfo, variants
 from compressor import export as export_mod
 from models import data as data_mod
+from models import safeload
 from models.errors import InputError
 
 
@@ -101,9 +102,11 @@ def bench(
     ds = data_mod.load(data) if data else None
     info = (lambda m: None) if quiet else (lambda m: render.stderr.print(m))
     with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
-        described = variants.disambiguate(
-            [variants.load(p, model, ds) for p in variants.expand(list(models))]
-        )
+        paths = variants.expand(list(models))
+        for p in paths:  # before onnx or ONNX Runtime reads any external data
+            if p.suffix == ".onnx":
+                safeload.check_onnx_external_data(p)
+        described = variants.disambiguate([variants.load(p, model, ds) for p in paths])
         if baselines:
             described += _baselines(described, ds, Path(tmp), info)
         runnable, skipped = variants.variants(described, runtimes)

@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import InputError
+from models.limits import MAX_NESTING, nesting_depth
 
 VERSION = 1
 MAX_BITS = 12  # 4,096 shared values per layer; more is no longer weight *sharing*
+MAX_RECIPE_BYTES = 2**20  # a recipe is a few hundred bytes; this bounds the parsers' work
 
 DEFAULTS: dict[str, Any] = {
     "version": VERSION,
@@ -142,27 +144,80 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def read(path: str | Path) -> dict[str, Any]:
-    """A recipe file's raw table, not yet resolved (so flags can be laid over it first)."""
+    """A recipe file's raw table, not yet resolved (so flags can be laid over it first).
+
+    Checked before any work: at most `MAX_RECIPE_BYTES`, no YAML aliases (a few hundred bytes
+    of nested aliases expand to billions of values), and at most `limits.MAX_NESTING` levels
+    of tables and lists.
+    """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--recipe {path}: no such file")
     kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix, "TOML")
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as e:
+        raise InputError(f"--recipe {path}: cannot read it ({e.strerror})") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise InputError(
+            f"--recipe {path}: over {MAX_RECIPE_BYTES // 2**20} MiB, far more than any recipe "
+            "(a few hundred bytes); is it the right file?"
+        )
+    try:
+        text = data.decode()
         if kind == "JSON":
             raw = json.loads(text)
         elif kind == "YAML":
-            import yaml
-
-            raw = yaml.safe_load(text)
+            raw = _yaml(text, path)
         else:
             raw = tomllib.loads(text)
+    except InputError:
+        raise
+    except RecursionError:  # json and tomllib recurse once per level of nesting
+        raise _too_deep(path) from None
     except Exception as e:  # each parser raises its own error types
         detail = " ".join(str(e).split())
         raise InputError(f"--recipe {path}: not valid {kind}: {detail}") from None
+    if nesting_depth(raw) > MAX_NESTING:
+        raise _too_deep(path)
     if not isinstance(raw, dict):
         raise InputError(f"--recipe {path}: a recipe is a table of sections")
     return raw
+
+
+def _yaml(text: str, path: Path) -> Any:
+    """safe_load, after the event stream showed no alias and no nesting beyond MAX_NESTING.
+
+    Aliases are refused outright, not bounded: a recipe never needs one, and a value that
+    repeats can be written twice.
+    """
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    depth = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.AliasEvent):
+            line = event.start_mark.line + 1 if event.start_mark else "?"
+            raise InputError(
+                f"--recipe {path}: YAML alias *{event.anchor} (line {line}); compress refuses "
+                "aliases, which can expand a small file without bound: write the value out "
+                "in full instead of &anchor / *alias"
+            )
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise _too_deep(path)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.load(text, Loader=loader)  # a SafeLoader: plain data only
+
+
+def _too_deep(path: Path) -> InputError:
+    return InputError(
+        f"--recipe {path}: nested more than {MAX_NESTING} levels deep; a recipe is sections of "
+        "key = value, a value a table or list at most a few levels deep"
+    )
 
 
 def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> dict[str, Any]:

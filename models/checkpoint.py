@@ -18,6 +18,7 @@ A bare `state_dict` also loads when the caller names the model.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import platform
@@ -113,11 +114,16 @@ def save(
     return path
 
 
-def load(path: str | os.PathLike) -> Checkpoint:
-    """Load a checkpoint or a bare state_dict; refuse pickled code; one-line errors."""
+def load(path: str | os.PathLike, max_elements: int | None = None) -> Checkpoint:
+    """Load a checkpoint or a bare state_dict; refuse pickled code; one-line errors.
+
+    Before torch reads anything, the sizes the file declares are checked against the file's
+    own size and `max_elements` (default `models.limits.max_elements()`): see `check_sizes`.
+    """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such checkpoint file")
+    check_sizes(path, max_elements)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -134,6 +140,96 @@ def load(path: str | os.PathLike) -> Checkpoint:
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError):
         raise InputError(f"{path}: not a readable PyTorch checkpoint: {_diagnose(path)}") from None
     return _interpret(path, obj)
+
+
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a pre-zip torch.save file
+
+
+def check_sizes(path: Path, max_elements: int | None = None) -> None:
+    """Refuse a .pt whose declared sizes cannot be honest, before torch allocates them.
+
+    A torch.save zip stores its records uncompressed: a record declaring more bytes than the
+    whole file is a lie or a zip bomb, and so are records that add up to more than the file.
+    The storages the pickle declares (read by an unpickler that calls nothing) must fit in the
+    file and stay under the element cap; in a legacy (pre-zip) file their bytes follow the
+    pickle, so they too are bounded by the file's size. Files that are neither are left to
+    torch.load, whose errors `load` turns into one line.
+    """
+    from models import limits, safeload
+
+    cap = limits.max_elements() if max_elements is None else max_elements
+    size = path.stat().st_size
+    fix = "re-save it with torch.save(model.state_dict(), path)"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04":  # torch.load's own test for its zip format
+        infos = safeload.zip_directory(
+            path, str(path), fix, f"{path}: not a readable PyTorch checkpoint: {_diagnose(path)}"
+        )
+        for info in infos:
+            if info.file_size > size:
+                raise InputError(
+                    f"{path}: record {info.filename} declares {info.file_size:,} bytes, more "
+                    f"than the whole {size:,}-byte file (torch.save never compresses): a zip "
+                    f"bomb or a damaged file; refused before reading; {fix}"
+                )
+        declared = sum(i.file_size for i in infos)
+        if declared > size:
+            raise InputError(
+                f"{path}: records declare {declared:,} bytes in all, more than the whole "
+                f"{size:,}-byte file: a crafted or damaged file; refused before reading; {fix}"
+            )
+        # torch reads records under the folder of the archive's first one.
+        prefix = infos[0].filename.split("/")[0] if infos else ""
+        pkl = [i for i in infos if i.filename == f"{prefix}/data.pkl"]
+        if len(pkl) != 1:
+            return  # torch says what is wrong
+        try:
+            with zipfile.ZipFile(path) as z:
+                data = z.read(pkl[0])
+            ((_, storages),) = safeload.scan_pickles(io.BytesIO(data), len(data), 1)
+        except Exception:  # not a pickle torch can read either: its error says so
+            return
+    else:
+        # A legacy file: four pickles (magic number, protocol, sys info, the object), then
+        # the storages' bytes.
+        try:
+            with open(path, "rb") as f:
+                scanned = safeload.scan_pickles(f, size, 4)
+        except Exception:
+            return
+        if scanned[0][0] != LEGACY_MAGIC:
+            return
+        storages = scanned[3][1]
+    _check_storages(path, storages, size, cap, fix)
+
+
+def _check_storages(path: Path, storages: list, size: int, cap: int, fix: str) -> None:
+    from models import limits
+
+    seen: dict[str, Any] = {}
+    for s in storages:
+        seen.setdefault(s.key, s)  # tensors sharing one storage name its key again
+    unique = list(seen.values())
+    for s in unique:
+        if s.nbytes > size:
+            raise InputError(
+                f"{path}: storage {s.key} declares {s.numel:,} elements of {s.type_name} "
+                f"({s.nbytes:,} bytes), more than the whole {size:,}-byte file: a crafted or "
+                f"damaged file; refused before loading; {fix}"
+            )
+    total_bytes = sum(s.nbytes for s in unique)
+    if total_bytes > size:
+        raise InputError(
+            f"{path}: its storages declare {total_bytes:,} bytes in all, more than the whole "
+            f"{size:,}-byte file: a crafted or damaged file; refused before loading; {fix}"
+        )
+    elements = sum(s.numel for s in unique)
+    if elements > cap:
+        raise InputError(
+            f"{path}: declares {elements:,} tensor elements, more than the cap of {cap:,}; "
+            f"if the model really is this large, raise the cap (${limits.ENV_MAX_ELEMENTS})"
+        )
 
 
 def _diagnose(path: Path) -> str:

@@ -22,8 +22,11 @@ present in the training split.
 from __future__ import annotations
 
 import gzip
+import io
 import math
 import struct
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,38 +182,150 @@ def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 # --- npz ------------------------------------------------------------------------------------
 
 
+# A compressed .npz may expand this many times its file size; beyond it (and past
+# NPZ_FREE_BYTES, so small files full of zeros still load) it is refused unread. Image data
+# deflates 2-10x; a 100x file is mostly one value, and np.savez (uncompressed) stores it safely.
+NPZ_MAX_EXPANSION = 100
+NPZ_FREE_BYTES = 64 * 2**20
+NPY_MAX_HEADER = 10_000  # numpy's own limit on a .npy header (the dict of shape and dtype)
+NPZ_ARRAYS = ("x", "y", "x_test", "y_test")
+
+
 def _npz(spec: str, path: Path) -> Dataset:
     if not path.is_file():
         raise InputError(f"--data {spec!r}: file {path} does not exist")
     with open(path, "rb") as f:
         if f.read(2) != b"PK":
             raise InputError(f"--data {spec!r}: {path} is not an .npz file (a zip of .npy arrays)")
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
-    except ValueError as e:  # object arrays need pickle, which we refuse
-        raise InputError(
-            f"--data {spec!r}: {path} holds pickled objects ({e}); store plain arrays"
-        ) from None
-    except Exception as e:
-        raise InputError(f"--data {spec!r}: {path} is not a readable .npz ({e})") from None
+    names, arrays = _npz_arrays(spec, path)
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
         raise InputError(
             f"--data {spec!r}: {path.name} lacks array(s) {', '.join(missing)} "
-            f"(has: {', '.join(sorted(arrays)) or 'none'}); save with np.savez(f, x=..., y=...)"
+            f"(has: {', '.join(sorted(names)) or 'none'}); save with np.savez(f, x=..., y=...)"
         )
     if ("x_test" in arrays) != ("y_test" in arrays):
         raise InputError(f"--data {spec!r}: {path.name} needs both x_test and y_test, or neither")
-    x, y = _npz_x(spec, "x", arrays["x"]), _npz_y(spec, "y", arrays["y"])
+    x, y = _npz_x(spec, "x", arrays["x"]()), _npz_y(spec, "y", arrays["y"]())
     if len(x) != len(y):
         raise InputError(f"--data {spec!r}: x has {len(x)} images but y has {len(y)} labels")
     if "x_test" in arrays:
-        xt, yt = _npz_x(spec, "x_test", arrays["x_test"]), _npz_y(spec, "y_test", arrays["y_test"])
+        xt = _npz_x(spec, "x_test", arrays["x_test"]())
+        yt = _npz_y(spec, "y_test", arrays["y_test"]())
     else:
         is_test = torch.arange(len(y)) % 5 == 4
         x, xt, y, yt = x[~is_test], x[is_test], y[~is_test], y[is_test]
     return _checked(spec, x, y, xt, yt)
+
+
+def _npz_arrays(spec: str, path: Path) -> tuple[list[str], dict[str, Callable[[], np.ndarray]]]:
+    """The names in an .npz, and a reader for each array compress uses (NPZ_ARRAYS), after
+    checking what the zip directory and each .npy header declare, before anything is
+    decompressed: sizes against the file, the expansion of compressed members, the element
+    cap, and dtypes (object arrays need pickle: refused)."""
+    from models import limits, safeload
+
+    where = f"--data {spec!r}: {path.name}"
+    fix = "save the data again with np.savez(f, x=..., y=...)"
+    infos = safeload.zip_directory(path, where, fix)
+    for info in infos:
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise InputError(
+                f"{where}: member {info.filename} uses zip compression method "
+                f"{info.compress_type}, which numpy never writes; {fix}"
+            )
+    size = path.stat().st_size
+    declared = sum(i.file_size for i in infos)
+    cap = limits.max_elements()
+    raise_cap = f"if the data really is this large, raise the cap (${limits.ENV_MAX_ELEMENTS})"
+    biggest = max(infos, key=lambda i: i.file_size, default=None)
+    if biggest is not None and declared > cap * 8:
+        raise InputError(
+            f"{where}: members declare {declared:,} bytes uncompressed ({biggest.filename}: "
+            f"{biggest.file_size:,}), more than {cap:,} elements of 8 bytes; {raise_cap}"
+        )
+    if biggest is not None and declared > max(NPZ_FREE_BYTES, NPZ_MAX_EXPANSION * size):
+        raise InputError(
+            f"{where}: would expand from {size:,} bytes to {declared:,} "
+            f"({declared / max(size, 1):,.0f}x; {biggest.filename} declares "
+            f"{biggest.file_size:,}): a zip bomb, or data of mostly one value; refused before "
+            "decompressing; save real data uncompressed, with np.savez"
+        )
+    by_name = {i.filename.removesuffix(".npy"): i for i in infos if not i.is_dir()}
+    readers: dict[str, Callable[[], np.ndarray]] = {}
+    elements = 0
+    with zipfile.ZipFile(path) as z:
+        for name in NPZ_ARRAYS:
+            info = by_name.get(name)
+            if info is None:
+                continue
+            shape, dtype, header = _npy_header(z, info, f"{where}: array {name}", fix)
+            count = math.prod(shape)
+            available = info.file_size - header
+            if count * dtype.itemsize > available:
+                raise InputError(
+                    f"{where}: array {name} declares shape {shape} of {dtype} ({count:,} "
+                    f"elements, {count * dtype.itemsize:,} bytes) but member {info.filename} "
+                    f"holds {max(available, 0):,} bytes of data: the file is damaged or "
+                    f"crafted; {fix}"
+                )
+            elements += count
+            if elements > cap:
+                raise InputError(
+                    f"{where}: arrays declare {elements:,} elements in all (array {name}: "
+                    f"shape {shape}), more than the cap of {cap:,}; {raise_cap}"
+                )
+            readers[name] = _npy_reader(path, info, f"{where}: array {name}", fix)
+    return list(by_name), readers
+
+
+def _npy_header(
+    z: zipfile.ZipFile, info: zipfile.ZipInfo, where: str, fix: str
+) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, header length) of one .npy member, reading only its header bytes."""
+    fmt = np.lib.format
+    try:
+        with z.open(info) as f:
+            version = fmt.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"unsupported .npy format version {version}")
+            width = 2 if version == (1, 0) else 4
+            length = f.read(width)
+            n = int.from_bytes(length, "little")
+            if len(length) < width or n > NPY_MAX_HEADER:
+                raise ValueError(f"a header of {n:,} bytes (numpy writes at most a few hundred)")
+            text = f.read(n)
+            if len(text) < n:
+                raise ValueError("the header is truncated")
+            read_header = fmt.read_array_header_1_0 if width == 2 else fmt.read_array_header_2_0
+            shape, _fortran, dtype = read_header(io.BytesIO(length + text))
+    except Exception as e:  # zipfile, zlib and numpy each raise their own kinds
+        detail = " ".join(str(e).split())[:200]
+        raise InputError(f"{where}: not a readable .npy member ({detail}); {fix}") from None
+    if dtype.hasobject:
+        raise InputError(
+            f"{where} holds pickled objects (dtype {dtype}), which compress never loads; "
+            "store plain numeric arrays"
+        )
+    if any(d < 0 for d in shape):
+        raise InputError(f"{where}: negative size in shape {shape}; the file is damaged; {fix}")
+    return tuple(shape), dtype, 6 + 2 + width + n
+
+
+def _npy_reader(
+    path: Path, info: zipfile.ZipInfo, where: str, fix: str
+) -> Callable[[], np.ndarray]:
+    """A call reading one checked member; zipfile never yields more than its declared size."""
+
+    def read() -> np.ndarray:
+        try:
+            with zipfile.ZipFile(path) as z, z.open(info) as f:
+                return np.lib.format.read_array(f, allow_pickle=False)
+        except Exception as e:
+            detail = " ".join(str(e).split())[:200]
+            raise InputError(f"{where}: not a readable .npy member ({detail}); {fix}") from None
+
+    return read
 
 
 def _npz_x(spec: str, name: str, a: np.ndarray) -> torch.Tensor:

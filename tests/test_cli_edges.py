@@ -81,6 +81,12 @@ def test_bare_compress_shows_help(run):
     assert result.exit_code == 0 and "Commands:" in result.stdout
 
 
+def test_outputs_get_the_usual_file_mode(run, tmp_path):
+    result = run("train", "--model", "mlp", "--epochs", "1", "--out", tmp_path / "m.pt", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert oct((tmp_path / "m.pt").stat().st_mode & 0o777) == oct(0o666 & ~umask())
+
+
 @pytest.fixture
 def teacher_pt(tmp_path):
     from models import ModelSpec, build
