@@ -9,16 +9,32 @@ joins the job torchrun started, so the same command scales from one machine to m
 
 A worker that raises or dies ends the whole job: the parent gets `StageError` naming the rank
 (or the user's `InputError`, unchanged), and the other workers are terminated.
+
+A rank that stops answering (stopped by SIGSTOP, hung) is named too, not the healthy peer whose
+collective timed out waiting for it. Every rank runs a heartbeat thread that beats every
+`HEARTBEAT_S` (a file in the launcher's folder, or a key in torchrun's store); a stopped
+process stops all its threads, so its heartbeat goes stale. The parent ends the job once an
+alive rank has been silent for `timeout_s`, or as soon as another rank fails while one is
+silent or stopped, killing the silent one with SIGKILL (SIGTERM waits for SIGCONT). Under
+torchrun there is no parent of ours: a rank whose collective fails reads its peers'
+heartbeats from the store and names the silent one.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import math
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import re
+import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -28,6 +44,8 @@ from typing import Any
 from models.errors import CompressError, InputError, StageError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+HEARTBEAT_S = 0.5  # every rank says it is alive this often
+SILENT_S = 2.0  # a heartbeat this old: the rank is not running (4 beats missed)
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,9 @@ class DistEnv:
 
 
 _store = None  # the key-value store this process's process group was made with
+_beats: _Beats | None = None  # where this job's ranks beat (None: not in a launched job)
+_name: Callable[[int], str] | None = None  # how this job words a rank
+_rank = 0  # this process's rank in the job
 
 
 def store():
@@ -93,7 +114,7 @@ def run(
     appended to `lost`. Any other failure stops every process and raises, naming the rank
     that failed first.
     """
-    name = name or (lambda r: f"worker {r}")
+    name = name or _worker
     env = DistEnv.from_torchrun()
     if env is not None:  # torchrun started us: join its job
         import torch.distributed as dist
@@ -107,9 +128,20 @@ def run(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         global _store
         _store = store
+        stop = _join_job(_StoreBeats(store, world), rank, name)
         try:
             return fn(env.rank, env.world)
+        except CompressError:
+            _kill_stopped_peer()
+            raise
+        except RuntimeError:  # a collective failed: name the peer that stopped answering
+            error = silent_peer_error() if dist.is_initialized() else None
+            if error is None:
+                raise
+            _kill_stopped_peer()
+            raise error from None
         finally:
+            stop.set()
             dist.destroy_process_group()
     if workers < 1:
         raise InputError(f"--workers {workers}: give 1 or more")
@@ -118,11 +150,14 @@ def run(
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="compress-dist.") as tmp:
+        beats = Path(tmp) / "beats"
+        beats.mkdir()
         ctx = mp.get_context("spawn")
         errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
+        store_path = str(Path(tmp) / "store")
         context = mp.start_processes(
             _entry,
-            args=(fn, workers, str(Path(tmp) / "store"), timeout_s, backend, results, errors),
+            args=(fn, workers, store_path, timeout_s, backend, results, errors, str(beats), name),
             nprocs=workers,
             join=False,
             start_method="spawn",
@@ -135,16 +170,29 @@ def run(
             lost if lost is not None else [],
             (results, got),
             (errors, reported),
+            _FileBeats(beats),
+            max(timeout_s, SILENT_S),
         )
         if failed is not None:
             _raise(failed, reported, name)
         return got.get(0)
 
 
-def _watch(processes, expendable, lost, results, errors) -> tuple[int, int] | None:
-    """Wait for every process; (rank, exit code) of the first failure that is not an
-    expendable rank's death (then the others are stopped), or None when all ended well.
-    `results` and `errors` are (queue, dict) pairs, filled as the ranks report."""
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    code: int | None  # exit code; None: still running when it was found silent
+    silence: Silence | None = None  # the rank stopped answering
+
+
+def _watch(
+    processes, expendable, lost, results, errors, beats=None, silent_after=math.inf
+) -> _Failure | None:
+    """Wait for every process; the first failure that is not an expendable rank's death (then
+    the others are stopped), or None when all ended well. `results` and `errors` are (queue,
+    dict) pairs, filled as the ranks report. A rank whose heartbeat in `beats` is
+    `silent_after` seconds old has failed too; so has a silent or stopped rank when another
+    fails (it is the cause: the other's collective timed out waiting for it)."""
 
     def drain() -> None:
         # Read results as they come: a child blocks on a full pipe until someone reads it.
@@ -166,11 +214,29 @@ def _watch(processes, expendable, lost, results, errors) -> tuple[int, int] | No
             return 0
         return 2 if reported.get(rank, ("",))[0] == "peer" else 1
 
+    def silent(threshold: float) -> Silence | None:
+        """The alive rank silent longest, if `threshold` s or more, or stopped by a signal."""
+        if beats is None:
+            return None
+        seen = beats.seen()
+        found = []
+        for rank, proc in alive.items():
+            beat = seen.get(rank)
+            age = beat.age if beat is not None else None
+            state = _state(proc.pid)
+            stopped = state in ("T", "t")
+            if state in ("Z", "X", "gone"):  # it died just now: its sentinel will say so
+                continue
+            if stopped or (age is not None and age >= threshold):
+                found.append(Silence(rank, age, proc.pid, None, stopped))
+        return max(found, key=lambda s: (s.age or 0.0, s.stopped), default=None)
+
     reported = errors[1]
     alive = dict(enumerate(processes))
-    failed = None
+    failed: _Failure | None = None
     while alive and failed is None:
-        ready = set(mp_connection.wait([p.sentinel for p in alive.values()] + [results[0]._reader]))
+        waitables = [p.sentinel for p in alive.values()] + [results[0]._reader]
+        ready = set(mp_connection.wait(waitables, timeout=HEARTBEAT_S))
         ended = [(r, p) for r, p in alive.items() if p.sentinel in ready]
         for _, proc in ended:
             proc.join()
@@ -184,15 +250,34 @@ def _watch(processes, expendable, lost, results, errors) -> tuple[int, int] | No
             if rank in expendable and reported.get(rank, ("peer",))[0] == "peer":
                 lost.append(rank)
             elif failed is None:
-                failed = (rank, proc.exitcode)
+                failed = _Failure(rank, proc.exitcode)
+        own = reported.get(failed.rank, ("died",))[0] if failed is not None else None
+        if own in ("peer", "stage", "bug"):
+            # A rank that reported a failure while another was silent most likely timed out
+            # waiting for it: the silent one is the cause. (One that died without a word, or
+            # was killed, is a cause itself; bad input is the user's.) A rank merely stopped
+            # counts too: a --timeout under SILENT_S ends before its heartbeat looks stale.
+            hung = silent(SILENT_S)
+            if hung is not None:
+                failed = _Failure(hung.rank, None, hung)
+        elif failed is None:
+            hung = silent(silent_after)
+            if hung is not None and hung.age is not None and hung.age >= silent_after:
+                failed = _Failure(hung.rank, None, hung)
     if failed is not None:
-        # Give the others a moment to exit by themselves with their own report, then stop them.
-        deadline = time.monotonic() + 3.0
+        grace = 3.0  # for the others to exit by themselves with their own report
+        if failed.silence is not None:  # the cause is known: no report will say more
+            alive[failed.rank].kill()  # SIGKILL: a stopped process holds SIGTERM until SIGCONT
+            grace = 0.0
+        deadline = time.monotonic() + grace
         for proc in alive.values():
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in alive.values():
             if proc.is_alive():
-                proc.terminate()
+                if _stopped(proc.pid):
+                    proc.kill()
+                else:
+                    proc.terminate()
         for proc in alive.values():
             proc.join(5)
             if proc.is_alive():
@@ -202,11 +287,13 @@ def _watch(processes, expendable, lost, results, errors) -> tuple[int, int] | No
     return failed
 
 
-def _raise(failed: tuple[int, int], reported: dict, name: Callable[[int], str]) -> None:
-    rank, code = failed
+def _raise(failed: _Failure, reported: dict, name: Callable[[int], str]) -> None:
+    rank, code = failed.rank, failed.code
     for kind, message in reported.values():
         if kind == "input":  # every rank checks the same input; one line is enough
             raise InputError(message)
+    if failed.silence is not None:
+        raise StageError(f"{describe(failed.silence, name)}; the job stopped")
     own = reported.get(rank)
     if own is None:  # it died without a word (killed, os._exit): the others' errors follow
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -216,6 +303,223 @@ def _raise(failed: tuple[int, int], reported: dict, name: Callable[[int], str]) 
             if kind != "peer" and r != rank:
                 raise StageError(f"{name(r)} failed: {message}")
     raise StageError(f"{name(rank)} failed: {own[1]}")
+
+
+# ---- heartbeats: naming the rank that stopped answering ---------------------------------------
+
+
+def _worker(rank: int) -> str:
+    return f"worker {rank}"
+
+
+@dataclass(frozen=True)
+class Beat:
+    age: float  # seconds since the rank last beat
+    pid: int | None
+    host: str | None  # None: this machine
+
+
+@dataclass(frozen=True)
+class Silence:
+    """A rank that stopped answering: silent for `age` s (None: it never beat), or `stopped`
+    by a signal (seen in /proc on this machine)."""
+
+    rank: int
+    age: float | None
+    pid: int | None
+    host: str | None
+    stopped: bool
+
+
+class _Beats:
+    """Where a job's ranks beat."""
+
+    def beat(self, rank: int) -> None:
+        raise NotImplementedError
+
+    def seen(self) -> dict[int, Beat]:
+        raise NotImplementedError
+
+
+class _FileBeats(_Beats):
+    """A file per rank in the launcher's folder (its mtime is the last beat): the parent
+    reads them without joining the job's store, and a stopped rank can hold no lock on them."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def beat(self, rank: int) -> None:
+        path = self.folder / str(rank)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            tmp = self.folder / f".{rank}"
+            tmp.write_text(str(os.getpid()))
+            tmp.replace(path)
+
+    def seen(self) -> dict[int, Beat]:
+        now, out = time.time(), {}
+        try:
+            paths = [p for p in self.folder.iterdir() if p.name.isdigit()]
+        except OSError:
+            return out
+        for path in paths:
+            try:
+                age = now - path.stat().st_mtime
+                pid = int(path.read_text() or 0) or None
+            except (OSError, ValueError):
+                continue
+            out[int(path.name)] = Beat(max(0.0, age), pid, None)
+        return out
+
+
+class _StoreBeats(_Beats):
+    """A key per rank in torchrun's store: the time (this rank's clock: ranks on different
+    machines assume clocks that agree within a second), the pid and the host."""
+
+    def __init__(self, store, world: int):
+        self.store, self.world = store, world
+
+    @staticmethod
+    def key(rank: int) -> str:
+        return f"heartbeat/{rank}"
+
+    def beat(self, rank: int) -> None:
+        self.store.set(self.key(rank), f"{time.time():.3f} {os.getpid()} {socket.gethostname()}")
+
+    def seen(self) -> dict[int, Beat]:
+        now, out = time.time(), {}
+        for rank in range(self.world):
+            try:
+                if not self.store.check([self.key(rank)]):
+                    continue
+                stamp, pid, host = self.store.get(self.key(rank)).decode().split(" ", 2)
+                here = host == socket.gethostname()
+                out[rank] = Beat(max(0.0, now - float(stamp)), int(pid), None if here else host)
+            except Exception:  # the store is gone or the value torn: no news of that rank
+                continue
+        return out
+
+
+def _join_job(beats: _Beats, rank: int, name: Callable[[int], str]) -> threading.Event:
+    """Remember this process's place in the job and start its heartbeat (a daemon thread;
+    set the returned event to stop it)."""
+    global _beats, _name, _rank
+    _beats, _name, _rank = beats, name, rank
+    stop = threading.Event()
+    if isinstance(beats, _StoreBeats):
+        with contextlib.suppress(Exception):  # a connection of its own, if the store gives one
+            beats = _StoreBeats(beats.store.clone(), beats.world)
+
+    def loop() -> None:
+        while not stop.is_set():
+            # A failed beat: the job is ending and its store with it; nothing to say.
+            with contextlib.suppress(Exception):
+                beats.beat(rank)
+            stop.wait(HEARTBEAT_S)
+
+    with contextlib.suppress(Exception):
+        beats.beat(rank)
+    threading.Thread(target=loop, name="compress-heartbeat", daemon=True).start()
+    return stop
+
+
+def _state(pid: int | None) -> str:
+    """Process `pid`'s state on this machine, from /proc (Linux): "R", "S", "T" (stopped by a
+    signal), "t" (by a tracer), "Z" (ended, not yet reaped)...; "gone" once it has ended and
+    been reaped; "" when unknown (no /proc)."""
+    if pid is None:
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone" if os.path.isdir("/proc/self") else ""
+    except (OSError, IndexError):
+        return ""
+
+
+def _stopped(pid: int | None) -> bool:
+    return _state(pid) in ("T", "t")
+
+
+def _kill_stopped_peer() -> None:
+    """Under torchrun, as this rank fails: SIGKILL a peer on this machine that is stopped by a
+    signal. torchrun ends the other ranks with SIGTERM, which a stopped process holds until
+    SIGCONT, and waits 30 s before its SIGKILL; the job is over for that rank either way.
+    Not at once: torchrun would stop this rank too before it has said why it failed; when
+    this process exits, or a second from now, whichever comes first."""
+    silence = silent_peer()
+    if silence is None or not silence.stopped or not silence.pid:
+        return
+    pid, done = silence.pid, threading.Event()
+
+    def kill() -> None:
+        if not done.is_set():
+            done.set()
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    atexit.register(kill)
+    timer = threading.Timer(1.0, kill)
+    timer.daemon = True
+    timer.start()
+
+
+def silent_peer(rank: int | None = None) -> Silence | None:
+    """The peer of this rank that stopped answering (its heartbeat is `SILENT_S` old or it is
+    stopped), the one silent longest; or only `rank`'s silence when given. None when every
+    peer beats, or outside a launched job."""
+    if _beats is None:
+        return None
+    found = []
+    for r, beat in _beats.seen().items():
+        if r == _rank or (rank is not None and r != rank):
+            continue
+        state = _state(beat.pid) if beat.host is None else ""
+        if state in ("Z", "X", "gone"):  # it died: it is lost, not silent
+            continue
+        stopped = state in ("T", "t")
+        if stopped or beat.age >= SILENT_S:
+            found.append(Silence(r, beat.age, beat.pid, beat.host, stopped))
+    return max(found, key=lambda s: (s.age or 0.0, s.stopped), default=None)
+
+
+def describe(silence: Silence, name: Callable[[int], str] | None = None) -> str:
+    """One line: "worker 1 (pid 123) stopped answering: no heartbeat for 21 s (...)"."""
+    words = (name or _name or _worker)(silence.rank)
+    where = ", ".join(
+        x
+        for x in (silence.pid and f"pid {silence.pid}", silence.host and f"on {silence.host}")
+        if x
+    )
+    if where:  # "worker 1 (pid 9)", "server 0 (rank 2, pid 9)"
+        words = f"{words[:-1]}, {where})" if words.endswith(")") else f"{words} ({where})"
+    if silence.age is None:
+        how = "it never sent a heartbeat"
+    else:
+        how = f"no heartbeat for {silence.age:.0f} s"
+    why = "it is stopped, by SIGSTOP or a debugger" if silence.stopped else "hung or stopped?"
+    return f"{words} stopped answering: {how} ({why})"
+
+
+def gloo_line(e: BaseException) -> str:
+    """The gist of a torch.distributed error in one short line: the first line, without the
+    callback wrapping and the C++ source location gloo puts in front."""
+    line = (str(e).strip().splitlines() or [""])[0]
+    line = line.rsplit("when running the callback: ", 1)[-1]
+    line = re.sub(r"\[[^\]]*:\d+\]\s*", "", line)
+    line = re.sub(r"^(RuntimeError|DistBackendError|DistError): ", "", line)
+    return line[:160]
+
+
+def silent_peer_error() -> StageError | None:
+    """For a rank whose collective or message failed: the error that names the peer that
+    stopped answering, or None when every peer beats (then the failure is its own)."""
+    silence = silent_peer()
+    if silence is None:
+        return None
+    return StageError(f"{describe(silence)}; {(_name or _worker)(_rank)} gave up waiting for it")
 
 
 def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
@@ -283,11 +587,12 @@ def _independent(index, fn, processes, results, errors) -> None:
         raise SystemExit(1) from None
 
 
-def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors) -> None:
+def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors, beats, name) -> None:
     import faulthandler
 
     import torch.distributed as dist
 
+    _join_job(_FileBeats(Path(beats)), rank, name)  # first: the parent watches from now on
     faulthandler.enable()  # a native abort in torch or gloo prints where each thread was
     share_cores(world)
 
@@ -307,9 +612,12 @@ def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors) -> 
         errors.put((rank, "stage", str(e)))
         code = 1
     except Exception as e:  # a collective failing because a peer died, or a bug
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        kind = "peer" if isinstance(e, RuntimeError) and dist.is_initialized() else "bug"
-        errors.put((rank, kind, f"{type(e).__name__}: {first}"))
+        if isinstance(e, RuntimeError) and dist.is_initialized():
+            error = silent_peer_error()
+            errors.put((rank, "peer", str(error or f"{type(e).__name__}: {gloo_line(e)}")))
+        else:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            errors.put((rank, "bug", f"{type(e).__name__}: {first}"))
         code = 1
     finally:
         if dist.is_initialized() and code == 0:

@@ -29,7 +29,11 @@ vector cut into S contiguous shards balanced by size (large tensors are split ac
 
 A server listens to each worker on its own thread: a blocking recv from one peer fails within
 a fraction of a second when that peer dies (a recv from any source would wait forever), so a
-lost worker is noticed, named, and in async/SSP left behind while the rest carry on.
+lost worker is noticed, named, and in async/SSP left behind while the rest carry on. Every
+send and recv waits at most the process group's timeout (`--timeout`); one that fails
+because a rank stopped answering (its heartbeat went silent, `launch.silent_peer`) names that
+rank and ends the job in every mode: a stopped process is not a dead one, and would hold
+its shard or its batch for ever.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distrib import launch
 from distrib.trainer import Batches
 from models.errors import InputError, StageError
 
@@ -317,9 +322,11 @@ class PSWorker:
             for w in works:
                 w.wait()
         except RuntimeError as e:
+            silence = launch.silent_peer()
+            if silence is not None:
+                raise _hung(silence, f"worker {self.rank}") from None
             raise StageError(
-                f"a parameter server stopped answering worker {self.rank}: "
-                f"{(str(e).splitlines() or [''])[0][:160]}"
+                f"a parameter server stopped answering worker {self.rank}: {launch.gloo_line(e)}"
             ) from None
 
     # -- rank 0 only: the servers' master state, for evaluation and checkpoints
@@ -463,12 +470,7 @@ class _Server:
         try:
             dist.send(self.param.detach().to(self.wire), w, tag=DATA)
         except RuntimeError as e:  # it died after its push: its listener will say so too
-            if w == 0 or self.ps.mode == "sync":
-                raise StageError(
-                    f"server {self.index} lost {self.ps.name(w)} "
-                    f"({(str(e).splitlines() or [''])[0][:160]})"
-                ) from None
-            self.lost.add(w)
+            _lose(self, w, launch.gloo_line(e))
 
 
 def serve(
@@ -513,7 +515,7 @@ def _listen(w: int, size: int, wire: torch.dtype, inbox: queue.Queue) -> None:
             if kind == BYE or (kind == DONE and w != 0):  # rank 0 asks for stats after DONE
                 return
     except RuntimeError as e:
-        inbox.put((w, None, (str(e).splitlines() or [""])[0][:160]))
+        inbox.put((w, None, launch.gloo_line(e)))
 
 
 def _loop(srv: _Server, inbox: queue.Queue) -> None:
@@ -524,13 +526,8 @@ def _loop(srv: _Server, inbox: queue.Queue) -> None:
     stats_asked = False
     while True:
         w, head, payload = inbox.get()
-        if head is None:  # worker w's connection failed: it died
-            if w == 0 or ps.mode == "sync":
-                raise StageError(
-                    f"server {srv.index} lost {ps.name(w)} ({payload}); "
-                    + ("rank 0 reports the run" if w == 0 else "synchronous training needs all")
-                )
-            srv.lost.add(w)
+        if head is None:  # worker w's connection failed: it died, or stopped answering
+            _lose(srv, w, payload)
             for group in sync_group.values():
                 group.pop(w, None)
         else:
@@ -588,6 +585,27 @@ def _loop(srv: _Server, inbox: queue.Queue) -> None:
         if stats_asked and not srv.live():
             _send_stats(srv)
             stats_asked = False
+
+
+def _hung(silence: launch.Silence, me: str) -> StageError:
+    return StageError(f"{launch.describe(silence)}; {me} gave up waiting for it")
+
+
+def _lose(srv: _Server, w: int, why: str) -> None:
+    """Worker `w`'s connection failed (`why`): leave it behind (async, SSP) or raise."""
+    ps, me = srv.ps, f"server {srv.index}"
+    silence = launch.silent_peer(w)  # it stopped answering: it would hold its batch for ever
+    needed = w == 0 or ps.mode == "sync"
+    if silence is None and needed:  # another rank's silence may have cut this one off
+        silence = launch.silent_peer()
+    if silence is not None:
+        raise _hung(silence, me)
+    if needed:
+        raise StageError(
+            f"{me} lost {ps.name(w)} ({why}); "
+            + ("rank 0 reports the run" if w == 0 else "synchronous training needs all")
+        )
+    srv.lost.add(w)
 
 
 def _send_state(srv: _Server, w: int) -> None:
