@@ -69,9 +69,9 @@ def main() -> None:
     except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported
         interrupted()
     except SystemExit as e:
-        if e.code == EXIT_INTERRUPTED:  # reported by cli.main; leave without shutdown noise
-            interrupted(None)
-        raise
+        if e.code == EXIT_INTERRUPTED:  # reported by cli.main: no second Ctrl-C in shutdown,
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # whose cleanup (queues, temp
+        raise  # folders of worker pools) still runs
 
 
 if __name__ == "__main__":

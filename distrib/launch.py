@@ -164,15 +164,23 @@ def run(
         )
         got: dict[int, Any] = {}
         reported: dict[int, tuple[str, str]] = {}
-        failed = _watch(
-            context.processes,
-            set(expendable),
-            lost if lost is not None else [],
-            (results, got),
-            (errors, reported),
-            _FileBeats(beats),
-            max(timeout_s, SILENT_S),
-        )
+        try:
+            failed = _watch(
+                context.processes,
+                set(expendable),
+                lost if lost is not None else [],
+                (results, got),
+                (errors, reported),
+                _FileBeats(beats),
+                max(timeout_s, SILENT_S),
+            )
+        except BaseException:  # Ctrl-C in the parent: no rank may outlive it
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in context.processes:
+                proc.join(5)
+            raise
         if failed is not None:
             _raise(failed, reported, name)
         return got.get(0)
@@ -605,6 +613,9 @@ def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors, bea
         result = fn(rank, world)
         if rank == 0:
             results.put((0, pickle.dumps(result)))
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank; the parent reports it, once
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        code = 130
     except InputError as e:
         errors.put((rank, "input", str(e)))
         code = 2

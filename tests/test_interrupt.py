@@ -24,12 +24,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _interrupt(args: list[str], cwd: Path, *, after: float = 0.0, when: str | None = None):
-    """Start `compress ARGS`, send SIGINT `after` seconds (or once stderr shows `when`)."""
+def _interrupt(
+    args: list[str], cwd: Path, *, after: float = 0.0, when: str | None = None, group=False
+):
+    """Start `compress ARGS`, send SIGINT `after` seconds (or once stderr shows `when`); with
+    `group`, to the whole process group, as a terminal's Ctrl-C does."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("COMPRESS_DEBUG", None)
     p = subprocess.Popen(
-        [COMPRESS, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        [COMPRESS, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=group,
     )
     seen = b""
     if when is not None:
@@ -41,7 +49,10 @@ def _interrupt(args: list[str], cwd: Path, *, after: float = 0.0, when: str | No
             seen += chunk
         assert when.encode() in seen, seen.decode()[-2000:]
     time.sleep(after)
-    p.send_signal(signal.SIGINT)
+    if group:
+        os.killpg(p.pid, signal.SIGINT)
+    else:
+        p.send_signal(signal.SIGINT)
     sent = time.monotonic()
     _, err = p.communicate(timeout=60)
     return p.returncode, (seen + err).decode(), time.monotonic() - sent
@@ -77,6 +88,26 @@ def test_ctrl_c_while_training_keeps_no_half_written_checkpoint(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name != "m.pt"] == []
     if (tmp_path / "m.pt").exists():
         assert checkpoint.load(tmp_path / "m.pt").spec.name == "mlp"
+
+
+@pytest.mark.distributed
+def test_ctrl_c_in_a_terminal_during_two_worker_training(tmp_path):
+    # Every rank gets the SIGINT; the parent alone reports it, and no rank outlives it.
+    def ranks() -> set[str]:
+        found = subprocess.run(["pgrep", "-f", "spawn_main"], capture_output=True, text=True)
+        return set(found.stdout.split())
+
+    before = ranks()
+    code, err, seconds = _interrupt(
+        ["train", "--model", "mlp", "--epochs", "200", "--workers", "2", "--out", "m.pt"],
+        tmp_path,
+        after=0.3,
+        when="epoch",
+        group=True,
+    )
+    _assert_interrupted(code, err, seconds)
+    assert "leaked" not in err and err.count("error:") == 1, err
+    assert ranks() - before == set()
 
 
 def test_ctrl_c_while_shrinking_writes_no_output_folder(tmp_path):
