@@ -55,15 +55,16 @@ def _while_running(signum, frame) -> None:
 
 
 def main() -> None:
-    previous = signal.signal(signal.SIGINT, _while_importing)
+    # A process started with SIGINT ignored (nohup, a shell's background job) keeps it so.
+    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, _while_importing)
     try:
         from cli.main import main as run
     except KeyboardInterrupt:  # a SIGINT that arrived before the handler was set
         interrupted()
-    if previous is signal.default_int_handler:  # leave a shell's SIG_IGN (nohup, &) alone
+    if ours:
         signal.signal(signal.SIGINT, _while_running)
-    else:
-        signal.signal(signal.SIGINT, previous)
     try:
         run()
     except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported

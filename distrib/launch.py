@@ -419,8 +419,15 @@ def _join_job(beats: _Beats, rank: int, name: Callable[[int], str]) -> threading
         with contextlib.suppress(Exception):  # a connection of its own, if the store gives one
             beats = _StoreBeats(beats.store.clone(), beats.world)
 
+    # A rank our launcher started has nobody to report to once the launcher is gone (killed,
+    # not interrupted): it leaves rather than train on as an orphan. (torchrun's agent does
+    # the same for its ranks.)
+    parent = os.getppid() if isinstance(beats, _FileBeats) else None
+
     def loop() -> None:
         while not stop.is_set():
+            if parent is not None and os.getppid() != parent:
+                os._exit(1)
             # A failed beat: the job is ending and its store with it; nothing to say.
             with contextlib.suppress(Exception):
                 beats.beat(rank)

@@ -76,7 +76,13 @@ def _stop_one(run, tmp_path, monkeypatch, npz_file, flags, ranks, victim):
         (["--strategy", "ps-sync", *PS], 3, 1, "worker 1 (pid {})"),
         (["--strategy", "ps-async", *PS], 3, 1, "worker 1 (pid {})"),
         (["--strategy", "ps-ssp", *PS], 3, 1, "worker 1 (pid {})"),
-        (["--strategy", "ps-sync", *PS], 3, 2, "server 0 (rank 2, pid {})"),
+        pytest.param(
+            ["--strategy", "ps-sync", *PS],
+            3,
+            2,
+            "server 0 (rank 2, pid {})",
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["allreduce", "ps-sync", "ps-async", "ps-ssp", "ps-sync-server"],
 )
@@ -124,6 +130,7 @@ except CompressError as e:
 """
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_healthy_rank_names_the_stopped_one(tmp_path):
     """No launcher of ours watches torchrun's ranks: the healthy rank whose all-reduce timed
     out reads the heartbeats in the job's store and names the silent rank, not itself, and
