@@ -419,15 +419,8 @@ def _join_job(beats: _Beats, rank: int, name: Callable[[int], str]) -> threading
         with contextlib.suppress(Exception):  # a connection of its own, if the store gives one
             beats = _StoreBeats(beats.store.clone(), beats.world)
 
-    # A rank our launcher started has nobody to report to once the launcher is gone (killed,
-    # not interrupted): it leaves rather than train on as an orphan. (torchrun's agent does
-    # the same for its ranks.)
-    parent = os.getppid() if isinstance(beats, _FileBeats) else None
-
     def loop() -> None:
         while not stop.is_set():
-            if parent is not None and os.getppid() != parent:
-                os._exit(1)
             # A failed beat: the job is ending and its store with it; nothing to say.
             with contextlib.suppress(Exception):
                 beats.beat(rank)
@@ -602,12 +595,22 @@ def _independent(index, fn, processes, results, errors) -> None:
         raise SystemExit(1) from None
 
 
+def _leave_with_launcher(parent: int) -> None:
+    """A rank's thread: once its launcher is gone (killed, not interrupted), nobody reads this
+    rank's result, so it leaves rather than train on as an orphan (torchrun's agent does the
+    same for its ranks)."""
+    while os.getppid() == parent:
+        time.sleep(HEARTBEAT_S)
+    os._exit(1)
+
+
 def _entry(rank, fn, world, store_path, timeout_s, backend, results, errors, beats, name) -> None:
     import faulthandler
 
     import torch.distributed as dist
 
     _join_job(_FileBeats(Path(beats)), rank, name)  # first: the parent watches from now on
+    threading.Thread(target=_leave_with_launcher, args=(os.getppid(),), daemon=True).start()
     faulthandler.enable()  # a native abort in torch or gloo prints where each thread was
     share_cores(world)
 

@@ -47,8 +47,9 @@ def test_dependency_direction(package):
 
 
 # The main function of a process the library spawns ends that process, not its caller's:
-# launch._entry leaves with os._exit once the rank has reported (see there why).
-PROCESS_MAINS = {("distrib/launch.py", "_entry")}
+# launch._entry leaves with os._exit once the rank has reported (see there why), and its
+# _leave_with_launcher thread when the launcher that started the rank is gone.
+PROCESS_MAINS = {("distrib/launch.py", "_entry"), ("distrib/launch.py", "_leave_with_launcher")}
 
 
 def _calls(tree, path):

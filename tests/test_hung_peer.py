@@ -74,8 +74,12 @@ def _stop_one(run, tmp_path, monkeypatch, npz_file, flags, ranks, victim):
     [
         (["--workers", "2"], 2, 1, "worker 1 (pid {})"),
         (["--strategy", "ps-sync", *PS], 3, 1, "worker 1 (pid {})"),
-        (["--strategy", "ps-async", *PS], 3, 1, "worker 1 (pid {})"),
-        (["--strategy", "ps-ssp", *PS], 3, 1, "worker 1 (pid {})"),
+        pytest.param(
+            ["--strategy", "ps-async", *PS], 3, 1, "worker 1 (pid {})", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            ["--strategy", "ps-ssp", *PS], 3, 1, "worker 1 (pid {})", marks=pytest.mark.slow
+        ),
         pytest.param(
             ["--strategy", "ps-sync", *PS],
             3,

@@ -141,6 +141,7 @@ def test_a_failure_after_a_swallowed_ctrl_c_is_reported_as_the_interrupt(run, mo
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_ranks_leave_when_the_launcher_is_killed(tmp_path):
     # SIGKILL gives the launcher no chance to stop its ranks: they notice and leave.
     def ranks() -> set[str]:
