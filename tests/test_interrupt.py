@@ -61,6 +61,12 @@ def _interrupt(
     return p.returncode, (seen + err).decode(), time.monotonic() - sent
 
 
+def _ranks() -> set[str]:
+    """Pids of the training ranks (spawned processes) running now."""
+    found = subprocess.run(["pgrep", "-f", "spawn_main"], capture_output=True, text=True)
+    return set(found.stdout.split())
+
+
 def _assert_interrupted(code: int, err: str, seconds: float) -> None:
     assert code == 130, err[-2000:]
     assert "Traceback" not in err and "Fatal Python error" not in err, err[-2000:]
@@ -96,11 +102,7 @@ def test_ctrl_c_while_training_keeps_no_half_written_checkpoint(tmp_path):
 @pytest.mark.distributed
 def test_ctrl_c_in_a_terminal_during_two_worker_training(tmp_path):
     # Every rank gets the SIGINT; the parent alone reports it, and no rank outlives it.
-    def ranks() -> set[str]:
-        found = subprocess.run(["pgrep", "-f", "spawn_main"], capture_output=True, text=True)
-        return set(found.stdout.split())
-
-    before = ranks()
+    before = _ranks()
     code, err, seconds = _interrupt(
         ["train", "--model", "mlp", "--epochs", "200", "--workers", "2", "--out", "m.pt"],
         tmp_path,
@@ -110,7 +112,7 @@ def test_ctrl_c_in_a_terminal_during_two_worker_training(tmp_path):
     )
     _assert_interrupted(code, err, seconds)
     assert "leaked" not in err and err.count("error:") == 1, err
-    assert ranks() - before == set()
+    assert _ranks() - before == set()
 
 
 def test_ctrl_c_while_shrinking_writes_no_output_folder(tmp_path):
@@ -144,11 +146,7 @@ def test_a_failure_after_a_swallowed_ctrl_c_is_reported_as_the_interrupt(run, mo
 @pytest.mark.slow
 def test_ranks_leave_when_the_launcher_is_killed(tmp_path):
     # SIGKILL gives the launcher no chance to stop its ranks: they notice and leave.
-    def ranks() -> set[str]:
-        found = subprocess.run(["pgrep", "-f", "spawn_main"], capture_output=True, text=True)
-        return set(found.stdout.split())
-
-    before = ranks()
+    before = _ranks()
     p = subprocess.Popen(
         [COMPRESS, "train", "--model", "mlp", "--epochs", "200", "--workers", "2", "--out", "m.pt"],
         cwd=tmp_path,
@@ -160,11 +158,11 @@ def test_ranks_leave_when_the_launcher_is_killed(tmp_path):
         chunk = os.read(p.stderr.fileno(), 4096)
         assert chunk, seen.decode()
         seen += chunk
-    started = ranks() - before
+    started = _ranks() - before
     assert len(started) == 2
     p.kill()
     p.wait()
     deadline = time.monotonic() + 5
-    while ranks() & started and time.monotonic() < deadline:
+    while _ranks() & started and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not ranks() & started
+    assert not _ranks() & started
