@@ -245,6 +245,7 @@ class Decoded:
     # The records as `encode` takes them (only with keep_entries=True): encode(entries, spec,
     # metadata) gives back the same bytes.
     entries: list[Dense | Shared] | None = None
+    sha256: str = ""  # of the whole file, as `sha256sum` prints it
 
 
 class _Reader:
@@ -302,13 +303,12 @@ def decode(
     cannot make the reader build a large tensor its model does not have. `sha256`, when given,
     must be the file's SHA-256 (hex), checked before anything else.
     """
-    if sha256 is not None:
-        got = hashlib.sha256(data).hexdigest()
-        if got != sha256.strip().lower():
-            raise InputError(
-                f"{path}: SHA-256 is {got}, not the {sha256.strip()} expected: this is not the "
-                "archive you were given (or the expected hash is wrong)"
-            )
+    got = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and got != sha256.strip().lower():
+        raise InputError(
+            f"{path}: SHA-256 is {got}, not the {sha256.strip()} expected: this is not the "
+            "archive you were given (or the expected hash is wrong)"
+        )
     if not data.startswith(MAGIC):
         raise InputError(f"{path}: not a compress archive (.dcz): wrong magic bytes")
     if len(data) < len(MAGIC) + 10:
@@ -350,7 +350,7 @@ def decode(
             f"{path}: model {r.model} has tensor {missing!r}, which the archive lacks; "
             "the archive is damaged or names the wrong model"
         )
-    return Decoded(spec, metadata, state, entries if keep_entries else None)
+    return Decoded(spec, metadata, state, entries if keep_entries else None, got)
 
 
 def _read_header(r: _Reader, raw: bytes) -> tuple[dict[str, Any], dict[str, Any]]:

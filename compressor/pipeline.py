@@ -5,7 +5,6 @@ at the end, so a failed or interrupted run leaves nothing half-written."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -422,6 +421,6 @@ def decode_to_checkpoint(
         "model": spec.name,
         "tensors": len(decoded.state_dict),
         "archive_bytes": path.stat().st_size,
-        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "sha256": decoded.sha256,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
