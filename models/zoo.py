@@ -27,13 +27,20 @@ _OWN_PACKAGES = {"cli", "compressor", "distrib", "models"}
 _ZOO: dict[str, type[nn.Module]] = {}
 _TINY: dict[str, dict[str, Any]] = {}
 _ABOUT: dict[str, str] = {}
+_INPUTS: dict[str, str] = {}
+INPUT_KINDS = ("image", "tokens")
 
 
-def register(name: str, *, tiny: dict[str, Any] | None = None, about: str = "") -> Callable:
+def register(
+    name: str, *, tiny: dict[str, Any] | None = None, about: str = "", inputs: str = "image"
+) -> Callable:
     """Class decorator: add a model to the zoo under `name`.
 
-    `tiny` holds the constructor kwargs of a small, fast instance for tests.
+    `tiny` holds the constructor kwargs of a small, fast instance for tests; `inputs` is what
+    the model reads: "image" (float32 N, C, H, W) or "tokens" (int64 token ids N, L).
     """
+    if inputs not in INPUT_KINDS:
+        raise ValueError(f"inputs {inputs!r}: one of {INPUT_KINDS}")
 
     def deco(cls: type[nn.Module]) -> type[nn.Module]:
         if name in _ZOO:
@@ -41,6 +48,7 @@ def register(name: str, *, tiny: dict[str, Any] | None = None, about: str = "") 
         _ZOO[name] = cls
         _TINY[name] = dict(tiny or {})
         _ABOUT[name] = about or (cls.__doc__ or "").strip().splitlines()[0]
+        _INPUTS[name] = inputs
         return cls
 
     return deco
@@ -48,7 +56,7 @@ def register(name: str, *, tiny: dict[str, Any] | None = None, about: str = "") 
 
 def _load_zoo() -> None:
     # Importing the modules runs their @register decorators.
-    from models import cnn, lenet, mlp, mobilenet  # noqa: F401
+    from models import cnn, families, lenet, mlp, mobilenet  # noqa: F401
 
 
 def available() -> dict[str, str]:
@@ -214,9 +222,18 @@ def state_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]] | None:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def tiny(name: str, *, in_shape=(1, 8, 8), num_classes: int = 10, seed: int = 0) -> nn.Module:
-    """A small seeded instance of a zoo model, for tests and examples."""
+def input_kind(name: str) -> str:
+    """What a zoo model reads: "image" or "tokens"."""
     resolve(name)
+    return _INPUTS[name]
+
+
+def tiny(name: str, *, in_shape=None, num_classes: int = 10, seed: int = 0) -> nn.Module:
+    """A small seeded instance of a zoo model, for tests and examples (default input: 1x8x8
+    images, or 16 tokens for a token model)."""
+    resolve(name)
+    if in_shape is None:
+        in_shape = (16,) if _INPUTS[name] == "tokens" else (1, 8, 8)
     kwargs = {**_TINY[name], "in_shape": list(in_shape), "num_classes": num_classes}
     return build(ModelSpec(name, kwargs), seed=seed)
 

@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from models import InputError, ModelSpec, available, build, count_parameters, resolve, tiny
-from models.zoo import parse_kwargs, resolve_spec
+from models.zoo import input_kind, parse_kwargs, resolve_spec
 
 ZOO = sorted(available())
+IMAGE_ZOO = [n for n in ZOO if input_kind(n) == "image"]
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 
 
@@ -15,13 +16,24 @@ def test_zoo_lists_the_design_card_models():
     assert {"lenet300", "lenet5", "vgg", "mobilenet", "mlp"} <= set(ZOO)
 
 
-@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("name", IMAGE_ZOO)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_model_fits_every_input_shape(name, shape):
     model = build(ModelSpec(name, {"in_shape": shape, "num_classes": 7}))
     (x,) = model.example_inputs(batch=3)
     assert x.shape == (3, *shape)
     assert model(x).shape == (3, 7)
+
+
+@pytest.mark.parametrize("length", [1, 16, 40])
+def test_token_models_take_int64_ids_of_any_length(length):
+    model = build(ModelSpec("textcls", {"in_shape": [length], "num_classes": 3}))
+    (ids,) = model.example_inputs(batch=3)
+    assert ids.dtype == torch.int64 and ids.shape == (3, length)
+    assert model(ids).shape == (3, 3)
+    padded = ids.clone()
+    padded[:, length // 2 + 1 :] = 0  # padding is masked out, never NaN
+    assert torch.isfinite(model(padded)).all()
 
 
 def test_paper_parameter_counts():
