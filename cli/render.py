@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from distrib.trainer import EpochRecord, Events, TrainResult
+
+LINE_EVERY_S = 15.0  # progress lines off a terminal
 
 # markup=False: paths and labels such as "[fp32]" are text, never rich markup.
 stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
@@ -28,6 +38,8 @@ class TrainProgress(Events):
         self.progress: Progress | None = None
         self.task = None
         self.last_checkpoint: Path | None = None
+        self.epoch: tuple[int, int, int, int, float] | None = None
+        self.last_line = 0.0
 
     def checkpoint(self, path: Path, epoch: int, step: int) -> None:
         self.last_checkpoint = path
@@ -37,6 +49,10 @@ class TrainProgress(Events):
             stderr.print(message)
 
     def epoch_start(self, epoch: int, epochs: int, steps: int, done: int) -> None:
+        # Off a terminal (a log, CI, a pipe) a long epoch still says where it is: one line
+        # every LINE_EVERY_S seconds with the step and an ETA, instead of a live bar.
+        self.epoch = (epoch, epochs, steps, done, time.monotonic())
+        self.last_line = time.monotonic()
         if not self.live:
             return
         self.progress = Progress(
@@ -45,6 +61,8 @@ class TrainProgress(Events):
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
             TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
             console=stderr,
             transient=True,
         )
@@ -54,6 +72,17 @@ class TrainProgress(Events):
     def step(self, epoch: int, step: int, loss: float) -> None:
         if self.progress is not None:
             self.progress.update(self.task, completed=step, loss=f"{loss:.4f}")
+        elif not self.quiet and self.epoch is not None:
+            now = time.monotonic()
+            if now - self.last_line >= LINE_EVERY_S:
+                self.last_line = now
+                e, epochs, steps, done, started = self.epoch
+                rate = (step - done) / max(now - started, 1e-9)
+                eta = (steps - step) / rate if rate > 0 else float("nan")
+                stderr.print(
+                    f"epoch {e}/{epochs}: step {step}/{steps}  loss {loss:.4f}  "
+                    f"{now - started:.0f}s, eta {eta:.0f}s"
+                )
 
     def epoch_end(self, record: EpochRecord) -> None:
         if self.progress is not None:
