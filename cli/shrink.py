@@ -16,7 +16,6 @@ from compressor.shrink import Hooks
 from distrib.trainer import TrainConfig, cross_entropy_loss, evaluate, fit
 from models import checkpoint, zoo
 from models import data as data_mod
-from models.errors import InputError
 
 
 @click.command(
@@ -25,6 +24,8 @@ Examples:
   compress shrink lenet300.pt --data digits --out lenet300-shrunk/
   compress shrink lenet5.pt --data mnist:~/mnist --recipe recipe.toml --json
   compress shrink lenet5.pt --dry-run > recipe.toml   # print the resolved recipe, edit, rerun
+  compress shrink weights.pt --model mypkg.nets:build_net --model-kwargs '{"width": 64}' \\
+      --data npz:train.npz                             # your own state_dict and model code
 """
 )
 @click.argument("model_path", metavar="MODEL.pt", type=click.Path(path_type=Path))
@@ -90,8 +91,21 @@ Examples:
     help="Who runs the INT8 file: mobile (default: nothing timed, the same bytes on every "
     "build) or host (latency-aware on this machine) [recipe export.target].",
 )
-@click.option("--model", default=None, help="Model name, for a bare state_dict checkpoint.")
-@click.option("--model-kwargs", default=None, metavar="JSON", help="Kwargs for --model.")
+@click.option(
+    "--model",
+    default=None,
+    metavar="NAME",
+    help="For a bare state_dict (your own weights): a zoo name, or pkg.module:Class or "
+    "pkg.module:function for your own code; for a checkpoint naming its own code, allows "
+    "importing it.",
+)
+@click.option(
+    "--model-kwargs",
+    default=None,
+    metavar="JSON",
+    help="Constructor kwargs for --model with a bare state_dict (in_shape and num_classes "
+    "come from --data where the constructor takes them).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option
 def shrink(
@@ -189,13 +203,7 @@ def run_shrink(
     pipeline.check_out_dir(out)
     ck = checkpoint.load(model_path)
     ds = data_mod.load(data or ck.metadata.get("data") or "digits")
-    spec = ck.spec
-    if spec is None:
-        if not model:
-            raise InputError(
-                f"{model_path}: a bare state_dict does not name its model; pass --model NAME"
-            )
-        spec = zoo.resolve_spec(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)
+    spec = ck.spec_for(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)
     net = ck.build_model(spec, allow_import=model == spec.name)
     data_mod.check_fits(net, ds, spec.name)
 

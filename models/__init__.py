@@ -4,7 +4,17 @@ Depends on torch, numpy and scikit-learn only; never on `compressor`, `distrib` 
 """
 
 from models.errors import CompressError, InputError, StageError
-from models.zoo import ModelSpec, available, build, count_parameters, resolve, resolve_spec, tiny
+from models.zoo import (
+    ModelSpec,
+    available,
+    build,
+    count_parameters,
+    input_kind,
+    resolve,
+    resolve_spec,
+    state_shapes,
+    tiny,
+)
 
 __all__ = [
     "CompressError",
@@ -14,7 +24,9 @@ __all__ = [
     "available",
     "build",
     "count_parameters",
+    "input_kind",
     "resolve",
     "resolve_spec",
+    "state_shapes",
     "tiny",
 ]

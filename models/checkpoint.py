@@ -13,11 +13,13 @@ A checkpoint is a plain dict that `torch.load(..., weights_only=True)` accepts:
 
 A file that holds pickled code (a whole `torch.save(model)`, or a crafted payload) is refused
 before anything in it runs: `weights_only=True` allows tensors and plain containers only.
-A bare `state_dict` also loads when the caller names the model.
+A bare `state_dict` (`torch.save(model.state_dict(), path)` from the user's own training
+script, or a torchvision-style weights file) also loads when the caller names the model.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
@@ -34,7 +36,7 @@ from torch import nn
 
 from models.errors import InputError
 from models.fileio import atomic_path
-from models.zoo import ModelSpec, build
+from models.zoo import ModelSpec, build, resolve_spec, state_shapes
 
 FORMAT = "compress.checkpoint"
 FORMAT_VERSION = 1
@@ -50,12 +52,49 @@ class Checkpoint:
     train_state: dict[str, Any] | None = None
     path: Path | None = None
 
-    def build_model(self, spec: ModelSpec | None = None, allow_import: bool = False) -> nn.Module:
-        """Build the model and load the weights (strictly: every key must match).
+    def spec_for(
+        self,
+        model: str | None,
+        model_kwargs: dict[str, Any] | None,
+        in_shape: tuple[int, ...],
+        num_classes: int,
+    ) -> ModelSpec:
+        """The spec to build, given the --model and --model-kwargs the user passed.
 
-        A checkpoint that names the user's own class (`pkg.module:Class`) is only imported when
+        A bare state_dict (the user's own weights) is built as --model names it, with the data's
+        input shape and class count where the constructor takes them. A compress checkpoint
+        records its spec: a different --model, or any --model-kwargs, is refused rather than
+        ignored (--model naming the checkpoint's own model only consents to importing it).
+        """
+        if self.spec is None:
+            if not model:
+                raise InputError(
+                    f"{self.path}: a bare state_dict does not name its model; pass --model NAME "
+                    "(a zoo name, or pkg.module:Class for your own code)"
+                )
+            return resolve_spec(model, dict(model_kwargs or {}), in_shape, num_classes)
+        if model and model != self.spec.name:
+            raise InputError(
+                f"--model {model}: {self.path} is a compress checkpoint of model "
+                f"{self.spec.name}; drop --model (or pass --model {self.spec.name} to allow "
+                "importing its code)"
+            )
+        if model_kwargs:
+            # The weights were trained with the recorded kwargs; others would not fit them.
+            raise InputError(
+                f"--model-kwargs: {self.path} is a compress checkpoint that records its model "
+                f"({self.spec.name}, {self.spec.kwargs}); drop --model-kwargs"
+            )
+        return self.spec
+
+    def build_model(self, spec: ModelSpec | None = None, allow_import: bool = False) -> nn.Module:
+        """Build the model and load the weights (strictly: every key and shape must match).
+
+        A checkpoint that names the user's own code (`pkg.module:Class`) is only imported when
         the caller allows it (the user named the same class with --model): a file alone never
-        decides which code runs.
+        decides which code runs. The weights are checked against the model built on the meta
+        device first (nothing allocated), so weights that do not fit fail before a big model is
+        built; a mismatch is one line naming the first keys or the first shape that differ.
         """
         spec = spec or self.spec
         if spec is None:
@@ -67,16 +106,83 @@ class Checkpoint:
                 f"{self.path}: names model code {spec.name}; pass --model {spec.name} "
                 "to allow importing it"
             )
+        shapes = state_shapes(spec)
+        state = self.state_dict if shapes is None else self._fitted(shapes, spec)
         model = build(spec)
+        if shapes is None:  # no meta build: check against the real one
+            state = self._fitted({k: tuple(v.shape) for k, v in model.state_dict().items()}, spec)
         try:
-            model.load_state_dict(self.state_dict, strict=True)
-        except RuntimeError as e:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as e:  # what our checks do not foresee (a module's own hooks)
             first = str(e).strip().splitlines()
             detail = " ".join(s.strip() for s in first[:2])
             raise InputError(
                 f"{self.path}: weights do not fit model {spec.name}: {detail}"
             ) from None
         return model
+
+    def _fitted(self, want: dict[str, tuple[int, ...]], spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """The weights keyed as the model wants them, or a one-line InputError."""
+        state = _renamed(self.state_dict, want)
+        # BatchNorm's step counter is only read with momentum=None; files written before torch
+        # 0.4.1 (torchvision's first ImageNet weights among them) lack it.
+        for k in want.keys() - state.keys():
+            if _is_counter(k):
+                state[k] = torch.tensor(0, dtype=torch.long)
+        missing = [k for k in want if k not in state]
+        unexpected = [k for k in state if k not in want]
+        where = f"{self.path}: weights do not fit model {spec.name}"
+        fix = "pass the --model (and --model-kwargs) the weights were trained with"
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} missing ({_first(missing)})")
+            if unexpected:
+                parts.append(f"{len(unexpected)} unexpected ({_first(unexpected)})")
+            raise InputError(f"{where}: keys {'; '.join(parts)}; {fix}")
+        for k, shape in want.items():
+            got = tuple(state[k].shape)
+            if got != shape:
+                raise InputError(
+                    f"{where}: {k} is {got} in the file but {shape} in the model; {fix}"
+                )
+        return state
+
+
+def _first(keys: list[str], n: int = 3) -> str:
+    more = f", ... {len(keys) - n} more" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def _renamed(state: dict[str, torch.Tensor], want: Any) -> dict[str, torch.Tensor]:
+    """`state` with a leading name added or dropped, when exactly that makes its keys the
+    model's: `module.` from a DistributedDataParallel or DataParallel wrapper, or `net.` for a
+    bare transformers model's weights loaded into a `models.hf` wrapper. Any other difference is
+    left for the caller to report."""
+    have, want = set(state), set(want)
+
+    def same(file_keys: set[str], model_keys: set[str]) -> bool:
+        # BatchNorm counters the file lacks are filled in by the caller.
+        rest = model_keys - file_keys
+        return file_keys <= model_keys and all(_is_counter(k) for k in rest)
+
+    if same(have, want) or not have or not want:
+        return copy.copy(state)  # keeps an OrderedDict's _metadata (module versions)
+    for keys, add in ((have, False), (want, True)):
+        heads = {k.split(".", 1)[0] for k in keys}
+        if len(heads) != 1 or any("." not in k for k in keys):
+            continue
+        prefix = heads.pop() + "."
+        stripped = {k[len(prefix) :] for k in keys}
+        if add and same(have, stripped):
+            return {prefix + k: v for k, v in state.items()}
+        if not add and same(stripped, want):
+            return {k[len(prefix) :]: v for k, v in state.items()}
+    return dict(state)
+
+
+def _is_counter(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] == "num_batches_tracked"
 
 
 def versions() -> dict[str, str]:

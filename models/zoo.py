@@ -1,10 +1,11 @@
-"""One registry for model constructors: zoo names and the user's own `pkg.module:Class`.
+"""One registry for model constructors: zoo names and the user's own `pkg.module:Class` (or a
+factory function, `pkg.module:build_net`, that returns an `nn.Module`).
 
 Every model `compress` builds goes through `build(ModelSpec)`, and every checkpoint records the
 `ModelSpec` it was built from, so a checkpoint names its architecture without pickling code.
 
 Zoo models take `in_shape` (C, H, W) and `num_classes`; `resolve_spec` fills both in from the
-data for zoo models and for user classes whose constructor accepts them.
+data for zoo models and for user classes and factories that name them as parameters.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def available() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to build: a zoo name or an import path `pkg.module:Class`, plus constructor kwargs."""
+    """What to build: a zoo name or an import path `pkg.module:Class` (or `:function`), plus the
+    constructor's kwargs."""
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -114,8 +116,12 @@ def parse_kwargs(text: str | None, flag: str = "--model-kwargs") -> dict[str, An
     return value
 
 
-def resolve(name: str) -> type[nn.Module]:
-    """The class behind a zoo name or an import path `pkg.module:Class`."""
+def resolve(name: str) -> Callable[..., nn.Module]:
+    """The constructor behind a zoo name or an import path `pkg.module:attr`.
+
+    An import path names an `nn.Module` class or any other callable that returns a module (a
+    factory function such as `torchvision.models:resnet18`); `build` checks what it returns.
+    """
     if ":" not in name:
         _load_zoo()
         if name not in _ZOO:
@@ -126,7 +132,9 @@ def resolve(name: str) -> type[nn.Module]:
         return _ZOO[name]
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
-        raise InputError(f"model {name!r}: an import path reads pkg.module:Class")
+        raise InputError(
+            f"model {name!r}: an import path reads pkg.module:Class or pkg.module:function"
+        )
     # A user's model file in the working folder should import as it would from `python -c`.
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
@@ -138,8 +146,9 @@ def resolve(name: str) -> type[nn.Module]:
             "install it or run from the folder that holds it"
         ) from None
     except Exception as e:  # the user's module raised while importing
+        detail = (str(e).strip().splitlines() or [""])[0]
         raise InputError(
-            f"model {name!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
+            f"model {name!r}: importing {module_name!r} failed: {type(e).__name__}: {detail}"
         ) from None
     obj = module
     for part in attr.split("."):
@@ -151,30 +160,53 @@ def resolve(name: str) -> type[nn.Module]:
                 f"model {name!r}: module {module_name!r} has no attribute {attr!r}{clash}"
             )
         obj = getattr(obj, part)
-    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
-        raise InputError(f"model {name!r}: {attr} is not a torch.nn.Module subclass")
+    what = "a torch.nn.Module class or a function that returns one"
+    if isinstance(obj, nn.Module):
+        # Callable, but calling it runs forward(): a checkpoint records how to build a model.
+        raise InputError(
+            f"model {name!r}: {attr} is a model instance, not {what}; name its class or a "
+            "function that builds it"
+        )
+    if inspect.isclass(obj) and not issubclass(obj, nn.Module):
+        raise InputError(f"model {name!r}: {attr} is a class but not a torch.nn.Module subclass")
+    if not callable(obj):
+        raise InputError(f"model {name!r}: {attr} is {type(obj).__name__}, not {what}")
     return obj
 
 
-def _accepts(cls: type, param: str) -> bool:
+def _signature(ctor: Callable) -> inspect.Signature | None:
     try:
-        params = inspect.signature(cls.__init__).parameters
+        # A class is described by its __init__ (the metaclass's __call__ says nothing).
+        return inspect.signature(ctor.__init__ if inspect.isclass(ctor) else ctor)
     except (TypeError, ValueError):
+        return None
+
+
+def _accepts(ctor: Callable, param: str) -> bool:
+    """Whether `ctor` names `param` as a keyword parameter of its own.
+
+    A bare **kwargs does not count: a factory such as torchvision's `resnet18(**kwargs)` hands
+    them on to a class that takes no `in_shape`, so guessing would break it.
+    """
+    sig = _signature(ctor)
+    if sig is None:
         return False
-    return param in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    p = sig.parameters.get(param)
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 def resolve_spec(
     name: str, kwargs: dict[str, Any], in_shape: tuple[int, ...], num_classes: int
 ) -> ModelSpec:
-    """Complete a spec with the data's input shape and class count where the class takes them.
+    """Complete a spec with the data's input shape and class count where the constructor (a
+    class's `__init__`, or the factory function) names them as parameters.
 
     A value the user gave that contradicts the data is an error, not silently overridden.
     """
-    cls = resolve(name)
+    ctor = resolve(name)
     kwargs = dict(kwargs)
     for key, value in (("in_shape", list(in_shape)), ("num_classes", num_classes)):
-        if not _accepts(cls, key):
+        if not _accepts(ctor, key):
             continue
         if key in kwargs:
             given = kwargs[key]
@@ -189,14 +221,39 @@ def resolve_spec(
     return ModelSpec(name, kwargs)
 
 
+def _call(ctor: Callable, spec: ModelSpec) -> Any:
+    """ctor(**kwargs), with kwargs it does not take told apart from errors inside it."""
+    sig = _signature(ctor)
+    if sig is not None:
+        try:
+            if inspect.isclass(ctor):  # __init__'s signature starts with `self`
+                sig.bind(None, **spec.kwargs)
+            else:
+                sig.bind(**spec.kwargs)
+        except TypeError as e:
+            raise InputError(f"model {spec.name!r} does not take these kwargs: {e}") from None
+    return ctor(**spec.kwargs)
+
+
+def _check_module(obj: Any, spec: ModelSpec) -> nn.Module:
+    if not isinstance(obj, nn.Module):
+        raise InputError(
+            f"model {spec.name!r} returned {type(obj).__name__}, not a torch.nn.Module; "
+            "name a module class or a function that returns a module"
+        )
+    return obj
+
+
 def build(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
     """Construct the model a spec names (weights freshly initialised; seeded when asked)."""
-    cls = resolve(spec.name)
+    ctor = resolve(spec.name)
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        return cls(**spec.kwargs)
-    except TypeError as e:
+        model = _call(ctor, spec)
+    except InputError:
+        raise
+    except TypeError as e:  # no signature to bind against, or a TypeError inside
         raise InputError(f"model {spec.name!r} does not take these kwargs: {e}") from None
     except Exception as e:  # bad kwargs values surface as anything from the constructor
         detail = (str(e).strip().splitlines() or [""])[0]
@@ -204,28 +261,42 @@ def build(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
             f"model {spec.name!r} could not be built with {_jsonable(spec.kwargs)}: "
             f"{type(e).__name__}: {detail}"
         ) from None
+    return _check_module(model, spec)
 
 
 def state_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]] | None:
     """The state_dict shapes the spec's model would have, built on the meta device (no memory).
 
     Lets a caller check weights against a model before building it for real, so a file that
-    names a huge model costs nothing until its weights are known to fit. None when the class
-    cannot be built on the meta device (it computes with its weights in `__init__`).
+    names a huge model costs nothing until its weights are known to fit. None when the model
+    cannot be built on the meta device (it computes with its weights while being built) or the
+    constructor fails: `build` then reports why.
     """
-    cls = resolve(spec.name)
+    ctor = resolve(spec.name)
     try:
         with torch.device("meta"):
-            model = cls(**spec.kwargs)
-    except Exception:  # bad kwargs are reported by `build`; meta-hostile classes skip the check
+            model = _call(ctor, spec)
+    except Exception:  # bad kwargs are reported by `build`; meta-hostile models skip the check
+        return None
+    if not isinstance(model, nn.Module):
         return None
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def input_kind(name: str) -> str:
-    """What a zoo model reads: "image" or "tokens"."""
-    resolve(name)
-    return _INPUTS[name]
+    """What a model reads: "image" or "tokens".
+
+    A zoo model says so when registered; an import path through an `input_kind` attribute of
+    the class or factory (`models.hf` marks its factories), else "image". An import path is
+    imported: call this only for a model the user named.
+    """
+    ctor = resolve(name)
+    if ":" not in name:
+        return _INPUTS[name]
+    kind = getattr(ctor, "input_kind", "image")
+    if kind not in INPUT_KINDS:
+        raise InputError(f"model {name!r}: input_kind {kind!r} is not one of {INPUT_KINDS}")
+    return kind
 
 
 def tiny(name: str, *, in_shape=None, num_classes: int = 10, seed: int = 0) -> nn.Module:
