@@ -29,6 +29,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     epilog="""\b
 Examples:
   compress bench student/ --data digits                  # every model in a shrink folder
+  compress bench textcls-shrunk/ --data tokens           # a model of int64 token ids
   compress bench teacher.pt student/ --batch 1,64 --threads 1,0 --json
   compress bench model.fp32.onnx --baselines --data digits --report bench.md --plot bench.png
 """
@@ -140,8 +141,8 @@ def _baselines(described, ds, tmp: Path, info) -> list:
         if ds is not None:
             pick = np.random.default_rng(0).permutation(len(ds.y_train))[:256]
             calib = ds.x_train.numpy()[pick]
-        elif m.in_shape is not None:
-            calib = np.random.default_rng(0).random((64, *m.in_shape), dtype=np.float32)
+        elif m.in_shape is not None:  # float32 images, or int64 ids the model embeds
+            calib = benchmark.inputs(m, 64, None, np.random.default_rng(0))
         else:
             raise InputError(f"--baselines: {m.path} has no fixed input shape; pass --data SPEC")
         info(f"baselines: ORT quantize_dynamic and default quantize_static of {m.label}")
@@ -164,8 +165,7 @@ def _profiles(described, cfg, ds) -> dict:
     for m in described:
         if m.format != "onnx":
             continue
-        shape = tuple(ds.in_shape) if ds is not None else m.in_shape
-        x = np.random.default_rng(0).random((cfg.batches[0], *shape), dtype=np.float32)
+        x = benchmark.inputs(m, cfg.batches[0], ds, np.random.default_rng(0))
         p = ortprofile.profile_ops(m.path, x, threads=benchmark.resolve_threads(cfg.threads[0]))
         out[m.label] = {**p, "top": ortprofile.top_ops(p, 5)}
     return out

@@ -11,6 +11,9 @@ already on the device). After warm-up, the runners of one grid cell run interlea
 `compressor.variants`, each cell summarised by `compressor.stats` (p50/p90/p99, bootstrap CI
 of p50, throughput), with session cold-start time, MACs and achieved GFLOP/s against the
 CPU's measured matmul peak, and accuracy / top-1 agreement with the first model on a data set.
+Timed inputs are random: float32 in [0, 1) for image models, int64 token ids in [1, vocab) for
+token models (`models.data.random_inputs`; the data's vocabulary when --data is given, else the
+model's embedding rows, else all ids 1).
 """
 
 from __future__ import annotations
@@ -295,6 +298,7 @@ def measure(
     rng = np.random.default_rng(cfg.seed)
     for v in variants:  # every input shape and batch checked before any work
         _shape(v, data)
+        _check_kind(v, data)
         fixed = v.model.fixed_batch
         if fixed and any(b != fixed for b in cfg.batches):
             raise InputError(
@@ -318,7 +322,7 @@ def measure(
                 progress(f"batch {batch}, threads {threads}: {len(live)} variants")
                 cell, ready = [], []
                 for v in list(live):
-                    x = rng.random((batch, *_shape(v, data)), dtype=np.float32)
+                    x = inputs(v.model, batch, data, rng)
                     try:
                         ready.append(prepare(v, batch, threads, x))
                         cell.append(v)
@@ -349,7 +353,7 @@ def measure(
                         ]
                         row["peak_fraction"] = row["gflops"] / peak
                     results.append(row)
-    _explain(results, data)
+    _explain(results, data, variants)
     extra = {
         "peaks": {str(k): v for k, v in peaks.items()},
         "agreement_reference": reference,
@@ -372,6 +376,41 @@ def _shape(v, data) -> tuple[int, ...]:
             f"{v.model.path}: its input shape is not fixed in the file; pass --data SPEC"
         )
     return tuple(shape)
+
+
+def _check_kind(v, data) -> None:
+    """Data of the kind the model reads (images or token ids), with ids it can look up."""
+    if data is None:
+        return
+    m = v.model
+    if data.is_tokens != m.tokens:
+        reads, gives = ("int64 token ids", "images") if m.tokens else ("images", "token ids")
+        raise InputError(
+            f"{m.path}: reads {reads} but --data {data.spec} gives {gives}; give matching data"
+        )
+    if m.tokens and m.vocab is not None and data.vocab > m.vocab:
+        raise InputError(
+            f"{m.path}: embeds {m.vocab} token ids, --data {data.spec} reaches id "
+            f"{data.vocab - 1}; give data of its vocabulary"
+        )
+
+
+def inputs(m, batch: int, data, rng: np.random.Generator) -> np.ndarray:
+    """Random inputs for model `m` (a `variants.Model`) at `batch`: float32 images, or int64
+    token ids valid for the data's vocabulary (or the model's, when no data is given)."""
+    from models.data import random_inputs
+
+    shape = (batch, *_shape_of(m, data))
+    vocab = data.vocab if data is not None and data.is_tokens else m.vocab
+    return random_inputs(shape, m.tokens, vocab, rng)
+
+
+def _shape_of(m, data) -> tuple[int, ...]:
+    if data is not None:
+        return tuple(data.in_shape)
+    if m.in_shape is None:
+        raise InputError(f"{m.path}: its input shape is not fixed in the file; pass --data SPEC")
+    return tuple(m.in_shape)
 
 
 def _skip(v, reason: str) -> dict[str, Any]:
@@ -435,7 +474,9 @@ def _macs(v, batch: int, data) -> int | None:
     m = v.model
     try:
         if m.format == "pytorch":
-            x = torch.zeros((batch, *_shape(v, data)))
+            # Token models: id 1, which any embedding holds (0 is padding in compress's data).
+            shape = (batch, *_shape(v, data))
+            x = torch.ones(shape, dtype=torch.int64) if m.tokens else torch.zeros(shape)
             net = m.state
             return flops.torch_macs(net, x)
         if m.format == "onnx":
@@ -445,13 +486,16 @@ def _macs(v, batch: int, data) -> int | None:
     return None  # .ort files keep no ONNX graph to count
 
 
-def _explain(results: list[dict[str, Any]], data) -> None:
+def _explain(results: list[dict[str, Any]], data, variants: list = ()) -> None:
     """Compare each INT8 row with the FP32 file it was made from (same provider, batch and
     threads); when INT8 is slower, say so and name the operators that dominate both (ORT's
-    profiler)."""
+    profiler). `variants`: the measured ones, whose models say what input each file takes
+    (a file not among them is read again)."""
     from compressor import ortprofile
+    from compressor import variants as variants_mod
     from compressor.export import clearly_faster
 
+    models = {str(v.model.path): v.model for v in variants}
     rows = {(r["path"], r["provider"], r["batch"], r["threads"]): r for r in results}
     for r in results:
         if r["precision"] != "int8" or not r.get("source"):
@@ -465,8 +509,8 @@ def _explain(results: list[dict[str, Any]], data) -> None:
         note = f"INT8 {r['p50_ms'] / fp32['p50_ms']:.2f}x slower than its FP32 file"
         if r["provider"] == "CPUExecutionProvider" and r["format"] == "onnx":
             try:
-                shape = (r["batch"], *_input_shape(Path(r["path"]), data))
-                x = np.random.default_rng(0).random(shape, dtype=np.float32)
+                m = models.get(r["path"]) or variants_mod.load(Path(r["path"]))
+                x = inputs(m, r["batch"], data, np.random.default_rng(0))
                 tops = [
                     ortprofile.top_ops(ortprofile.profile_ops(Path(f), x, threads=r["threads"]))
                     for f in (r["path"], fp32["path"])
@@ -475,10 +519,3 @@ def _explain(results: list[dict[str, Any]], data) -> None:
             except Exception as e:  # the explanation is a bonus; the measurement stands
                 note += f" (profile failed: {type(e).__name__})"
         r["notes"].append(note)
-
-
-def _input_shape(path: Path, data) -> tuple[int, ...]:
-    if data is not None:
-        return tuple(data.in_shape)
-    session = _session(path, ["CPUExecutionProvider"], 1)
-    return tuple(session.get_inputs()[0].shape[1:])

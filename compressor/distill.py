@@ -14,7 +14,9 @@ transfer set. The transfer set is for scarce labels: the training inputs whose l
 (`labels`, a fraction) keep them, the rest and `transfer_size` x N synthetic inputs are labelled
 by the teacher. Synthetic inputs are either MUNGE (Bucilua 2006, Algorithm 1: swap each feature
 with the nearest neighbour's, plus Gaussian noise of the pair's local spread) or mixup
-(Zhang et al. 2018: convex combinations of two random training inputs).
+(Zhang et al. 2018: convex combinations of two random training inputs). Both blend or perturb
+input values, which token ids are not (id 412.5 means nothing): on token data only the
+`labels` fraction and `transfer = "none"` apply; hints and plain KD work on any input.
 """
 
 from __future__ import annotations
@@ -145,6 +147,17 @@ def synthetic_inputs(x: np.ndarray, kind: str, size: float, seed: int) -> np.nda
     return np.clip(out, x.min(), x.max())
 
 
+def check_transfer(d: dict[str, Any], data: Dataset) -> None:
+    """Refuse a synthetic transfer set (mixup, MUNGE) on int64 token ids: both make inputs by
+    blending or perturbing values, which ids are not."""
+    if data.is_tokens and d["transfer"] != "none":
+        raise InputError(
+            f"distill.transfer = {d['transfer']!r}: synthetic inputs blend or perturb input "
+            f'values, but --data {data.spec} is int64 token ids; use transfer = "none" '
+            "(distill.labels still makes labels scarce)"
+        )
+
+
 @torch.no_grad()
 def teacher_labels(teacher: nn.Module, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
     """The teacher's top-1 class for each input (an Ensemble: of its averaged probabilities)."""
@@ -160,7 +173,9 @@ def transfer_set(
     teacher: nn.Module, data: Dataset, kind: str, size: float, labels: float, seed: int
 ) -> tuple[Dataset, dict[str, Any]]:
     """The training set with only a `labels` fraction of its labels kept (a seeded draw), the
-    rest labelled by the teacher, plus `size` x N synthetic inputs labelled by the teacher."""
+    rest labelled by the teacher, plus `size` x N synthetic inputs labelled by the teacher
+    (none on token data, where `kind` must be "none")."""
+    check_transfer({"transfer": kind}, data)
     n = len(data.y_train)
     g = torch.Generator().manual_seed(seed)
     keep = torch.zeros(n, dtype=torch.bool)
@@ -226,8 +241,8 @@ class _HintModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:
             return self.student(x)
-        except _StopForward:
-            return x.new_zeros(len(x), self.num_classes)
+        except _StopForward:  # float logits, whatever the input's dtype (token ids are int64)
+            return torch.zeros(len(x), self.num_classes, device=x.device)
 
 
 def hint_adapter(student_feat: torch.Tensor, teacher_feat: torch.Tensor) -> nn.Module:
@@ -311,6 +326,7 @@ def distill_student(
     ensemble); return the student, its spec, the teacher/student record for the report, and
     the data it trained on (the transfer set, when the recipe asks for one: later stages must
     keep to it, or scarce labels would not stay scarce). Hints use the first teacher."""
+    check_transfer(d, data)
     members = [teacher] + [checkpoint.load(p).build_model() for p in d["teachers"]]
     x = data.x_train[:2]
     classes = []
@@ -322,6 +338,7 @@ def distill_student(
         raise InputError(
             f"distill: the ensemble's teachers predict {classes} classes; they must agree"
         )
+    data_mod.check_kind(d["student"], data, "distill.student")
     spec = zoo.resolve_spec(d["student"], dict(d["student_kwargs"]), data.in_shape, classes[0])
     student = zoo.build(spec, seed=0)
     data_mod.check_fits(student, data, spec.name)

@@ -2,16 +2,19 @@
 so a benchmark can report MACs, FLOPs and the GFLOP/s a runtime achieves.
 
 Only the layers that dominate inference count: convolutions and matrix products (Conv,
-Linear; in ONNX Conv, ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger, QLinearMatMul).
-Elementwise work (bias adds, BatchNorm, activations, pooling, quantize/dequantize) is not a MAC
-and is left out on both sides, so `torch_macs(model) == onnx_macs(exported file)`; a QDQ INT8
-file counts the same as its FP32 source, since its Conv/MatMul nodes keep their shapes.
+Linear, MultiheadAttention's projections and its two attention products; in ONNX Conv,
+ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger, QLinearMatMul). Elementwise work (bias
+adds, BatchNorm, LayerNorm, activations, softmax, pooling, quantize/dequantize) and embedding
+look-ups (a Gather, no arithmetic) are not MACs and are left out on both sides, so
+`torch_macs(model) == onnx_macs(exported file)`; a QDQ INT8 file counts the same as its FP32
+source, since its Conv/MatMul nodes keep their shapes.
 
 FLOPs = 2 x MACs (one multiply and one add per MAC), the convention of most papers.
 
 Limits: `torch_macs` sees layers through their `forward` (hooks), so a bare `torch.matmul` in a
-user's `forward`, or a layer whose weight is used without calling it (nn.MultiheadAttention's
-out_proj), is not counted; transposed convolutions are not counted on either side; `onnx_macs`
+user's `forward`, or a layer whose weight is used without calling it, is not counted
+(nn.MultiheadAttention is counted as a whole: its out_proj is such a layer); attention over
+padded keys counts every key, as the exported graph computes them; transposed convolutions are not counted on either side; `onnx_macs`
 reads the main graph only (no If/Loop bodies).
 
 onnx is imported inside functions, so `import compressor.flops` stays light.
@@ -52,13 +55,31 @@ def _linear_macs(module: nn.Module, output: torch.Tensor) -> int:
     return output.numel() * module.in_features
 
 
-def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
-    """MACs of one forward pass of `model` on `example` (at the example's batch size).
+def _attention_macs(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> int:
+    """q/k/v projections, Q K^T and A V over all heads, and the output projection."""
+    q, k = (args[i] if i < len(args) else kwargs[n] for i, n in enumerate(("query", "key")))
+    e = module.embed_dim
+    if q.dim() == 2:  # unbatched (L, E)
+        batch, lq, lk = 1, q.shape[0], k.shape[0]
+    elif module.batch_first:
+        batch, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+    else:
+        batch, lq, lk = q.shape[1], q.shape[0], k.shape[0]
+    # bias_k/bias_v and add_zero_attn each append one key to attend to after the projections.
+    keys = lk + (module.bias_k is not None) + bool(module.add_zero_attn)
+    project = batch * (lq * e * e + lk * module.kdim * e + lk * module.vdim * e)
+    attend = 2 * batch * lq * keys * e  # Q K^T and A V: head_dim x heads = e per pair
+    return project + attend + batch * lq * e * e
 
-    Counted with forward hooks on Conv1d/2d/3d and Linear modules, parametrized ones included
-    (a parametrization subclasses the layer's class). A module called twice counts twice. The
-    model runs once without autograd in eval mode; its train/eval flags are restored after, so
-    BatchNorm statistics are left as they were.
+
+def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
+    """MACs of one forward pass of `model` on `example` (at the example's batch size;
+    float images or int64 token ids, whatever the model reads).
+
+    Counted with forward hooks on Conv1d/2d/3d, Linear and MultiheadAttention modules,
+    parametrized ones included (a parametrization subclasses the layer's class). A module
+    called twice counts twice. The model runs once without autograd in eval mode; its
+    train/eval flags are restored after, so BatchNorm statistics are left as they were.
     """
     counts: list[int] = []
 
@@ -68,6 +89,9 @@ def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
         else:
             counts.append(_conv_macs(module, output))
 
+    def attention_hook(module, args, kwargs, _output):
+        counts.append(_attention_macs(module, args, kwargs))
+
     handles = []
     flags = {m: m.training for m in model.modules()}
     try:
@@ -75,6 +99,8 @@ def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
             is_conv = isinstance(m, nn.modules.conv._ConvNd) and not m.transposed
             if is_conv or isinstance(m, nn.Linear):
                 handles.append(m.register_forward_hook(hook))
+            elif isinstance(m, nn.MultiheadAttention):
+                handles.append(m.register_forward_hook(attention_hook, with_kwargs=True))
         model.eval()
         with torch.no_grad():
             model(example)

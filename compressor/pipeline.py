@@ -21,7 +21,7 @@ from compressor import report as report_mod
 from compressor import shrink as shrink_mod
 from compressor.export import compat, int8, mobile
 from models import checkpoint
-from models.data import Dataset
+from models.data import Dataset, check_kind, embedding_rows
 from models.errors import InputError
 from models.fileio import atomic_path, check_writable, refuse_link, umask
 from models.zoo import ModelSpec, build, state_shapes
@@ -73,7 +73,7 @@ def shrink_to_folder(
 ) -> dict[str, Any]:
     """Run the pipeline and write student.dcz, student.pt, report.json/.md and plots into `out`."""
     check_out_dir(out)
-    calib = preflight(recipe, data)
+    calib = preflight(recipe, data, model)
     if recipe["export"]["enabled"] and data is not None:
         _probe_opset(model, recipe, data)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -150,22 +150,38 @@ def shrink_to_folder(
     return report
 
 
-def preflight(recipe: dict[str, Any], data: Dataset | None) -> np.ndarray | None:
+def preflight(
+    recipe: dict[str, Any], data: Dataset | None, model: nn.Module | None = None
+) -> np.ndarray | None:
     """Checks that would otherwise fail late, after minutes of training: the opset this ONNX
-    Runtime runs, the calibration file's shape, the ensemble's checkpoints. Returns the
-    calibration inputs when the recipe names a file."""
+    Runtime runs, the calibration file's shape and dtype (int64 token ids within the model's
+    vocabulary for a text model), a synthetic transfer set on token ids, a student for the
+    other kind of input, the ensemble's checkpoints. Returns the calibration inputs when the
+    recipe names a file."""
     e = recipe["export"]
     calib = None
+    if data is not None:
+        distill.check_transfer(recipe["distill"], data)
+        if recipe["distill"]["student"]:
+            check_kind(recipe["distill"]["student"], data, "distill.student")
     if e["enabled"]:
         export.check_runtime_opset(e["opset"], e["ir_version"] or None)
         if e["calibration_data"]:
             flag = "--calibration / export.calibration_data"
-            calib = export.load_calibration(Path(e["calibration_data"]), flag)
+            tokens = data is not None and data.is_tokens
+            calib = export.load_calibration(Path(e["calibration_data"]), flag, tokens)
             if data is not None and tuple(calib.shape[1:]) != tuple(data.in_shape):
                 raise InputError(
                     f"{flag} {e['calibration_data']}: inputs of shape "
                     f"{tuple(calib.shape[1:])}, the model takes {tuple(data.in_shape)}; "
                     "give samples shaped like the training data"
+                )
+            # The exported model is the student when distilling: its vocabulary is not known yet.
+            rows = embedding_rows(model) if model is not None and tokens else None
+            if rows is not None and not recipe["distill"]["student"] and calib.max() >= rows:
+                raise InputError(
+                    f"{flag} {e['calibration_data']}: token ids reach {calib.max()}, the model "
+                    f"embeds {rows} ids (0..{rows - 1}); give ids the model was trained on"
                 )
     for path in recipe["distill"]["teachers"]:
         try:  # exists, is a checkpoint, holds no code; shapes are checked later

@@ -2,9 +2,11 @@
 
 An input is a `.pt` checkpoint, an `.onnx` or `.ort` file, or a `compress shrink` output folder
 (then every model in it: `student.pt`, `student.fp32.onnx`, `student.int8.onnx`,
-`student.int8.ort`, or `student.fp32.ort` where shrink wrote no INT8 file). Each file becomes one `Model` (format, precision, bytes, parameters,
-input shape), and each model on each runtime one `Variant`: PyTorch eager FP32 (and bf16 where
-the CPU has native bf16), ONNX Runtime on the CPU provider, and on CUDA/TensorRT when present.
+`student.int8.ort`, or `student.fp32.ort` where shrink wrote no INT8 file). Each file becomes one
+`Model` (format, precision, bytes, parameters, input shape and kind: float32 images or int64
+token ids with the vocabulary they index), and each model on each runtime one `Variant`:
+PyTorch eager FP32 (and bf16 where the CPU has native bf16), ONNX Runtime on the CPU provider,
+and on CUDA/TensorRT when present.
 A runtime that is asked for but missing is returned as a skip with its reason, never an error.
 """
 
@@ -33,6 +35,7 @@ PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
+INPUT_TYPES = ("tensor(float)", "tensor(int64)")  # float32 images, int64 token ids
 _QUANT_OPS = {
     "QuantizeLinear",
     "DequantizeLinear",
@@ -59,6 +62,8 @@ class Model:
     state: Any = None  # the checkpoint, for PyTorch models
     fixed_batch: int | None = None  # a file exported with a fixed batch size runs only at it
     source: Path | None = None  # the FP32 file an INT8 file was made from, when known
+    tokens: bool = False  # its one input is int64 token ids (N, L), not float32 (N, C, H, W)
+    vocab: int | None = None  # token models: ids 0..vocab-1 are valid, when the file says so
 
 
 @dataclass
@@ -147,8 +152,31 @@ def load(path: Path, model: str | None = None, data=None) -> Model:
             tuple(net.in_shape) if hasattr(net, "in_shape") else data_shape
         )
         params = sum(p.numel() for p in net.parameters())
-        return Model(path, "pytorch", "fp32", size, params, shape, label, spec, net)
+        tokens, vocab = _torch_tokens(spec, net, data)
+        kind = {"tokens": tokens, "vocab": vocab}
+        return Model(path, "pytorch", "fp32", size, params, shape, label, spec, net, **kind)
     return _onnx_model(path, size, label)
+
+
+def _torch_tokens(spec: ModelSpec, net, data) -> tuple[bool, int | None]:
+    """(reads token ids?, how many ids it embeds) of a PyTorch model: a zoo model says what it
+    reads, and so does a class with an `input_kind` attribute ("image" or "tokens"); another
+    one reads token ids when the data are token ids, or, without data, when it has an
+    nn.Embedding."""
+    from models import zoo
+    from models.data import embedding_rows
+
+    rows = embedding_rows(net)
+    kind = getattr(net, "input_kind", None)
+    if not spec.is_import_path:
+        tokens = zoo.input_kind(spec.name) == "tokens"
+    elif kind in zoo.INPUT_KINDS:
+        tokens = kind == "tokens"
+    elif data is not None:
+        tokens = data.is_tokens
+    else:
+        tokens = rows is not None
+    return tokens, rows if tokens else None
 
 
 def disambiguate(models: list[Model]) -> list[Model]:
@@ -167,14 +195,16 @@ def disambiguate(models: list[Model]) -> list[Model]:
 
 def _onnx_model(path: Path, size: int, label: str) -> Model:
     # Every ONNX/ORT file is loaded in ONNX Runtime once here, so a file it cannot run, or one
-    # that does not take a single float tensor, is refused before any timing (exit 2).
+    # that does not take a single float32 or int64 tensor, is refused before any timing (exit 2).
     session = _ort_session(path)
     inputs = session.get_inputs()
-    if len(inputs) != 1 or inputs[0].type != "tensor(float)":
+    if len(inputs) != 1 or inputs[0].type not in INPUT_TYPES:
         got = ", ".join(f"{i.name}: {i.type}" for i in inputs)
         raise InputError(
-            f"{path}: takes {got}; compress bench feeds one float32 image tensor (N, C, H, W)"
+            f"{path}: takes {got}; compress bench feeds one input tensor: float32 images "
+            "(N, C, H, W) or int64 token ids (N, L), the padding mask derived inside the model"
         )
+    tokens = inputs[0].type == "tensor(int64)"
     first, *dims = inputs[0].shape
     shape = tuple(dims) if all(isinstance(d, int) for d in dims) else None
     fixed = first if isinstance(first, int) and first > 0 else None
@@ -184,14 +214,42 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
         # The ORT format keeps no ONNX graph to inspect: the precision is in the name, which
         # compress shrink writes (student.int8.ort).
         precision = "int8" if ".int8" in path.name else "fp32"
-        return Model(path, "ort", precision, size, None, shape, label, None, None, fixed, source)
+        return Model(
+            path, "ort", precision, size, None, shape, label, fixed_batch=fixed, source=source,
+            tokens=tokens,
+        )  # fmt: skip
     import onnx
 
     proto = onnx.load(str(path))
     ops = {n.op_type for n in proto.graph.node}
     precision = "int8" if ops & _QUANT_OPS else "fp32"
     params = onnx_parameters(proto)
-    return Model(path, "onnx", precision, size, params, shape, label, None, None, fixed, source)
+    vocab = onnx_vocab(proto) if tokens else None
+    return Model(
+        path, "onnx", precision, size, params, shape, label, fixed_batch=fixed, source=source,
+        tokens=tokens, vocab=vocab,
+    )  # fmt: skip
+
+
+def onnx_vocab(proto) -> int | None:
+    """Rows of the embedding table the graph input indexes: the smallest first dimension of an
+    initializer that a Gather node looks the input up in (None when no Gather reads it
+    directly). A QDQ file's table may sit behind a DequantizeLinear, which is followed back."""
+    graph = proto.graph
+    inits = {t.name: tuple(t.dims) for t in graph.initializer}
+    made_by = {o: n for n in graph.node for o in n.output}
+    source = graph.input[0].name
+    rows = []
+    for n in graph.node:
+        if n.op_type != "Gather" or len(n.input) < 2 or n.input[1] != source:
+            continue
+        table = n.input[0]
+        dq = made_by.get(table)
+        if dq is not None and dq.op_type == "DequantizeLinear":
+            table = dq.input[0]
+        if inits.get(table):
+            rows.append(inits[table][0])
+    return min(rows) if rows else None
 
 
 def onnx_parameters(proto) -> int:

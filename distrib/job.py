@@ -192,8 +192,9 @@ def _prepare(job: TrainJob, events: Events):
     stored = _stored_run(job)
     if stored is not None:
         job, ck = stored
-        ds = data.load(job.data)
+        # Built first: building checks the consent to import code the checkpoint names.
         model = ck.build_model(allow_import="model" in job.explicit)
+        ds = data.load(job.data, data.forward_input(model))
         data.check_fits(model, ds, job.model)
         spec, resume = ck.spec, ck.train_state
         if resume["epoch"] >= job.config.epochs:
@@ -204,12 +205,22 @@ def _prepare(job: TrainJob, events: Events):
                 f"of {job.config.epochs} epochs"
             )
     else:
-        ds = data.load(job.data)
+        ds = data.load(job.data, _input_name(job.model))
+        data.check_kind(job.model, ds)
         spec = zoo.resolve_spec(job.model, job.model_kwargs, ds.in_shape, ds.num_classes)
         model = zoo.build(spec, seed=job.config.seed)
         data.check_fits(model, ds, job.model)
         resume = None
     return job, ds, model, spec, resume
+
+
+def _input_name(model: str) -> str | None:
+    """The model class's forward argument: an npz array of that name is its input (e.g. `ids`
+    token ids for textcls). A model with two required arguments is refused here, before the
+    data is read."""
+    cls = zoo.resolve(model)
+    data.check_one_input(cls, model)
+    return data.forward_input(cls)
 
 
 def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:

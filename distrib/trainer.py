@@ -273,6 +273,8 @@ def fit(
     updater: Any = None,
 ) -> TrainResult:
     """Train `model` in place on `data.x_train` and evaluate on `data.x_test` after each epoch.
+    Batches reach the model as the data holds them (float32 images, or int64 token ids, which
+    `--precision bf16` leaves alone: autocast casts only inside the model's float operations).
 
     `resume` is the `train_state` of a checkpoint written by this loop; the caller has already
     loaded the matching weights into `model`. `updater` (a parameter-server worker) replaces

@@ -1,10 +1,16 @@
-"""Data sets behind `--data SPEC`, loaded into memory as float32 tensors in [0, 1].
+"""Data sets behind `--data SPEC`, loaded into memory: float32 images in [0, 1], or int64
+token ids for text models.
 
 Specs
     digits          scikit-learn's bundled 8x8 digits (1,797 images; nothing is downloaded)
     digits:28       the same, resized to 28x28 (bilinear), e.g. for LeNet-5's Caffe geometry
     mnist:DIR       MNIST IDX files in DIR, gzipped or raw
-    npz:FILE        a NumPy .npz with arrays x, y and optionally x_test, y_test
+    npz:FILE        a NumPy .npz with arrays x (or input_ids), y and optionally x_test, y_test
+    tokens          synthetic text, generated here (nothing is downloaded; ~0.1 s): 3,000
+                    sequences of 32 int64 token ids, vocabulary 1,000, id 0 = padding, 4 classes
+    tokens:L        the same with sequences of L tokens (12..1024)
+    tokens:L:V      ... and a vocabulary of V ids (32..250000), e.g. tokens:16:64 for the zoo's
+                    tiny textcls
 
 Splits are fixed so every run and every stage sees the same test set, whatever `--seed` says:
     digits          stratified 80/20 split with scikit-learn, random_state=0 (1,437 / 360)
@@ -12,16 +18,32 @@ Splits are fixed so every run and every stage sees the same test set, whatever `
                     exist, image i is a test image when i % 5 == 4 (8,000 train / 2,000 test,
                     drawn evenly from both halves of t10k, which differ in writers)
     npz             x_test/y_test when present, else every 5th sample (i % 5 == 4) is test
+    tokens          sample i is a test sample when i % 5 == 4 (2,400 / 600)
 
 Images are (N, C, H, W); (N, H, W) gains a channel and (N, F) features become (N, 1, 1, F).
 Unsigned integer pixels are scaled by their type's maximum (uint8 / 255), signed ones (0..255)
 by 255, digits by 16; float arrays are used as given. npz labels are classes 0..K-1, each
 present in the training split.
+
+Token ids are int64 (N, L), never scaled, and the model masks its own padding (`textcls` masks
+id 0): compress feeds a model exactly one input tensor. In an npz, the input array is
+    x               images or features, as above (integer arrays are pixels, scaled)
+    input_ids       integer token ids (N, L), kept as int64 (the argument name of BERT-style
+                    models); input_ids_test pairs with y_test
+    NAME            an array named after the model's forward argument (e.g. `ids` for
+                    textcls), when the caller names it (`load(spec, input_name=...)`): integer
+                    arrays are token ids, float arrays are used as x would be
+A second input array (x with input_ids, or attention_mask / token_type_ids / position_ids) is
+refused: derive the mask inside the model from a padding id instead. The tokens spec labels a
+sequence by which of 4 groups of 4 "keyword" ids (ids 1..16) occurs most often in it; the
+other ids are random filler, and sequences are 1/2 to all of L tokens long, padded with 0.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
+import inspect
 import io
 import math
 import struct
@@ -35,7 +57,7 @@ import torch
 
 from models.errors import InputError
 
-SPECS_HELP = "digits, digits:28, mnist:DIR or npz:FILE"
+SPECS_HELP = "digits, digits:28, mnist:DIR, npz:FILE or tokens[:L[:V]]"
 MAX_CLASSES = 100_000
 
 
@@ -44,7 +66,7 @@ class Dataset:
     """An in-memory classification data set with a fixed train/test split."""
 
     spec: str
-    x_train: torch.Tensor  # float32 (N, C, H, W)
+    x_train: torch.Tensor  # float32 (N, C, H, W), or int64 token ids (N, L)
     y_train: torch.Tensor  # int64 (N,)
     x_test: torch.Tensor
     y_test: torch.Tensor
@@ -52,22 +74,64 @@ class Dataset:
 
     @property
     def in_shape(self) -> tuple[int, ...]:
+        """One sample's shape: (C, H, W) for images, (L,) for token ids."""
         return tuple(self.x_train.shape[1:])
 
+    @property
+    def is_tokens(self) -> bool:
+        """Inputs are int64 token ids (N, L), not float images."""
+        return not self.x_train.is_floating_point()
+
+    @functools.cached_property  # a pass over every id: computed once per data set
+    def vocab(self) -> int | None:
+        """Token data: the highest id in either split + 1 (what an embedding must hold)."""
+        if not self.is_tokens:
+            return None
+        return max(int(self.x_train.max()), int(self.x_test.max())) + 1
+
     def describe(self) -> str:
-        c, h, w = self.in_shape
+        """One line: spec, split sizes, input shape and class count."""
+        if self.is_tokens:
+            (length,) = self.in_shape
+            shape = f"{length} token ids (< {self.vocab})"
+        else:
+            shape = "x".join(map(str, self.in_shape))
         return (
             f"{self.spec}: {len(self.y_train)} train / {len(self.y_test)} test, "
-            f"{c}x{h}x{w}, {self.num_classes} classes"
+            f"{shape}, {self.num_classes} classes"
         )
 
+    def random_inputs(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n random inputs shaped like this data: uniform [0, 1) float32 for images, int64 ids
+        in [1, vocab) for tokens (0 is padding in the specs compress generates)."""
+        return random_inputs((n, *self.in_shape), self.is_tokens, self.vocab, rng)
 
-def load(spec: str) -> Dataset:
-    """Load the data set a `--data` spec names; errors name the spec and the problem."""
+
+def random_inputs(
+    shape: tuple[int, ...], tokens: bool, vocab: int | None, rng: np.random.Generator
+) -> np.ndarray:
+    """Random model inputs of `shape`: float32 in [0, 1), or for a token model int64 ids in
+    [1, vocab) (every id a valid embedding row; with no vocabulary known, all ids are 1, which
+    any embedding of two or more rows holds)."""
+    if not tokens:
+        return rng.random(shape, dtype=np.float32)
+    if vocab is None or vocab <= 2:
+        return np.ones(shape, np.int64)
+    return rng.integers(1, vocab, shape, dtype=np.int64)
+
+
+def load(spec: str, input_name: str | None = None) -> Dataset:
+    """Load the data set a `--data` spec names; errors name the spec and the problem.
+
+    `input_name`: the model's forward argument (`forward_input`), when the caller knows the
+    model; an npz array of that name is then taken as the input too (see the module doc).
+    """
     kind, sep, arg = spec.partition(":")
     if kind == "digits":
         side = _parse_side(spec, arg) if sep else 8
         return _digits(spec, side)
+    if kind == "tokens":
+        return _tokens(spec, *_parse_tokens(spec, arg if sep else ""))
     if kind in ("mnist", "npz") and not arg:
         raise InputError(
             f"--data {spec!r}: {kind} needs a path, e.g. {kind}:{'DIR' if kind == 'mnist' else 'FILE.npz'}"
@@ -75,7 +139,7 @@ def load(spec: str) -> Dataset:
     if kind == "mnist":
         return _mnist(spec, Path(arg).expanduser())
     if kind == "npz":
-        return _npz(spec, Path(arg).expanduser())
+        return _npz(spec, Path(arg).expanduser(), input_name)
     raise InputError(f"--data {spec!r}: unknown data spec; use {SPECS_HELP}")
 
 
@@ -103,6 +167,66 @@ def _digits(spec: str, side: int) -> Dataset:
     yt = torch.from_numpy(y)
     i_tr, i_te = torch.from_numpy(idx_train), torch.from_numpy(idx_test)
     return _checked(spec, xt[i_tr], yt[i_tr], xt[i_te], yt[i_te])
+
+
+# --- synthetic token sequences ---------------------------------------------------------------
+
+TOKENS_LENGTH, TOKENS_VOCAB = 32, 1000  # `tokens` without arguments
+TOKENS_SAMPLES, TOKENS_CLASSES, TOKENS_KEYWORDS = 3000, 4, 4  # samples, classes, ids per class
+TOKENS_LENGTHS, TOKENS_VOCABS = (12, 1024), (32, 250_000)
+TOKENS_SEED = 0  # fixed: the data set is the same on every run, whatever --seed says
+
+
+def _parse_tokens(spec: str, arg: str) -> tuple[int, int]:
+    parts = arg.split(":") if arg else []
+    (lo, hi), (vlo, vhi) = TOKENS_LENGTHS, TOKENS_VOCABS
+    ok = len(parts) <= 2 and all(p.isdigit() for p in parts)
+    length = int(parts[0]) if ok and parts else TOKENS_LENGTH
+    vocab = int(parts[1]) if ok and len(parts) == 2 else TOKENS_VOCAB
+    if not ok or not lo <= length <= hi or not vlo <= vocab <= vhi:
+        raise InputError(
+            f"--data {spec!r}: tokens takes tokens[:L[:V]] with sequence length L {lo}..{hi} "
+            f"and vocabulary V {vlo}..{vhi}, e.g. tokens:16:64"
+        )
+    return length, vocab
+
+
+def token_sequences(
+    n: int, length: int, vocab: int, seed: int = TOKENS_SEED
+) -> tuple[np.ndarray, np.ndarray]:
+    """n labelled int64 sequences (n, length), padded with id 0 after a random length of
+    length/2..length. Class k owns keyword ids 1 + 4k .. 4 + 4k; a sequence of class y holds
+    1-3 of y's keywords and fewer of every other class's, at random places among filler ids
+    drawn from the rest of the vocabulary. Classes are balanced."""
+    rng = np.random.default_rng(seed)
+    k, g = TOKENS_CLASSES, TOKENS_KEYWORDS
+    y = rng.permutation(np.arange(n) % k)
+    most = rng.integers(1, 4, n)  # the winning class's keyword count
+    counts = (rng.random((n, k)) * most[:, None]).astype(np.int64)  # others: 0 .. most-1
+    counts[np.arange(n), y] = most
+    total = counts.sum(1)  # <= 3 + 3 * 2 = 9 < 12, the shortest L allowed
+    lengths = rng.integers(np.maximum(total, length // 2), length + 1)
+    pos = np.arange(length)
+    ids = rng.integers(1 + k * g, vocab, (n, length), dtype=np.int64)
+    ids[pos >= lengths[:, None]] = 0
+    # Keyword slots: the first `total` places of a random order of each sequence's places.
+    keys = rng.random((n, length)) + (pos >= lengths[:, None])  # padding sorts last
+    places = np.argsort(keys, axis=1)[:, : int(total.max())]
+    slot = np.arange(places.shape[1])
+    cls = (slot[None, :, None] >= counts.cumsum(1)[:, None, :]).sum(2)  # class of each slot
+    word = 1 + cls * g + rng.integers(0, g, cls.shape)
+    rows = np.broadcast_to(np.arange(n)[:, None], places.shape)
+    used = slot[None, :] < total[:, None]
+    ids[rows[used], places[used]] = word[used]
+    return ids, y.astype(np.int64)
+
+
+def _tokens(spec: str, length: int, vocab: int) -> Dataset:
+    x, y = token_sequences(TOKENS_SAMPLES, length, vocab)
+    is_test = np.arange(len(y)) % 5 == 4
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    train, test = torch.from_numpy(~is_test), torch.from_numpy(is_test)
+    return _checked(spec, xt[train], yt[train], xt[test], yt[test], TOKENS_CLASSES)
 
 
 # --- MNIST IDX ------------------------------------------------------------------------------
@@ -188,29 +312,49 @@ def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 NPZ_MAX_EXPANSION = 100
 NPZ_FREE_BYTES = 64 * 2**20
 NPY_MAX_HEADER = 10_000  # numpy's own limit on a .npy header (the dict of shape and dtype)
-NPZ_ARRAYS = ("x", "y", "x_test", "y_test")
+TOKEN_ARRAY = "input_ids"  # the forward argument of BERT-style models (Hugging Face's name)
+# Arrays that would be a model's second input: compress feeds one tensor, so they are refused.
+SECOND_INPUTS = ("attention_mask", "token_type_ids", "position_ids")
+ONE_INPUT = (
+    "compress feeds the model one input tensor: keep one input array (x for images or "
+    "features, input_ids for int token ids) and let the model derive its attention mask from "
+    "a padding id, as zoo model textcls does with id 0"
+)
 
 
-def _npz(spec: str, path: Path) -> Dataset:
+def _npz(spec: str, path: Path, input_name: str | None = None) -> Dataset:
     if not path.is_file():
         raise InputError(f"--data {spec!r}: file {path} does not exist")
     with open(path, "rb") as f:
         if f.read(2) != b"PK":
             raise InputError(f"--data {spec!r}: {path} is not an .npz file (a zip of .npy arrays)")
-    names, arrays = _npz_arrays(spec, path)
-    missing = [k for k in ("x", "y") if k not in arrays]
+    candidates = list(dict.fromkeys(["x", TOKEN_ARRAY, *([input_name] if input_name else [])]))
+    candidates = [c for c in candidates if c not in ("y", "y_test")]
+    wanted = [*candidates, *(f"{c}_test" for c in candidates), "y", "y_test"]
+    names, arrays = _npz_arrays(spec, path, wanted)
+    where = f"--data {spec!r}: {path.name}"
+    inputs = [c for c in candidates if c in arrays]
+    second = [n for n in sorted(names) if n.removesuffix("_test") in SECOND_INPUTS]
+    if len(inputs) > 1 or second:
+        also = f" besides input array {inputs[0]}" if inputs else ""
+        raise InputError(f"{where} holds {' and '.join(inputs[1:] + second)}{also}; {ONE_INPUT}")
+    missing = [k for k in (inputs or ["x"]) + ["y"] if k not in arrays]
     if missing:
         raise InputError(
-            f"--data {spec!r}: {path.name} lacks array(s) {', '.join(missing)} "
-            f"(has: {', '.join(sorted(names)) or 'none'}); save with np.savez(f, x=..., y=...)"
+            f"{where} lacks array(s) {', '.join(missing)} "
+            f"(has: {', '.join(sorted(names)) or 'none'}); save with np.savez(f, x=..., y=...), "
+            f"or input_ids=... for int token ids"
         )
-    if ("x_test" in arrays) != ("y_test" in arrays):
-        raise InputError(f"--data {spec!r}: {path.name} needs both x_test and y_test, or neither")
-    x, y = _npz_x(spec, "x", arrays["x"]()), _npz_y(spec, "y", arrays["y"]())
+    name = inputs[0]
+    test = f"{name}_test"
+    if (test in arrays) != ("y_test" in arrays):
+        raise InputError(f"{where} needs both {test} and y_test, or neither")
+    x, y = _npz_input(spec, name, arrays[name]()), _npz_y(spec, "y", arrays["y"]())
     if len(x) != len(y):
-        raise InputError(f"--data {spec!r}: x has {len(x)} images but y has {len(y)} labels")
-    if "x_test" in arrays:
-        xt = _npz_x(spec, "x_test", arrays["x_test"]())
+        what = "images" if x.is_floating_point() else "token sequences"
+        raise InputError(f"--data {spec!r}: {name} has {len(x)} {what} but y has {len(y)} labels")
+    if test in arrays:
+        xt = _npz_input(spec, test, arrays[test]())
         yt = _npz_y(spec, "y_test", arrays["y_test"]())
     else:
         is_test = torch.arange(len(y)) % 5 == 4
@@ -218,8 +362,10 @@ def _npz(spec: str, path: Path) -> Dataset:
     return _checked(spec, x, y, xt, yt)
 
 
-def _npz_arrays(spec: str, path: Path) -> tuple[list[str], dict[str, Callable[[], np.ndarray]]]:
-    """The names in an .npz, and a reader for each array compress uses (NPZ_ARRAYS), after
+def _npz_arrays(
+    spec: str, path: Path, wanted: list[str]
+) -> tuple[list[str], dict[str, Callable[[], np.ndarray]]]:
+    """The names in an .npz, and a reader for each `wanted` array it holds, after
     checking what the zip directory and each .npy header declare, before anything is
     decompressed: sizes against the file, the expansion of compressed members, the element
     cap, and dtypes (object arrays need pickle: refused)."""
@@ -255,7 +401,7 @@ def _npz_arrays(spec: str, path: Path) -> tuple[list[str], dict[str, Callable[[]
     readers: dict[str, Callable[[], np.ndarray]] = {}
     elements = 0
     with zipfile.ZipFile(path) as z:
-        for name in NPZ_ARRAYS:
+        for name in wanted:
             info = by_name.get(name)
             if info is None:
                 continue
@@ -328,6 +474,27 @@ def _npy_reader(
     return read
 
 
+def _npz_input(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
+    """An input array: integer token ids under any name but x (int64, unscaled), else images."""
+    if name.removesuffix("_test") == "x" or a.dtype.kind not in "iu":
+        if name.removesuffix("_test") == TOKEN_ARRAY:
+            raise InputError(
+                f"--data {spec!r}: array {name} has dtype {a.dtype}; input_ids holds integer "
+                "token ids (store int64), images go in x"
+            )
+        return _npz_x(spec, name, a)
+    if a.ndim != 2 or a.shape[1] < 1:
+        raise InputError(
+            f"--data {spec!r}: token ids {name} have shape {a.shape}; use (N, L), one row of "
+            "L ids per sample, padded with the model's padding id"
+        )
+    if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int64).max):
+        raise InputError(
+            f"--data {spec!r}: token ids {name} reach [{a.min()}, {a.max()}]; ids are 0 or more"
+        )
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
 def _npz_x(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
     if a.dtype.kind not in "fiub":
         raise InputError(f"--data {spec!r}: array {name} has dtype {a.dtype}; use numbers")
@@ -377,17 +544,23 @@ def _checked(
     y_test: torch.Tensor,
     num_classes: int | None = None,
 ) -> Dataset:
+    what = "images" if x_train.is_floating_point() else "token sequences"
     for part, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
         if len(x) == 0:
             raise InputError(f"--data {spec!r}: the {part} split is empty")
         if len(x) != len(y):
-            raise InputError(f"--data {spec!r}: {part} has {len(x)} images but {len(y)} labels")
+            raise InputError(f"--data {spec!r}: {part} has {len(x)} {what} but {len(y)} labels")
         if not torch.isfinite(x).all():
             raise InputError(f"--data {spec!r}: {part} images contain NaN or infinity")
     if x_train.shape[1:] != x_test.shape[1:]:
         raise InputError(
-            f"--data {spec!r}: train images are {tuple(x_train.shape[1:])} "
-            f"but test images {tuple(x_test.shape[1:])}"
+            f"--data {spec!r}: train {what} are {tuple(x_train.shape[1:])} "
+            f"but test {what} {tuple(x_test.shape[1:])}"
+        )
+    if x_train.dtype != x_test.dtype:
+        raise InputError(
+            f"--data {spec!r}: train inputs are {x_train.dtype} but test inputs {x_test.dtype}; "
+            "store both as token ids, or both as images"
         )
     if num_classes is None:  # npz: classes are 0..K-1, every one present in training
         lo, hi = int(y_train.min()), int(y_train.max())
@@ -424,17 +597,103 @@ def check_labels(data: Dataset, num_classes: int, model_name: str) -> None:
         )
 
 
-def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
-    """Fail with one line when `data` cannot go through `model` (shape or class count).
+def _forward_params(model: torch.nn.Module | type) -> list[inspect.Parameter]:
+    """The parameters of a model's (or model class's) forward, `self` left out; none when it
+    has no forward to read (a factory function that builds the model)."""
+    forward = getattr(model, "forward", None)
+    if forward is None:
+        return []
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a C-implemented or wrapped forward: nothing to read
+        return []
+    if isinstance(model, type) and params and params[0].name == "self":
+        params = params[1:]
+    return params
 
-    Runs one forward pass on two training images, in eval mode so BatchNorm statistics stay
+
+def forward_input(model: torch.nn.Module | type) -> str | None:
+    """The name of the first positional argument of the model's forward (e.g. `ids` for
+    textcls, `input_ids` for BERT-style models): the npz array `load` may take as input."""
+    for p in _forward_params(model):
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return p.name
+    return None
+
+
+def check_one_input(model: torch.nn.Module | type, model_name: str) -> None:
+    """Refuse a model whose forward needs two or more arguments: compress feeds one tensor."""
+    required = [
+        p.name
+        for p in _forward_params(model)
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.default is p.empty
+    ]
+    if len(required) > 1:
+        raise InputError(
+            f"model {model_name}: forward needs {len(required)} arguments ({', '.join(required)}) "
+            "but compress feeds one input tensor (images, or int64 token ids); give the others "
+            "defaults, or wrap the model so it derives them from the one input (a mask from a "
+            "padding id, as zoo model textcls does)"
+        )
+
+
+def check_kind(model_name: str, data: Dataset, flag: str = "--model") -> None:
+    """Before building a model for `data`: refuse a zoo model (or a class with an `input_kind`
+    attribute) that reads images when the data are token ids, or the other way round."""
+    from models import zoo
+
+    cls = zoo.resolve(model_name)
+    kind = zoo.input_kind(model_name) if ":" not in model_name else None
+    kind = kind or getattr(cls, "input_kind", None)
+    if kind not in zoo.INPUT_KINDS or (kind == "tokens") == data.is_tokens:
+        return
+    gives = "int64 token ids" if data.is_tokens else "images"
+    others = sorted(n for n in zoo.available() if zoo.input_kind(n) != kind)
+    raise InputError(
+        f"{flag} {model_name} reads {'token ids' if kind == 'tokens' else 'images'} but --data "
+        f"{data.spec} gives {gives}; use a model for {gives} ({', '.join(others)}) or other data"
+    )
+
+
+def embedding_rows(model: torch.nn.Module) -> int | None:
+    """How many token ids the model can look up: its `vocab_size`, else the rows of its first
+    nn.Embedding; None when it has neither."""
+    size = getattr(model, "vocab_size", None)
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            return m.num_embeddings
+    return None
+
+
+def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
+    """Fail with one line when `data` cannot go through `model` (arguments, shape, token ids
+    beyond its vocabulary, or class count).
+
+    Runs one forward pass on two training samples, in eval mode so BatchNorm statistics stay
     untouched.
     """
+    check_one_input(model, model_name)
+    what = "token ids" if data.is_tokens else "images"
+    rows = embedding_rows(model)
+    hint = ""  # when the data and the model look like different kinds of input
+    if not data.is_tokens and rows is not None:
+        hint = "; the model looks up token ids (it has an nn.Embedding): give token data"
+    elif data.is_tokens and rows is None:
+        hint = "; it has no nn.Embedding to look token ids up in: give it float inputs"
     want = getattr(model, "in_shape", None)
     if want is not None and tuple(want) != tuple(data.in_shape):
         raise InputError(
-            f"--data {data.spec!r} gives images of shape {tuple(data.in_shape)} but model "
-            f"{model_name} was built for {tuple(want)}"
+            f"--data {data.spec!r} gives {what} of shape {tuple(data.in_shape)} but model "
+            f"{model_name} was built for {tuple(want)}{hint}"
+        )
+    if data.is_tokens and rows is not None and data.vocab > rows:
+        raise InputError(
+            f"--data {data.spec!r}: token ids reach {data.vocab - 1} but model {model_name} "
+            f"embeds {rows} ids (0..{rows - 1}); build it with vocab_size >= {data.vocab} "
+            "(--model-kwargs), or give data of a smaller vocabulary"
         )
     was_training = model.training
     model.eval()
@@ -444,8 +703,8 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
     except Exception as e:  # the model's own code decides what it raises
         detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InputError(
-            f"--data {data.spec!r}: images of shape {tuple(data.in_shape)} do not fit model "
-            f"{model_name} ({type(e).__name__}: {detail})"
+            f"--data {data.spec!r}: {what} of shape {tuple(data.in_shape)} do not fit model "
+            f"{model_name} ({type(e).__name__}: {detail[:200]}){hint}"
         ) from None
     finally:
         model.train(was_training)

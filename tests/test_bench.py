@@ -258,21 +258,21 @@ def test_fixed_batch_onnx_runs_at_its_batch_and_refuses_others(run, tmp_path):
     assert bad.exit_code == 2 and "fixed batch of 1; pass --batch 1" in bad.stderr
 
 
-def test_an_onnx_without_a_float_input_is_refused(run, tmp_path):
+def test_an_onnx_without_a_float_or_int64_input_is_refused(run, tmp_path):
     from onnx import TensorProto, helper, save
 
     g = helper.make_graph(
         [helper.make_node("Identity", ["x"], ["y"])],
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.INT64, [1, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("x", TensorProto.INT32, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [1, 3])],
     )
     save(
         helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9),
         str(tmp_path / "ints.onnx"),
     )
     result = run("bench", tmp_path / "ints.onnx", *FAST)
-    assert result.exit_code == 2 and "feeds one float32 image tensor" in result.stderr
+    assert result.exit_code == 2 and "feeds one input tensor: float32 images" in result.stderr
 
 
 def test_two_folders_with_equal_file_names_get_distinct_labels(run, shrunk, tmp_path):

@@ -179,3 +179,71 @@ def test_more_classes_than_the_model_predicts(mnist_dir):
     model = build(ModelSpec("mlp", {"in_shape": [1, 28, 28], "num_classes": 5}))
     with pytest.raises(InputError, match="labels reach 9 but model mlp predicts 5"):
         check_fits(model, data, "mlp")
+
+
+# --- token ids ------------------------------------------------------------------------------
+
+
+def test_tokens_spec_is_fixed_padded_and_labelled_by_keywords():
+    a, b = load("tokens"), load("tokens")
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
+    assert a.is_tokens and a.x_train.dtype == torch.int64 and a.in_shape == (32,)
+    assert (len(a.y_train), len(a.y_test)) == (2400, 600) and a.num_classes == 4
+    assert a.vocab == 1000 and a.describe().endswith("32 token ids (< 1000), 4 classes")
+    x = torch.cat([a.x_train, a.x_test])
+    pad = x == 0  # padding only at the end, after at least half of the sequence
+    assert torch.equal(pad, pad.cummax(1).values) and int(pad.sum(1).max()) <= 16
+    # A sequence's class is the keyword group (ids 1+4k .. 4+4k) it holds most often.
+    counts = torch.stack([((x >= 1 + 4 * k) & (x <= 4 + 4 * k)).sum(1) for k in range(4)], 1)
+    assert torch.equal(counts.argmax(1), torch.cat([a.y_train, a.y_test]))
+    assert torch.bincount(a.y_train).min() > 500  # balanced
+    short = load("tokens:12:32")
+    assert short.in_shape == (12,) and short.vocab <= 32 and not load("digits").is_tokens
+
+
+@pytest.mark.parametrize("spec", ["tokens:8", "tokens:16:20", "tokens:x", "tokens:16:64:3"])
+def test_tokens_spec_out_of_range(spec):
+    with pytest.raises(InputError, match=r"tokens\[:L\[:V\]\].*e\.g\. tokens:16:64"):
+        load(spec)
+
+
+def test_npz_input_ids_are_token_ids_not_pixels(tmp_path):
+    ids = np.array([[5, 7, 0, 0], [9, 3, 2, 0]] * 10, dtype=np.int32)
+    y = np.arange(20) % 2
+    p = tmp_path / "ids.npz"
+    np.savez(p, input_ids=ids, y=y, input_ids_test=ids[:4], y_test=y[:4])
+    d = load(f"npz:{p}")
+    assert d.is_tokens and d.x_train.dtype == torch.int64 and d.in_shape == (4,)
+    assert torch.equal(d.x_test, torch.from_numpy(ids[:4]).long()) and d.vocab == 10
+    assert "4 token ids (< 10)" in d.describe()
+    # x keeps the image rule: integer pixels scaled to [0, 1]
+    np.savez(p, x=ids.astype(np.uint8), y=y)
+    assert load(f"npz:{p}").x_train.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({"input_ids": np.zeros((10, 4), np.float32)}, "input_ids holds integer token ids"),
+        ({"input_ids": np.zeros((10, 2, 2), np.int64)}, r"use \(N, L\)"),
+        ({"input_ids": np.full((10, 4), -1, np.int64)}, "ids are 0 or more"),
+        ({"x": np.zeros((10, 4)), "input_ids": np.zeros((10, 4), int)}, "one input tensor"),
+        ({"input_ids": np.ones((10, 4), int), "token_type_ids": np.zeros((10, 4), int)}, "token_"),
+    ],
+)
+def test_npz_token_arrays_refused(tmp_path, arrays, message):
+    p = tmp_path / "bad.npz"
+    np.savez(p, y=np.arange(10) % 2, **arrays)
+    with pytest.raises(InputError, match=message) as info:
+        load(f"npz:{p}")
+    assert "\n" not in str(info.value)
+
+
+def test_token_ids_beyond_the_models_vocabulary():
+    data = load("tokens:16:64")
+    small = build(ModelSpec("textcls", {"in_shape": [16], "num_classes": 4, "vocab_size": 32}))
+    with pytest.raises(InputError, match="token ids reach 63 but model textcls embeds 32 ids"):
+        check_fits(small, data, "textcls")
+    images = build(ModelSpec("mlp", {"in_shape": [1, 1, 16], "num_classes": 4}))
+    with pytest.raises(InputError, match="no nn.Embedding"):
+        check_fits(images, data, "mlp")

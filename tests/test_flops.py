@@ -12,10 +12,18 @@ from compressor import export as E
 from compressor import flops as F
 from models import available, tiny
 from models.errors import InputError
+from models.zoo import input_kind
 
 
 def _export(model: nn.Module, path: Path, shape: tuple[int, ...]) -> Path:
     return E.export_onnx(model.eval(), torch.rand(2, *shape), path, E.ExportConfig())
+
+
+def _zoo_input(name: str, batch: int) -> torch.Tensor:
+    """1x8x8 images, or 16 token ids (id 1) for a token model."""
+    if input_kind(name) == "tokens":
+        return torch.ones(batch, 16, dtype=torch.int64)
+    return torch.rand(batch, 1, 8, 8)
 
 
 class ConvLinear(nn.Module):
@@ -87,8 +95,10 @@ def zoo_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("zoo")
     files = {}
     for name in sorted(available()):
-        model = tiny(name, in_shape=(1, 8, 8)).eval()
-        files[name] = model, _export(model, folder / f"{name}.onnx", (1, 8, 8))
+        tokens = input_kind(name) == "tokens"
+        model = tiny(name, in_shape=None if tokens else (1, 8, 8)).eval()
+        path = folder / f"{name}.onnx"
+        files[name] = model, E.export_onnx(model, _zoo_input(name, 2), path, E.ExportConfig())
     return files
 
 
@@ -98,7 +108,7 @@ def test_zoo_torch_matches_onnx(zoo_files, name, batch):
     model, path = zoo_files[name]
     got = F.onnx_macs(path, batch)
     assert got > 0
-    assert got == F.torch_macs(model, torch.rand(batch, 1, 8, 8))
+    assert got == F.torch_macs(model, _zoo_input(name, batch))
     assert got == batch * F.onnx_macs(path, 1)
 
 

@@ -101,10 +101,12 @@ def runtime_runs(opset: int, ir_version: int | None = None) -> None:
         ) from None
 
 
-def load_calibration(path: Path, flag: str = "--calibration") -> np.ndarray:
-    """Calibration inputs from a .npy file: a finite float array, samples first, non-empty.
-    Integer arrays are refused: the model sees inputs scaled as in training (pixels / 255
-    for MNIST), which only the user knows how to reproduce."""
+def load_calibration(path: Path, flag: str = "--calibration", tokens: bool = False) -> np.ndarray:
+    """Calibration inputs from a .npy file, samples first, non-empty: for an image model
+    (`tokens` False) a finite float array, returned as float32; integer arrays are refused,
+    since the model sees inputs scaled as in training (pixels / 255 for MNIST), which only the
+    user knows how to reproduce. For a token model, integer token ids >= 0, returned as int64
+    (never cast to float: ids index an embedding)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{flag} {path}: no such file; give a .npy array of inputs")
@@ -121,10 +123,22 @@ def load_calibration(path: Path, flag: str = "--calibration") -> np.ndarray:
         raise InputError(
             f"{flag} {path}: not a .npy array ({type(e).__name__}); save one with numpy.save"
         ) from None
+    got = f"got {getattr(x, 'dtype', type(x))} of shape {getattr(x, 'shape', '?')}"
+    if tokens:
+        if not isinstance(x, np.ndarray) or x.dtype.kind not in "iu" or x.ndim != 2:
+            raise InputError(
+                f"{flag} {path}: the model reads token ids: needs an integer array (N, L) of "
+                f"ids, padded as in training ({got})"
+            )
+        if len(x) == 0:
+            raise InputError(f"{flag} {path}: is empty; give at least one input sample")
+        if x.min() < 0 or x.max() > np.iinfo(np.int64).max:
+            raise InputError(f"{flag} {path}: token ids reach [{x.min()}, {x.max()}]; ids are >= 0")
+        return x.astype(np.int64)
     if not isinstance(x, np.ndarray) or x.dtype.kind != "f" or x.ndim < 2:
         raise InputError(
             f"{flag} {path}: needs a float array of inputs scaled as in training, samples "
-            f"first (got {getattr(x, 'dtype', type(x))} of shape {getattr(x, 'shape', '?')})"
+            f"first ({got})"
         )
     if len(x) == 0:
         raise InputError(f"{flag} {path}: is empty; give at least one input sample")
@@ -148,7 +162,8 @@ def predict(path: Path, x: np.ndarray) -> np.ndarray:
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: ExportConfig) -> Path:
     """Write `model` (masks and shared weights baked in) as one ONNX file at `path`, at exactly
-    `cfg.opset` and `cfg.ir_version`, only used opsets imported; returns the path.
+    `cfg.opset` and `cfg.ir_version`, only used opsets imported; returns the path. The file's
+    one input has `example`'s dtype: float32 images, or int64 token ids for a text model.
 
     torch's dynamo exporter writes opset 18 and converts to other opsets itself; where that
     conversion fails it keeps 18 without an error. So the opset is read back: a mismatch goes
@@ -290,6 +305,12 @@ def check_calibration(path: Path, calib: np.ndarray) -> str:
         raise InputError(
             f"calibration data of shape {tuple(calib.shape)} does not fit the model "
             f"input {inp.shape}"
+        )
+    kind = {"tensor(float)": "f", "tensor(int64)": "iu"}.get(inp.type)
+    if kind is not None and calib.dtype.kind not in kind:
+        raise InputError(
+            f"calibration data of dtype {calib.dtype} does not fit the model input "
+            f"{inp.name}: {inp.type} (float32 images, or int64 token ids)"
         )
     return inp.name
 

@@ -1,0 +1,197 @@
+"""Models whose one input is int64 token ids (the zoo's BERT-style `textcls`): `compress train`,
+`compress shrink` (prune, share, archive, FP32 and INT8 ONNX) and `compress bench` end to end on
+the built-in `tokens` data, and the one-line refusals of what compress cannot feed."""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from compressor import archive, benchmark, variants
+from compressor.shrink import bits_equal
+from models import checkpoint, data, zoo
+from models.errors import InputError
+
+DATA = "tokens:16:64"  # 16 ids per sequence, vocabulary 64: what the tiny textcls embeds
+TINY = json.dumps({"vocab_size": 64, "dim": 16, "depth": 1, "heads": 2, "mlp": 32})
+# One epoch per stage, big batches, few calibration samples, no .ort file, and no INT8 node
+# search against an agreement floor: the plumbing is under test here, not the figures.
+FAST = textwrap.dedent("""
+    [train]
+    batch_size = 128
+    [prune]
+    rounds = 1
+    retrain_epochs = 1
+    [quantize]
+    finetune_epochs = 1
+    [export]
+    ort = false
+    calibration = 64
+    min_agreement = 0.0
+""")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # A 3.6k-parameter transformer gains nothing from a second thread, and on a busy 2-core
+    # machine intra-op threads contend for the cores the other test processes hold.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def shrunk(tmp_path_factory, one_thread):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    folder = tmp_path_factory.mktemp("tokens")
+    runner = CliRunner()
+    ck = folder / "textcls.pt"
+    args = ["--model", "textcls", "--model-kwargs", TINY, "--data", DATA, "--epochs", "1"]
+    result = runner.invoke(cli, ["train", *args, "--batch-size", "64", "--out", str(ck), "-q"])
+    assert result.exit_code == 0, result.output
+    recipe = folder / "fast.toml"
+    recipe.write_text(FAST)
+    out = folder / "shrunk"
+    args = ["--recipe", str(recipe), "--out", str(out), "--json", "-q"]
+    result = runner.invoke(cli, ["shrink", str(ck), *args])
+    assert result.exit_code == 0, result.output
+    return folder, out, json.loads(result.stdout)
+
+
+def test_train_writes_a_token_model(shrunk):
+    folder, _, _ = shrunk
+    ck = checkpoint.load(folder / "textcls.pt")
+    assert ck.metadata["data"] == DATA and ck.spec.kwargs["in_shape"] == [16]
+    assert ck.metadata["test_accuracy"] > 0.25  # 4 balanced classes: above chance
+
+
+def test_shrink_archives_and_exports_int64_input(shrunk):
+    import onnx
+
+    _, out, report = shrunk
+    assert [s["name"] for s in report["stages"]] == ["prune", "quantize", "huffman"]
+    # The archive decodes to the shipped weights bit for bit (the pipeline checked it too).
+    decoded = archive.read(out / "student.dcz").state_dict
+    state = checkpoint.load(out / "student.pt").state_dict
+    assert decoded.keys() == state.keys()
+    assert all(bits_equal(decoded[k], state[k]) for k in state)
+    fp32 = report["onnx"]["fp32"]
+    (inp,) = onnx.load(fp32["path"]).graph.input
+    assert inp.type.tensor_type.elem_type == onnx.TensorProto.INT64
+    assert fp32["top1_agreement"] == 1.0 and fp32["max_abs_diff"] < 1e-4
+    # INT8: written and measured against FP32, or the report says why not.
+    if "int8" in report["onnx"]:
+        q = report["onnx"]["int8"]
+        (inp,) = onnx.load(q["path"]).graph.input
+        assert inp.type.tensor_type.elem_type == onnx.TensorProto.INT64
+        assert {"top1_agreement", "check_agreement", "calibration"} <= q.keys()
+        assert q["calibration"]["samples"] == 64
+    else:
+        assert report["int8_not_written"]["reason"]
+
+
+def test_bench_runs_the_token_models(shrunk, run):
+    _, out, _ = shrunk
+    result = run(
+        "bench", out, "--data", DATA, "--batch", "2", "--min-runs", "3", "--min-seconds", "0",
+        "--providers", "torch,cpu", "--json", "-q",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = {r["model"]: r for r in result.json()["results"]}
+    assert {"student.pt", "student.fp32.onnx"} <= rows.keys()
+    for r in rows.values():
+        assert r["test_accuracy"] is not None and r["p50_ms"] > 0
+    # MACs of the PyTorch model (MultiheadAttention included) match the exported graph's.
+    assert rows["student.pt"]["macs"] == rows["student.fp32.onnx"]["macs"] > 0
+    assert rows["student.fp32.onnx"]["top1_agreement"] == 1.0
+
+
+def test_bench_inputs_without_data_are_ids_the_model_embeds(shrunk):
+    _, out, _ = shrunk
+    rng = np.random.default_rng(0)
+    for name in ("student.pt", "student.fp32.onnx"):
+        m = variants.load(out / name)
+        assert m.tokens and m.vocab == 64 and m.in_shape == (16,)
+        x = benchmark.inputs(m, 500, None, rng)
+        assert x.dtype == np.int64 and x.shape == (500, 16)
+        assert x.min() >= 1 and x.max() == 63  # 0 is padding
+
+
+# --- refusals: one line each ------------------------------------------------------------------
+
+
+def test_npz_second_input_array_is_refused(tmp_path):
+    ids, y = data.token_sequences(20, 12, 40)
+    path = tmp_path / "bert.npz"
+    np.savez(path, input_ids=ids, attention_mask=(ids != 0).astype(np.float32), y=y)
+    with pytest.raises(InputError) as e:
+        data.load(f"npz:{path}")
+    msg = str(e.value)
+    assert "\n" not in msg and "attention_mask" in msg and "one input tensor" in msg
+    assert "padding id" in msg
+    np.savez(path, input_ids=ids, y=y)  # the ids alone load, unscaled
+    d = data.load(f"npz:{path}")
+    assert d.is_tokens and d.x_train.dtype == torch.int64 and d.vocab == int(ids.max()) + 1
+    np.savez(path, ids=ids, y=y)  # named after the model's forward argument
+    assert data.load(f"npz:{path}", input_name="ids").is_tokens
+    with pytest.raises(InputError, match="lacks array"):
+        data.load(f"npz:{path}")
+
+
+class TwoInputs(nn.Module):
+    """A model whose forward needs ids and a mask: compress cannot feed it."""
+
+    def __init__(self, in_shape=(16,), num_classes=4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head((self.emb(input_ids) * attention_mask[..., None]).mean(1))
+
+
+def test_two_argument_forward_is_refused(run, tmp_path):
+    result = run(
+        "train", "--model", "tests.test_tokens:TwoInputs", "--data", DATA, "--epochs", "1",
+        "--out", tmp_path / "two.pt", "-q",
+    )  # fmt: skip
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and "input_ids, attention_mask" in line and "one input" in line
+    with pytest.raises(InputError, match="input_ids, attention_mask"):
+        data.check_fits(TwoInputs(), data.load(DATA), "TwoInputs")
+
+
+def test_mixup_on_token_ids_is_refused(shrunk, run):
+    folder, _, _ = shrunk
+    recipe = folder / "mixup.toml"
+    recipe.write_text('[distill]\nstudent = "textcls"\ntransfer = "mixup"\n')
+    result = run("shrink", folder / "textcls.pt", "--recipe", recipe, "--out", folder / "mx", "-q")
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and "mixup" in line and "token ids" in line
+    assert not (folder / "mx").exists()
+
+
+def test_calibration_file_of_token_ids(tmp_path):
+    from compressor import pipeline, recipe
+
+    ds = data.load(DATA)
+    model = zoo.tiny("textcls", num_classes=4)  # embeds ids 0..63
+    r = recipe.resolve({"export": {"calibration_data": str(tmp_path / "c.npy")}})
+    np.save(tmp_path / "c.npy", ds.x_train[:8].numpy().astype(np.int32))
+    calib = pipeline.preflight(r, ds, model)
+    assert calib.dtype == np.int64 and np.array_equal(calib, ds.x_train[:8].numpy())
+    np.save(tmp_path / "c.npy", ds.x_train[:8].numpy().astype(np.float32))  # ids as floats
+    with pytest.raises(InputError, match="reads token ids: needs an integer array"):
+        pipeline.preflight(r, ds, model)
+    np.save(tmp_path / "c.npy", np.full((8, 16), 99))
+    with pytest.raises(InputError, match="token ids reach 99, the model embeds 64 ids"):
+        pipeline.preflight(r, ds, model)
