@@ -12,7 +12,7 @@ from cli.main import emit_json, json_option
 from compressor import benchmark, benchreport, envinfo, variants
 from compressor import export as export_mod
 from models import data as data_mod
-from models import safeload
+from models import safeload, zoo
 from models.errors import InputError
 
 
@@ -58,7 +58,17 @@ Examples:
 )
 @click.option("--baselines", is_flag=True, help="Add ORT's quantize_dynamic/quantize_static.")
 @click.option("--profile", is_flag=True, help="Per-operator profile of each ONNX model.")
-@click.option("--model", default=None, help="Model name, for a bare state_dict checkpoint.")
+@click.option(
+    "--model",
+    default=None,
+    help="For a bare state_dict: a zoo name, pkg.module:Class or a function returning a module.",
+)
+@click.option(
+    "--model-kwargs",
+    default=None,
+    metavar="JSON",
+    help="Constructor arguments for --model, a JSON object.",
+)
 @click.option(
     "--report",
     "report_path",
@@ -82,6 +92,7 @@ def bench(
     baselines: bool,
     profile: bool,
     model: str | None,
+    model_kwargs: str | None,
     report_path: Path | None,
     plot_path: Path | None,
     quiet: bool,
@@ -107,7 +118,9 @@ def bench(
         for p in paths:  # before onnx or ONNX Runtime reads any external data
             if p.suffix == ".onnx":
                 safeload.check_onnx_external_data(p)
-        described = variants.disambiguate([variants.load(p, model, ds) for p in paths])
+        described = variants.disambiguate(
+            [variants.load(p, model, ds, zoo.parse_kwargs(model_kwargs)) for p in paths]
+        )
         if baselines:
             described += _baselines(described, ds, Path(tmp), info)
         runnable, skipped = variants.variants(described, runtimes)

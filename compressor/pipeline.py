@@ -4,11 +4,13 @@ at the end, so a failed or interrupted run leaves nothing half-written."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,49 @@ OUTPUTS = (
 )
 
 
+class _Clock:
+    """Seconds per pipeline step, and the seconds spent in training loops (every retrain call,
+    whichever stage made it): the report's `timings`, from which a user sees what a run cost
+    beyond the epochs its recipe asks for."""
+
+    def __init__(self, info) -> None:
+        self.info = info
+        self.steps: dict[str, float] = {}
+        self.training = 0.0
+        self.started = time.perf_counter()
+
+    @contextlib.contextmanager
+    def step(self, name: str, what: str = ""):
+        if what:
+            self.info(what)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.steps[name] = self.steps.get(name, 0.0) + time.perf_counter() - t
+
+    def timed_retrain(self, hooks: shrink_mod.Hooks) -> shrink_mod.Hooks:
+        retrain = hooks.retrain
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return retrain(*args, **kwargs)
+            finally:
+                self.training += time.perf_counter() - t
+
+        return dataclasses.replace(hooks, retrain=timed)
+
+    def record(self) -> dict[str, float]:
+        total = time.perf_counter() - self.started
+        return {
+            **{k: round(v, 3) for k, v in self.steps.items()},
+            "training": round(self.training, 3),
+            "non_training": round(total - self.training, 3),
+            "total": round(total, 3),
+        }
+
+
 def check_out_dir(out: Path) -> Path:
     """--out must be a folder we can create or fill; fail before any work."""
     refuse_link(out, "--out")
@@ -73,6 +118,8 @@ def shrink_to_folder(
 ) -> dict[str, Any]:
     """Run the pipeline and write student.dcz, student.pt, report.json/.md and plots into `out`."""
     check_out_dir(out)
+    clock = _Clock(hooks.info)
+    hooks = clock.timed_retrain(hooks)
     calib = preflight(recipe, data, model)
     if recipe["export"]["enabled"] and data is not None:
         _probe_opset(model, recipe, data)
@@ -84,17 +131,19 @@ def shrink_to_folder(
         if recipe["distill"]["student"]:
             if data is None:
                 raise InputError("distillation needs the data set")
-            model, spec, distilled, train_on = distill.distill_student(
-                model,
-                recipe["distill"],
-                data,
-                hooks.retrain,
-                hooks.test_accuracy,
-                seed=recipe["train"]["seed"],
-            )
+            with clock.step("distill"):
+                model, spec, distilled, train_on = distill.distill_student(
+                    model,
+                    recipe["distill"],
+                    data,
+                    hooks.retrain,
+                    hooks.test_accuracy,
+                    seed=recipe["train"]["seed"],
+                )
             if train_on is not data:
                 hooks = _keep_to(hooks, train_on, len(data.y_train))
-        report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+        with clock.step("deep_compression"):
+            report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
         final_acc = (
             report["stages"][-1]["test_accuracy"]
             if report["stages"]
@@ -104,18 +153,21 @@ def shrink_to_folder(
         if recipe["export"]["enabled"]:
             if data is None:
                 raise InputError("export needs the data set (calibration and parity)")
-            report["onnx"] = _export(model, recipe["export"], report, data, calib, tmp, out)
+            report["onnx"] = _export(model, recipe["export"], report, data, calib, tmp, out, clock)
             # What an app ships: the INT8 file, or the FP32 one where no INT8 file is written.
             kind = "int8" if "int8" in report["onnx"] else "fp32"
             shipped = tmp / f"student.{kind}.onnx"
             if recipe["export"]["ort"]:
-                ort_file = mobile.to_ort(shipped, tmp / f"student.{kind}.ort")
-                report["ort"] = {
-                    **ort_file,
-                    "path": str(out / f"student.{kind}.ort"),
-                    "config": str(out / Path(ort_file["config"]).name),
-                }
-                report["mobile"] = mobile.usability(shipped)
+                with clock.step(
+                    "ort", f"mobile: writing student.{kind}.ort, checking NNAPI/CoreML"
+                ):
+                    ort_file = mobile.to_ort(shipped, tmp / f"student.{kind}.ort")
+                    report["ort"] = {
+                        **ort_file,
+                        "path": str(out / f"student.{kind}.ort"),
+                        "config": str(out / Path(ort_file["config"]).name),
+                    }
+                    report["mobile"] = mobile.usability(shipped)
             n = recipe["export"]["fixed_batch"]
             if n:
                 fixed = mobile.fixed_batch(shipped, tmp / f"student.{kind}.fixed.onnx", n)
@@ -138,11 +190,13 @@ def shrink_to_folder(
         )
         if "archive" in report:
             report["archive"]["path"] = str(out / "student.dcz")
+        with clock.step("report"):
+            report_mod.plots(report, tmp)
+        report["timings"] = clock.record()
         with atomic_path(tmp / "report.json") as f:
             f.write_text(json.dumps(report, indent=2) + "\n")
         with atomic_path(tmp / "report.md") as f:
             f.write_text(report_mod.markdown(report, f"compress shrink: {spec.name}"))
-        report_mod.plots(report, tmp)
         _move_into(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -259,13 +313,16 @@ def _teacher_student(report, distilled, teacher_name, student_name, model, final
         )
 
 
-def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, out: Path) -> dict:
+def _export(
+    model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, out: Path, clock: _Clock
+) -> dict:
     """FP32 ONNX, then INT8 ONNX chosen for `export.target`; parity, invariants and the
     versions read back from each file written."""
     import onnx
 
     cfg = export_config(e)
-    fp32 = export.export_onnx(model, data.x_train[:2], tmp / "student.fp32.onnx", cfg)
+    with clock.step("export_fp32", f"export: FP32 ONNX (opset {cfg.opset})"):
+        fp32 = export.export_onnx(model, data.x_train[:2], tmp / "student.fp32.onnx", cfg)
     bits = {
         r["name"].removesuffix(".weight"): r["weight_bits"]
         for r in report["layers"]
@@ -289,7 +346,8 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
             "weights": checks,
         }
 
-    result = {"fp32": describe(fp32)}
+    with clock.step("parity"):
+        result = {"fp32": describe(fp32)}
     if not e["int8"]:
         return result
     q = quant_config(e)
@@ -306,15 +364,20 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
     if len(check_x) == 0:
         check_x = calib
     flags = envinfo.cpu_flags()
-    prepared = export.preprocess(fp32, tmp / ".prepared.onnx")
-    try:
-        export.check_calibration(prepared, calib)
-        with export.errors_only():
-            choice = int8.choose(
-                prepared, fp32.read_bytes(), calib, check_x, q, flags, cfg.ir_version
-            )
-    finally:
-        prepared.unlink(missing_ok=True)
+    what = (
+        f"INT8: calibrating on {len(calib)} samples, choosing nodes for target {q.target} "
+        f"(floor: top-1 agreement {q.min_agreement} on {len(check_x)} samples)"
+    )
+    with clock.step("int8", what):
+        prepared = export.preprocess(fp32, tmp / ".prepared.onnx")
+        try:
+            export.check_calibration(prepared, calib)
+            with export.errors_only():
+                choice = int8.choose(
+                    prepared, fp32.read_bytes(), calib, check_x, q, flags, cfg.ir_version
+                )
+        finally:
+            prepared.unlink(missing_ok=True)
     sel = choice.selection
     record = {
         "target": q.target,
@@ -339,20 +402,21 @@ def _export(model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, o
     with atomic_path(path) as dst:
         onnx.save(choice.model, str(dst))
         export.check(dst)
-    host = parity(path, optimized=True)
-    result["int8"] = {
-        # As written (ORT, graph optimizations off): what wasm and other runtimes compute.
-        **describe(path, optimized=False),
-        # against the FP32 ONNX file (the other figures are against PyTorch)
-        **_int8_vs_fp32(fp32, path, data.x_test, optimized=False),
-        **record,
-        "host_kernels": {
-            **host,
-            **_int8_vs_fp32(fp32, path, data.x_test, optimized=True),
-            "cpu_flags": sorted(flags & set(envinfo.CPU_FLAGS) | flags & {"avx_vnni"}),
-            "saturating_cpu": int8.saturating_cpu(flags),
-        },
-    }
+    with clock.step("parity"):
+        host = parity(path, optimized=True)
+        result["int8"] = {
+            # As written (ORT, graph optimizations off): what wasm and other runtimes compute.
+            **describe(path, optimized=False),
+            # against the FP32 ONNX file (the other figures are against PyTorch)
+            **_int8_vs_fp32(fp32, path, data.x_test, optimized=False),
+            **record,
+            "host_kernels": {
+                **host,
+                **_int8_vs_fp32(fp32, path, data.x_test, optimized=True),
+                "cpu_flags": sorted(flags & set(envinfo.CPU_FLAGS) | flags & {"avx_vnni"}),
+                "saturating_cpu": int8.saturating_cpu(flags),
+            },
+        }
     return result
 
 

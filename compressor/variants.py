@@ -128,9 +128,12 @@ def expand(paths: list[Path]) -> list[Path]:
     return list(dict.fromkeys(out))
 
 
-def load(path: Path, model: str | None = None, data=None) -> Model:
+def load(
+    path: Path, model: str | None = None, data=None, model_kwargs: dict | None = None
+) -> Model:
     """Describe one model file (InputError for a file that cannot be benchmarked). `model`
-    names the class of a bare state_dict (with `data`, a Dataset, for its shapes)."""
+    (and `model_kwargs`) name the class or factory of a bare state_dict (with `data`, a
+    Dataset, for its shapes)."""
     data_shape = tuple(data.in_shape) if data is not None else None
     size = path.stat().st_size
     label = path.name
@@ -142,11 +145,10 @@ def load(path: Path, model: str | None = None, data=None) -> Model:
                 raise InputError(
                     f"{path}: a bare state_dict does not name its model; pass --model NAME"
                 )
-            from models import zoo
 
             if data is None:
                 raise InputError(f"{path}: a bare state_dict with --model also needs --data SPEC")
-            spec = zoo.resolve_spec(model, {}, data_shape, data.num_classes)
+            spec = ck.spec_for(model, dict(model_kwargs or {}), data_shape, data.num_classes)
         net = ck.build_model(spec, allow_import=model == spec.name)
         shape = tuple(spec.kwargs.get("in_shape") or ()) or (
             tuple(net.in_shape) if hasattr(net, "in_shape") else data_shape

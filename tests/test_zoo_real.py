@@ -223,6 +223,15 @@ def test_a_plain_state_dict_and_a_factory_go_through_shrink(run, user, tmp_path)
     assert again.exit_code == 2 and "drop --model-kwargs" in again.stderr
     other = run("shrink", student_pt, "--model", "mlp")
     assert other.exit_code == 2 and "checkpoint of model zoonets:build_net" in other.stderr
+    # bench takes the same bare file with the same --model and --model-kwargs.
+    bench = ["bench", tmp_path / "mine.pt", "--data", "digits", "--providers", "torch"]
+    fast = ["--batch", "1", "--min-runs", "3", "--min-seconds", "0.01", "--json", "-q"]
+    measured = run(*bench, *kwargs, *fast)
+    assert measured.exit_code == 0, measured.stderr
+    rows = [r for r in measured.json()["results"] if "p50_ms" in r]
+    assert rows and rows[0]["parameters"] == count_parameters(model)
+    bad = run(*bench, "--model", "zoonets:build_net", "--model-kwargs", '{"width": 8}', *fast)
+    assert bad.exit_code == 2 and "body.1.weight is (24, 64)" in bad.stderr
 
 
 def test_train_takes_a_factory_by_import_path(run, user, tmp_path):
