@@ -1,0 +1,310 @@
+"""The model matrix: real architectures through every stage of `compress`, and what each costs.
+
+    pip install -e ".[zoo]"            # Hugging Face transformers (pure PyTorch models)
+    python benchmarks/real_models.py                      # the whole matrix (~1 h on 2 cores)
+    python benchmarks/real_models.py --models resnet_se,vit,textcls   # no extra needed
+
+For each model: `compress train` for one epoch (the dense epoch every other figure is compared
+with), then `compress shrink` with the default recipe shortened only in epochs (one prune
+round, one retraining epoch, one fine-tuning epoch), through the real CLI in subprocesses.
+Printed per model: parameters, each stage's seconds, the seconds spent training, peak RSS,
+archive ratio, INT8 nodes against quantizable ones, FP32 ONNX parity with PyTorch (max |dlogit|
+relative to the logits' scale), INT8 top-1 agreement with FP32, the `.ort` file and the
+NNAPI/CoreML verdicts. Then the two cost ratios the issue asks for:
+
+* growth: non-training seconds per million weights, largest over smallest across the matrix
+  (1.0 = perfectly linear in weights);
+* shrink vs training: the whole shrink over the training epochs its recipe asks for, each
+  costed at the measured dense epoch.
+
+Images: scikit-learn's 8x8 digits resized to 3x32x32 (a per-sample colour tint, so the three
+channels differ) and cycled with noise to 2,000 samples: a CIFAR-shaped set made on the spot,
+nothing downloaded. Text: `--data tokens` (synthetic token sequences, built in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = """\
+# The default recipe, shortened only in epochs.
+[prune]
+rounds = 1
+retrain_epochs = 1
+[quantize]
+finetune_epochs = 1
+"""
+EPOCHS_IN_RECIPE = 2  # one retraining epoch after pruning, one fine-tuning epoch after sharing
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    kwargs: str
+    data: str  # "images" or "tokens"
+    extra: bool  # needs the [zoo] extra
+
+
+MATRIX = [
+    Case("lenet300", "lenet300", "{}", "images", False),
+    Case("resnet_se", "resnet_se", "{}", "images", False),
+    Case("vit", "vit", "{}", "images", False),
+    Case("textcls", "textcls", "{}", "tokens", False),
+    Case("resnet18", "models.hf:resnet18", "{}", "images", True),
+    Case("mobilenet_v2", "models.hf:mobilenet_v2", "{}", "images", True),
+    Case("efficientnet_b0", "models.hf:efficientnet_b0", "{}", "images", True),
+    Case("vit_tiny", "models.hf:vit_tiny", "{}", "images", True),
+    Case("bert", "models.hf:bert", "{\"vocab_size\": 1000}", "tokens", True),
+]
+
+
+def images_npz(path: Path, n: int = 2000, side: int = 32) -> None:
+    """Digits as 3 x side x side colour images, n samples (cycled with noise past 1,797)."""
+    import torch
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.from_numpy(d.images.astype(np.float32) / 16.0)[:, None]
+    x = F.interpolate(x, size=(side, side), mode="bilinear", align_corners=False).numpy()
+    rng = np.random.default_rng(0)
+    idx = np.arange(n) % len(x)
+    tint = rng.uniform(0.4, 1.0, size=(n, 3, 1, 1)).astype(np.float32)
+    img = x[idx] * tint
+    img[len(x) :] += rng.normal(0, 0.05, size=img[len(x) :].shape).astype(np.float32)
+    np.savez(path, x=np.clip(img, 0, 1).astype(np.float32), y=d.target[idx].astype(np.int64))
+
+
+def peak_rss_of(cmd: list[str]) -> int:
+    """Peak RSS of one command, read from wait4 (exact per child)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    _, _, usage = os.wait4(proc.pid, 0)
+    return usage.ru_maxrss * 1024
+
+
+def compress_measured(args: list[str]) -> tuple[dict, float, int]:
+    """`compress ARGS --json -q` with wall seconds and the child's own peak RSS (wait4)."""
+    t = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli", *args, "--json", "-q"],
+            stdout=out,
+            stderr=err,
+            cwd=ROOT,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t
+        out.seek(0)
+        err.seek(0)
+        text, errors = out.read(), err.read()
+    if status:
+        lines = errors.strip().splitlines() or [f"exit status {status}"]
+        raise RuntimeError(lines[-1])
+    return json.loads(text), seconds, usage.ru_maxrss * 1024
+
+
+def fp32_parity(folder: Path, data_x: np.ndarray) -> tuple[float, float]:
+    """max |dlogit| between student.pt (PyTorch) and student.fp32.onnx, and that over the
+    largest |logit| (the relative figure the target is stated in)."""
+    import onnxruntime as ort
+    import torch
+
+    from models import checkpoint
+
+    ck = checkpoint.load(folder / "student.pt")
+    model = ck.build_model(allow_import=True).eval()
+    x = data_x[:64]
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x)).numpy()
+    sess = ort.InferenceSession(
+        str(folder / "student.fp32.onnx"), providers=["CPUExecutionProvider"]
+    )
+    got = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    diff = float(np.abs(got - ref).max())
+    return diff, diff / max(float(np.abs(ref).max()), 1e-12)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(c.name for c in MATRIX))
+    ap.add_argument("--workdir", default=None, help="keep checkpoints and outputs here")
+    ap.add_argument("--samples", type=int, default=2000, help="images in the image set")
+    opts = ap.parse_args()
+    wanted = opts.models.split(",")
+    unknown = sorted(set(wanted) - {c.name for c in MATRIX})
+    if unknown:
+        raise SystemExit(
+            f"unknown model(s) {', '.join(unknown)}; the matrix has "
+            + ", ".join(c.name for c in MATRIX)
+        )
+    try:
+        import transformers  # noqa: F401
+
+        have_extra = True
+    except ImportError:
+        have_extra = False
+    work = Path(opts.workdir or tempfile.mkdtemp(prefix="real-models-"))
+    work.mkdir(parents=True, exist_ok=True)
+    images = work / "images.npz"
+    if not images.exists():
+        images_npz(images, opts.samples)
+    recipe = work / "fast.toml"
+    recipe.write_text(RECIPE)
+    flags = _cpu_flags()
+    print(
+        f"# Model matrix, {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}"
+        f" {os.cpu_count()} cores ({', '.join(flags)}), python {platform.python_version()}"
+    )
+    base_rss = peak_rss_of(
+        [sys.executable, "-c", "import cli.shrink, compressor.pipeline, onnxruntime, sklearn"]
+    )
+    print(f"interpreter with compress imported: {base_rss / 2**20:.0f} MiB peak RSS\n")
+    rows = []
+    for case in MATRIX:
+        if case.name not in wanted:
+            continue
+        if case.extra and not have_extra:
+            print(f"{case.name}: skipped (needs the [zoo] extra: pip install -e '.[zoo]')")
+            continue
+        data = f"npz:{images}" if case.data == "images" else "tokens"
+        try:
+            rows.append(one(case, data, work, recipe, base_rss))
+        except RuntimeError as e:
+            rows.append({"name": case.name, "failed": str(e)})
+            print(f"{case.name}: FAILED: {e}")
+    table(rows)
+
+
+def one(case: Case, data: str, work: Path, recipe: Path, base_rss: int) -> dict:
+    ck = work / f"{case.name}.pt"
+    model_args = ["--model", case.model, "--model-kwargs", case.kwargs]
+    trained, _, _ = compress_measured(
+        ["train", *model_args, "--data", data, "--epochs", "1", "--out", str(ck)]
+    )
+    epoch_s = trained["history"][0]["seconds"]
+    out = work / f"{case.name}-shrunk"
+    rep, shrink_s, peak = compress_measured(
+        [
+            "shrink",
+            str(ck),
+            "--data",
+            data,
+            "--recipe",
+            str(recipe),
+            "--out",
+            str(out),
+            *(["--model", case.model] if ":" in case.model else []),
+        ]
+    )
+    params = rep["baseline"]["parameters"]
+    # --json prints a summary; the full report (timings included) is the folder's report.json.
+    rep = json.loads((out / "report.json").read_text())
+    timings = rep.get("timings", {})
+    training = timings.get("training", float("nan"))
+    total = timings.get("total", rep.get("seconds", float("nan")))
+    onnx = rep.get("onnx", {})
+    int8 = onnx.get("int8") or rep.get("int8_not_written") or {}
+    test_x = _test_inputs(data, work)
+    diff, rel = fp32_parity(out, test_x) if (out / "student.fp32.onnx").exists() else (None, None)
+    row = {
+        "name": case.name,
+        "parameters": params,
+        "train_epoch_s": epoch_s,
+        "shrink_wall_s": shrink_s,
+        "total_s": total,
+        "training_s": training,
+        "non_training_s": total - EPOCHS_IN_RECIPE * epoch_s,
+        "stages": {s["name"]: s["seconds"] for s in rep["stages"]},
+        "timings": timings,
+        "peak_rss": peak,
+        "model_bytes": 4 * params,
+        "ratio": rep.get("archive", {}).get("ratio"),
+        "int8_nodes": int8.get("int8_nodes"),
+        "quantizable": int8.get("quantizable_nodes"),
+        "agreement": (onnx.get("int8") or {}).get("top1_agreement_fp32"),
+        "int8_written": "int8" in onnx,
+        "fp32_max_diff": diff,
+        "fp32_rel_diff": rel,
+        "ort": "yes" if rep.get("ort") else "no",
+        "nnapi": rep.get("mobile", {}).get("nnapi"),
+        "coreml": rep.get("mobile", {}).get("coreml"),
+        "accuracy": (rep["baseline"]["test_accuracy"], rep["student"]["test_accuracy"]),
+    }
+    print(f"{case.name}: {json.dumps(row)}", flush=True)
+    return row
+
+
+def _test_inputs(data: str, work: Path) -> np.ndarray:
+    from models import data as data_mod
+
+    return data_mod.load(data).x_test.numpy()
+
+
+def table(rows: list[dict]) -> None:
+    ok = [r for r in rows if "failed" not in r]
+    print(
+        "\n| model | params | stages (s) | training s | non-training s | s/M weights "
+        "| shrink / train epochs | peak RSS | archive | INT8 nodes | INT8 agree | FP32 max|Δ| rel "
+        "| .ort | NNAPI / CoreML |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "failed" in r:
+            print(f"| {r['name']} | FAILED: {r['failed']} |" + " |" * 12)
+            continue
+        stages = ", ".join(
+            f"{k} {v:.0f}" for k, v in r["timings"].items() if k not in ("total", "training")
+        )
+        per_m = r["non_training_s"] / (r["parameters"] / 1e6)
+        r["per_m"] = per_m
+        vs_train = r["total_s"] / (EPOCHS_IN_RECIPE * r["train_epoch_s"])
+        r["vs_train"] = vs_train
+        agree = f"{r['agreement']:.4f}" if r["agreement"] is not None else "no INT8 file"
+        rel = f"{r['fp32_rel_diff']:.1e}" if r["fp32_rel_diff"] is not None else "-"
+        print(
+            f"| {r['name']} | {r['parameters'] / 1e6:.2f}M | {stages} | {r['training_s']:.0f} | "
+            f"{r['non_training_s']:.0f} | {per_m:.1f} | {vs_train:.2f} | "
+            f"{r['peak_rss'] / 2**20:.0f} MiB | {r['ratio']:.1f}x | "
+            f"{r['int8_nodes']}/{r['quantizable']} | {agree} | {rel} | {r['ort']} | "
+            f"{r['nnapi']} / {r['coreml']} |"
+        )
+    if len(ok) >= 2:
+        per_m = [r["per_m"] for r in ok]
+        print(
+            f"\ngrowth (non-training s per million weights, max/min over {len(ok)} models): "
+            f"{max(per_m) / min(per_m):.2f}"
+        )
+        worst = max(ok, key=lambda r: r["vs_train"])
+        print(
+            f"whole shrink / its training epochs, worst: {worst['vs_train']:.2f} ({worst['name']})"
+        )
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
+
+
+if __name__ == "__main__":
+    main()
