@@ -143,6 +143,20 @@ def _fp16_exact(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and bool(torch.equal(t.half().float(), t))
 
 
+def stored_dtype(e: Dense) -> torch.dtype:
+    """The dtype a dense record stores: float16 when asked and exact, else the tensor's own."""
+    t = e.tensor.detach().cpu()
+    return torch.float16 if e.store_fp16 and _fp16_exact(t) else t.dtype
+
+
+def record_size(e: Dense | Shared) -> int:
+    """Bytes of `e`'s record in an archive, framing (name, dtype, shape) included: what
+    choosing between a shared and a dense record compares."""
+    out = io.BytesIO()
+    _write_record(out, e)
+    return out.tell()
+
+
 def encode(
     entries: list[Dense | Shared], spec: dict[str, Any], metadata: dict[str, Any]
 ) -> tuple[bytes, Encoded]:
@@ -156,26 +170,33 @@ def encode(
     stats = Encoded(bytes=0, header_bytes=len(MAGIC) + 6 + len(header) + 4 + 4)
     for e in entries:
         start = out.tell()
-        name = e.name.encode()
-        dtype = e.tensor.dtype if isinstance(e, Dense) else torch.float32
-        shape = tuple(e.tensor.shape) if isinstance(e, Dense) else e.shape
-        out.write(struct.pack("<H", len(name)) + name)
-        out.write(struct.pack("<BB", DTYPES.index(dtype), len(shape)))
-        out.write(struct.pack(f"<{len(shape)}I", *shape))
-        if isinstance(e, Dense):
-            t = e.tensor.detach().cpu().contiguous()
-            stored = torch.float16 if e.store_fp16 and _fp16_exact(t) else t.dtype
-            raw = _raw(t.to(stored))
-            out.write(struct.pack("<BBI", 0, DTYPES.index(stored), len(raw)) + raw)
-        else:
-            out.write(struct.pack("<B", 1))
-            stats.layers[e.name] = _write_shared(out, e)
+        layer = _write_record(out, e)
+        if layer is not None:
+            stats.layers[e.name] = layer
         stats.layers.setdefault(e.name, {})["record_bytes"] = out.tell() - start
     body = out.getvalue()
     data = body + struct.pack("<I", zlib.crc32(body))
     stats.bytes = len(data)
     stats.sha256 = hashlib.sha256(data).hexdigest()
     return data, stats
+
+
+def _write_record(out: io.BytesIO, e: Dense | Shared) -> dict[str, Any] | None:
+    """Write one tensor record; a shared record returns its stream sizes for the report."""
+    name = e.name.encode()
+    dtype = e.tensor.dtype if isinstance(e, Dense) else torch.float32
+    shape = tuple(e.tensor.shape) if isinstance(e, Dense) else e.shape
+    out.write(struct.pack("<H", len(name)) + name)
+    out.write(struct.pack("<BB", DTYPES.index(dtype), len(shape)))
+    out.write(struct.pack(f"<{len(shape)}I", *shape))
+    if isinstance(e, Dense):
+        t = e.tensor.detach().cpu().contiguous()
+        stored = stored_dtype(e)
+        raw = _raw(t.to(stored))
+        out.write(struct.pack("<BBI", 0, DTYPES.index(stored), len(raw)) + raw)
+        return None
+    out.write(struct.pack("<B", 1))
+    return _write_shared(out, e)
 
 
 def _raw(t: torch.Tensor) -> bytes:

@@ -4,10 +4,22 @@ Connections for Efficient Neural Networks" (NIPS 2015), stage 1 of Deep Compress
 
 Pure maths (`magnitude_mask`, `threshold_mask`, `global_threshold`) is kept apart from model
 plumbing (`prune_`, `masks_of`, `bake_`). A mask is a torch parametrization on the layer's
-`weight`: the layer computes `where(mask, original, 0)` on every forward, so pruned weights are
+weight: the layer computes `where(mask, original, 0)` on every forward, so pruned weights are
 exactly +0.0 through retraining, centroid fine-tuning and export, whatever the optimizer does
 to the hidden original (momentum, weight decay). Masks only ever shrink: a weight pruned in one
 round stays pruned in the next.
+
+Layers (`weight_layers`) are (module, parameter) pairs, named as recipes and reports name them:
+
+    Linear, Conv1d/2d/3d (grouped, depthwise)  `weight`           name: the module's, "fc1"
+    MultiheadAttention's packed q/k/v          `in_proj_weight`   "encoder.blocks.0.attn.in_proj"
+    ... with kdim/vdim != embed_dim            `q_proj_weight`..  "...attn.q_proj", k_proj, v_proj
+    MultiheadAttention's out_proj (a Linear)   `weight`           "...attn.out_proj"
+    Embedding (only when asked: embeddings)    `weight`           "tokens"
+
+Norms, biases and free Parameters (a class token, learned positions) stay dense. The
+parametrization is on the parameter itself, so a module that reads it in its own forward
+(MultiheadAttention reads `self.in_proj_weight`) computes with the masked value.
 """
 
 from __future__ import annotations
@@ -24,6 +36,79 @@ from torch.nn.utils import parametrize
 from models.errors import InputError
 
 PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One weight tensor that pruning and sharing work on: parameter `param` of `module`.
+
+    kind: "conv", "linear", "attention" (MultiheadAttention's projections, out_proj included)
+    or "embedding"; it picks default bits, gap widths and sparsities.
+    """
+
+    name: str
+    module: str
+    param: str
+    kind: str
+
+    @property
+    def key(self) -> str:
+        """The parameter's state_dict key ("fc1.weight", "attn.in_proj_weight")."""
+        return f"{self.module}.{self.param}" if self.module else self.param
+
+
+def layer_name(key: str) -> str:
+    """The layer a parameter key belongs to: "fc1.weight" and "fc1.bias" -> "fc1",
+    "attn.in_proj_weight" and "attn.in_proj_bias" -> "attn.in_proj"."""
+    module, pname = _split(key)
+    if pname in ("weight", "bias"):
+        return module
+    stem = pname.removesuffix("_weight").removesuffix("_bias")
+    return f"{module}.{stem}" if module else stem
+
+
+def _layers_of(name: str, module: nn.Module, parent: nn.Module | None, embeddings: bool):
+    """The Layers module `name` holds (its children are visited on their own)."""
+
+    def layer(param: str, kind: str) -> Layer:
+        return Layer(layer_name(f"{name}.{param}" if name else param), name, param, kind)
+
+    if isinstance(module, nn.MultiheadAttention):
+        # One packed (3d, d) parameter, or three when key/value widths differ from embed_dim.
+        params = (
+            ("in_proj_weight",)
+            if module._qkv_same_embed_dim
+            else ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+        )
+        return [layer(p, "attention") for p in params if getattr(module, p, None) is not None]
+    if isinstance(module, PRUNABLE):
+        if isinstance(module, nn.Linear):
+            kind = "attention" if isinstance(parent, nn.MultiheadAttention) else "linear"
+        else:
+            kind = "conv"
+        return [layer("weight", kind)]
+    if embeddings and isinstance(module, nn.Embedding):
+        return [layer("weight", "embedding")]
+    return []
+
+
+def _walk(model: nn.Module):
+    """(name, module, parent) for every module, in model order."""
+    parents = {}
+    for name, module in model.named_modules():
+        for child in module.children():
+            parents.setdefault(id(child), module)
+        yield name, module, parents.get(id(module))
+
+
+def weight_layers(model: nn.Module, embeddings: bool = False) -> dict[str, Layer]:
+    """The layers pruning and weight sharing apply to, by layer name, in model order."""
+    return {
+        layer.name: layer
+        for name, module, parent in _walk(model)
+        for layer in _layers_of(name, module, parent, embeddings)
+    }
 
 
 # --- pure maths -----------------------------------------------------------------------------
@@ -82,6 +167,7 @@ class PruneConfig:
     rounds     prune -> retrain cycles; round r prunes to s x (1 - (1 - r/rounds)^3) of the
                target (Zhu & Gupta 2017), so early rounds remove the most and retraining adapts.
     include_bias / include_norm   also prune biases / normalisation weights (off, as the paper).
+    embeddings   also prune nn.Embedding tables (off, as the paper, which has none).
     """
 
     sparsity: float | dict[str, float] | None = None
@@ -90,6 +176,7 @@ class PruneConfig:
     rounds: int = 3
     include_bias: bool = False
     include_norm: bool = False
+    embeddings: bool = False
 
     def __post_init__(self) -> None:
         if (self.sparsity is None) == (self.quality is None):
@@ -108,16 +195,21 @@ class PruneConfig:
             raise InputError(f"prune: rounds {self.rounds!r} must be 1 or more")
 
 
-def prunable(model: nn.Module, cfg: PruneConfig | None = None) -> dict[str, nn.Parameter]:
-    """Parameters pruning may touch, by dotted name ("fc1.weight"), in model order."""
+def prunable(model: nn.Module, cfg: PruneConfig | None = None) -> dict[str, torch.Tensor]:
+    """Parameters pruning may touch, by state_dict key ("fc1.weight", "attn.in_proj_weight"),
+    in model order."""
     cfg = cfg or PruneConfig(sparsity=0.0)
-    out: dict[str, nn.Parameter] = {}
-    for name, module in model.named_modules():
-        is_norm = isinstance(module, nn.modules.batchnorm._NormBase | nn.LayerNorm | nn.GroupNorm)
-        if isinstance(module, PRUNABLE) or (cfg.include_norm and is_norm):
-            for pname in ("weight", "bias") if cfg.include_bias else ("weight",):
-                if getattr(module, pname, None) is not None:
-                    out[f"{name}.{pname}" if name else pname] = _current(module, pname)
+    out: dict[str, torch.Tensor] = {}
+    for name, module, parent in _walk(model):
+        pnames = [layer.param for layer in _layers_of(name, module, parent, cfg.embeddings)]
+        if cfg.include_norm and isinstance(module, NORMS):
+            pnames.append("weight")
+        if cfg.include_bias and pnames:
+            is_mha = isinstance(module, nn.MultiheadAttention)
+            pnames.append("in_proj_bias" if is_mha else "bias")
+        for pname in pnames:
+            if getattr(module, pname, None) is not None:
+                out[f"{name}.{pname}" if name else pname] = _current(module, pname)
     return out
 
 
@@ -163,16 +255,15 @@ def target_sparsities(
     """Per-parameter sparsity for this round (`fraction` of the way to the target)."""
     params = prunable(model, cfg)
     if isinstance(cfg.sparsity, dict):
-        unknown = sorted(set(cfg.sparsity) - set(params) - {n.rsplit(".", 1)[0] for n in params})
+        layers = list(dict.fromkeys(layer_name(n) for n in params))
+        unknown = sorted(set(cfg.sparsity) - set(params) - set(layers))
         if unknown:
             raise InputError(
-                f"prune: no prunable layer named {', '.join(unknown)}; "
-                f"layers: {', '.join(n.rsplit('.', 1)[0] for n in params)}"
+                f"prune: no prunable layer named {', '.join(unknown)}; layers: {', '.join(layers)}"
             )
         out = {}
         for n in params:
-            layer = n.rsplit(".", 1)[0]
-            s = cfg.sparsity.get(n, cfg.sparsity.get(layer))
+            s = cfg.sparsity.get(n, cfg.sparsity.get(layer_name(n)))
             if s is not None:
                 out[n] = s * fraction
         return out
@@ -193,7 +284,9 @@ def prune_(
     """
     params = prunable(model, cfg)
     if not params:
-        raise InputError("prune: the model has no prunable layers (Linear or Conv)")
+        raise InputError(
+            "prune: the model has no prunable layers (Linear, Conv or MultiheadAttention)"
+        )
     if cfg.quality is not None:
         # The paper's rule, applied gradually: threshold = fraction x quality x std(w).
         stds = stds or weight_stds(model, cfg)

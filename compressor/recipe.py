@@ -11,13 +11,19 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
     [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha,
                 hint_student, hint_teacher, hint_epochs, transfer, transfer_size, labels
     [prune]     enabled, sparsity ("default" | "auto" | 0.9 | {layer = 0.9}) or quality,
-                scope, rounds, retrain_epochs, lr, budget, include_bias
+                scope, rounds, retrain_epochs, lr, budget, include_bias, embeddings = false
     [quantize]  enabled, conv_bits = 8, fc_bits = 5, bits = {layer = n}, mode, finetune_epochs,
-                lr, dense = "float16" | "float32"
+                lr, dense = "float16" | "float32", embeddings = false
     [huffman]   enabled, fc_gap_bits = 5, conv_gap_bits = 8, gap_bits = "auto" | "fixed"
     [export]    enabled, opset = 18, ir_version, int8, method, calibration, calibration_data,
                 target = "mobile" | "host", scheme = "u8s8" | "u8u8", reduce_range,
                 min_agreement, ort, fixed_batch                     # ONNX FP32, INT8, .ort
+
+Layers are named as `compressor.prune.weight_layers` names them: a Linear or Conv by its module
+("fc1", "blocks.0.block.3"), MultiheadAttention's packed q/k/v projection as
+"<module>.in_proj" (or "<module>.q_proj", k_proj, v_proj when key/value widths differ) and its
+output projection "<module>.out_proj". `embeddings = true` adds nn.Embedding tables (by module
+name) to pruning or weight sharing; they are left dense by default.
 """
 
 from __future__ import annotations
@@ -75,6 +81,8 @@ DEFAULTS: dict[str, Any] = {
         "lr": 3e-3,
         "budget": 0.02,
         "include_bias": False,
+        # nn.Embedding tables too (off: the paper prunes Linear and Conv layers only)
+        "embeddings": False,
     },
     "quantize": {
         "enabled": True,
@@ -84,7 +92,10 @@ DEFAULTS: dict[str, Any] = {
         "mode": "centroids",
         "finetune_epochs": 3,
         "lr": 1e-3,
+        # How tensors that are not shared are stored: biases, norms, and any shared layer whose
+        # dense record is smaller than its shared one (measured per layer).
         "dense": "float16",
+        "embeddings": False,  # share the weights of nn.Embedding tables too
     },
     "huffman": {
         "enabled": True,
@@ -268,6 +279,8 @@ def _validate(r: dict[str, Any], source: str) -> None:
         ("quantize", "enabled"),
         ("huffman", "enabled"),
         ("prune", "include_bias"),
+        ("prune", "embeddings"),
+        ("quantize", "embeddings"),
         ("export", "enabled"),
         ("export", "int8"),
         ("export", "ort"),

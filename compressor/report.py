@@ -74,23 +74,16 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
         "## Per layer",
         "",
         "| layer | weights | kept | weight bits (P+Q) | weight bits (P+Q+H) | index bits (P+Q) "
-        "| index bits (P+Q+H) | gap width | size (P+Q+H) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| index bits (P+Q+H) | gap width | size (P+Q+H) | stored as |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["layers"]:
-        h = r.get("weight_bits_huffman")
-        lines.append(
-            f"| {r['name']} | {r['weights']:,} | {r['kept_fraction']:.1%} | {r['weight_bits']} | "
-            f"{h:.2f} | {r['index_bits']:.2f} | {r['index_bits_huffman']:.2f} | {r['gap_bits']} | "
-            f"{r['size_fraction']:.2%} |"
-            if h is not None
-            else f"| {r['name']} | {r['weights']:,} | {r['kept_fraction']:.1%} | {r['weight_bits']} | – "
-            f"| {r['index_bits']:.2f} | – | – | – |"
-        )
+        lines.append(_layer_line(r))
     lines += [
         "",
         "Bits are per kept weight; index bits are the relative-index (gap) code, escapes "
-        "included. Size is the layer's archive record against its FP32 dense bytes.",
+        "included. Size is the layer's archive record against its FP32 dense bytes. A shared "
+        "layer is stored dense where that record is smaller (both are encoded and measured).",
         "",
         "## Recipe",
         "",
@@ -100,6 +93,26 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _layer_line(r: dict[str, Any]) -> str:
+    def num(key: str, fmt: str) -> str:
+        return format(r[key], fmt) if key in r else "–"
+
+    huff = "weight_bits_huffman" in r
+    cells = [
+        r.get("layer", r["name"]),
+        f"{r['weights']:,}",
+        f"{r['kept_fraction']:.1%}",
+        str(r["weight_bits"]),
+        num("weight_bits_huffman", ".2f"),
+        f"{r['index_bits']:.2f}",
+        num("index_bits_huffman", ".2f"),
+        str(r["gap_bits"]) if huff else "–",
+        num("size_fraction", ".2%"),
+        r.get("encoding_reason", "–"),
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 def _onnx_lines(report: dict[str, Any]) -> list[str]:

@@ -9,6 +9,12 @@ Training is injected through `Hooks` (the CLI passes `distrib.trainer.fit`), so 
 never imports `distrib`. Byte accounting follows the paper: ratios are against 4 bytes per
 parameter of the dense FP32 model and include codebooks and index overhead; the P+Q+H figure is
 the archive file itself, header and checksum included.
+
+Each shared layer is stored in the archive the cheaper way, measured by encoding its record
+both ways: shared (codebook, code-length tables, Huffman streams of indices and gaps) or dense
+(`quantize.dense`, float16 by default). A layer of a few dozen weights costs more in tables
+than its values; there, the codebook is rounded to float16 in the model too, so the archive
+still decodes to exactly the model that was measured, and the report says which and why.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from compressor import archive, distill, huffman, kmeans, prune
 from models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
+_FP16_MAX = torch.finfo(torch.float16).max
 
 
 @dataclass
@@ -44,18 +51,24 @@ class Hooks:
     info: Callable[[str], None] = lambda message: None
 
 
-def default_sparsity(model: nn.Module) -> dict[str, float]:
+def default_sparsity(model: nn.Module, embeddings: bool = False) -> dict[str, float]:
     """Per-layer fraction to prune, by the layer's role, after the paper's LeNet tables
     (LeNet-300-100 kept 8/9/26%, LeNet-5 66/12/8/19%): first conv 0.35, other convs 0.85,
-    depthwise convs 0.5, hidden fully connected 0.92, output layer 0.75."""
+    depthwise convs 0.5, hidden fully connected 0.92, output layer 0.75. Attention projections
+    (MultiheadAttention's q/k/v and out_proj) and embeddings 0.5: magnitude pruning of BERT
+    lost nothing at 30-40% and degraded it beyond (Gordon et al. 2020), far from the 90% a
+    LeNet layer takes."""
     out = {}
-    found = kmeans.layers(model)
-    linears = [n for n, m in found.items() if isinstance(m, nn.Linear)]
-    for name, m in found.items():
-        if isinstance(m, nn.Linear):
+    found = kmeans.layers(model, embeddings)
+    linears = [n for n, layer in found.items() if layer.kind == "linear"]
+    for name, layer in found.items():
+        m = model.get_submodule(layer.module)
+        if layer.kind == "linear":
             out[name] = 0.75 if linears and name == linears[-1] else 0.92
-        elif m.groups > 1 and m.groups == m.in_channels:
-            out[name] = 0.5
+        elif layer.kind in ("attention", "embedding") or (
+            m.groups > 1 and m.groups == m.in_channels
+        ):
+            out[name] = 0.5  # attention, an embedding, or a depthwise conv
         else:
             out[name] = 0.35 if m.in_channels <= 3 else 0.85
     return out
@@ -102,6 +115,10 @@ def shrink(
     if q["enabled"]:
         ts = time.perf_counter()
         report["histogram"] = _quantize(model, q, recipe["train"]["seed"], hooks)
+        if recipe["huffman"]["enabled"]:
+            dense = prefer_dense_(model, recipe)
+            if dense:
+                hooks.info(f"stored dense ({q['dense']}), smaller than shared: {', '.join(dense)}")
         stages.append(_stage("quantize", ts, hooks.test_accuracy(model)))
 
     entries, layer_info = _entries(model, recipe)
@@ -139,17 +156,27 @@ def _stage(name: str, started: float, accuracy: float, **extra: Any) -> dict[str
 def check_fits_recipe(model: nn.Module, recipe: dict[str, Any]) -> None:
     """Refuse, before any work, a recipe that names layers the model lacks, or a model with
     nothing to compress."""
-    found = kmeans.layers(model)
-    if (recipe["prune"]["enabled"] or recipe["quantize"]["enabled"]) and not found:
-        raise InputError("the model has no prunable layers (Linear or Conv): nothing to compress")
+    p, q = recipe["prune"], recipe["quantize"]
+    every = kmeans.layers(model, embeddings=True)
+    if (p["enabled"] or q["enabled"]) and not kmeans.layers(
+        model, p["embeddings"] or q["embeddings"]
+    ):
+        raise InputError(
+            "the model has no prunable layers (Linear, Conv or MultiheadAttention): "
+            "nothing to compress"
+        )
     named = []
-    if isinstance(recipe["prune"]["sparsity"], dict):
-        named += [
-            ("prune.sparsity", k.removesuffix(".weight").removesuffix(".bias"))
-            for k in recipe["prune"]["sparsity"]
-        ]
-    named += [("quantize.bits", k) for k in recipe["quantize"]["bits"]]
-    for where, layer in named:
+    if isinstance(p["sparsity"], dict):
+        named += [("prune", k if k in every else prune.layer_name(k)) for k in p["sparsity"]]
+    named += [("quantize", k) for k in q["bits"]]
+    for section, layer in named:
+        where = "prune.sparsity" if section == "prune" else "quantize.bits"
+        found = kmeans.layers(model, recipe[section]["embeddings"])
+        if layer in every and layer not in found:
+            raise InputError(
+                f"recipe {where} names layer {layer!r}, an embedding; set "
+                f"{section}.embeddings = true to {section} embeddings"
+            )
         if layer not in found:
             raise InputError(
                 f"recipe {where} names layer {layer!r}, which the model lacks; "
@@ -164,7 +191,7 @@ def _prune(model: nn.Module, p: dict[str, Any], hooks: Hooks) -> dict[str, Any] 
     sens = None
     sparsity = p["sparsity"]
     if sparsity == "default":
-        sparsity = default_sparsity(model)
+        sparsity = default_sparsity(model, p["embeddings"])
     elif sparsity == "auto":
         sens = prune.sensitivity(model, hooks.val_accuracy, p["budget"])
         sparsity = sens.proposal
@@ -177,6 +204,7 @@ def _prune(model: nn.Module, p: dict[str, Any], hooks: Hooks) -> dict[str, Any] 
         scope=p["scope"],
         rounds=p["rounds"],
         include_bias=p["include_bias"],
+        embeddings=p["embeddings"],
     )
     stds = prune.weight_stds(model, cfg)
     for r, fraction in enumerate(prune.schedule(cfg.rounds), 1):
@@ -199,14 +227,19 @@ def _quantize(model: nn.Module, q: dict[str, Any], seed: int, hooks: Hooks) -> d
         bits=dict(q["bits"]),
         mode=q["mode"],
         seed=seed,
+        embeddings=q["embeddings"],
     )
-    largest = max(kmeans.layers(model).items(), key=lambda kv: kv[1].weight.numel())
-    w = largest[1].weight.detach().flatten()
+    weights = {
+        name: _baked_value(model, layer.key)
+        for name, layer in kmeans.layers(model, cfg.embeddings).items()
+    }
+    largest = max(weights.items(), key=lambda kv: kv[1].numel())
+    w = largest[1].detach().flatten()
     w = w[w != 0].numpy()
     kmeans.share_weights_(model, cfg)
     counts, edges = np.histogram(w, bins=120)
     histogram = {
-        "layer": f"{largest[0]}.weight",
+        "layer": kmeans.layers(model, cfg.embeddings)[largest[0]].key,
         "counts": counts.tolist(),
         "edges": edges.tolist(),
         "centroids_init": kmeans.linear_init(
@@ -226,7 +259,7 @@ def _round_dense(model: nn.Module, q: dict[str, Any]) -> None:
     if q["dense"] == "float16":
         # Biases and norm statistics are stored as float16; round them in the model too, so
         # the archive decodes to exactly the model we measured.
-        shared = {f"{n}.weight" for n in kmeans.shared_of(model)}
+        shared = set(kmeans.shared_params(model))
         with torch.no_grad():
             for name in _baked_state_keys(model):
                 t = _baked_value(model, name)
@@ -252,23 +285,81 @@ def _choose_gap_bits(positions: np.ndarray, numel: int, fixed: int, mode: str) -
     return min(GAP_BITS_SEARCH, key=cost)
 
 
-def _entries(model: nn.Module, recipe: dict[str, Any]):
-    """Archive entries in state_dict order, and for every Linear/Conv weight the facts the
-    report needs (kept, bits, codebook size, gap widths and escapes at the fixed width)."""
+def prefer_dense_(model: nn.Module, recipe: dict[str, Any]) -> list[str]:
+    """Round to float16 the codebook of each shared layer whose dense float16 record would be
+    smaller than its shared one, so that the dense record `_entries` then measures as smaller
+    is exact and decodes to the model bit for bit. Returns those layers' names.
+
+    Nothing to do with `quantize.dense = "float32"`: float32 storage is exact as it is.
+    """
+    if recipe["quantize"]["dense"] != "float16":
+        return []
     h = recipe["huffman"]
-    shared = kmeans.shared_of(model)
+    layers = {layer.key: layer for layer in kmeans.layers(model, embeddings=True).values()}
+    rounded = []
+    for key, s in kmeans.shared_params(model).items():
+        codebook = s.codebook.detach()
+        if codebook.numel() and bool(codebook.abs().max() > _FP16_MAX):
+            continue  # float16 would overflow: stays shared, or dense float32 if smaller
+        layer = layers[key]
+        shared = _shared_entry(key, s, _fixed_gap_bits(layer, h), h["gap_bits"])
+        as16 = torch.where(s.mask, codebook.half().float()[s.index], 0.0)
+        dense = archive.Dense(key, as16, store_fp16=True)
+        if archive.record_size(dense) < archive.record_size(shared):
+            with torch.no_grad():
+                s.codebook.copy_(s.codebook.half().float())
+            rounded.append(layer.name)
+    return rounded
+
+
+def _fixed_gap_bits(layer: prune.Layer, h: dict[str, Any]) -> int:
+    return h["conv_gap_bits"] if layer.kind == "conv" else h["fc_gap_bits"]
+
+
+def _shared_entry(key: str, s: kmeans.SharedWeights, fixed: int, mode: str) -> archive.Shared:
+    mask = s.mask.flatten()
+    positions = torch.nonzero(mask).flatten().numpy()
+    return archive.Shared(
+        key,
+        tuple(s.mask.shape),
+        s.codebook.detach().numpy().astype(np.float32),
+        s.index.flatten()[mask].numpy(),
+        positions,
+        _choose_gap_bits(positions, mask.numel(), fixed, mode),
+    )
+
+
+def _entries(model: nn.Module, recipe: dict[str, Any]):
+    """Archive entries in state_dict order, and for every layer's weight (`kmeans.layers`) the
+    facts the report needs (kept, bits, codebook size, gap widths and escapes at the fixed
+    width; for a shared layer, both record sizes and which one is stored).
+
+    A shared layer's record is encoded both ways and the smaller is kept (shared on a tie).
+    The dense record stores float16 only where that is exact (`prefer_dense_` makes it so), so
+    either way the archive decodes to the model's values bit for bit.
+    """
+    h = recipe["huffman"]
+    dense16 = recipe["quantize"]["dense"] == "float16"
+    embeddings = recipe["prune"]["embeddings"] or recipe["quantize"]["embeddings"]
+    shared = kmeans.shared_params(model)
+    layers = {
+        layer.key: layer
+        for layer in kmeans.layers(model, embeddings=True).values()
+        if layer.kind != "embedding" or embeddings or layer.key in shared
+    }
     entries: list[archive.Dense | archive.Shared] = []
     info: dict[str, dict[str, Any]] = {}
-    modules = dict(model.named_modules())
     for key in _baked_state_keys(model):
-        mname, _, pname = key.rpartition(".")
-        layer = modules.get(mname)
         value = _baked_value(model, key).detach()
-        if pname == "weight" and isinstance(layer, prune.PRUNABLE):
+        dense = archive.Dense(key, value.clone(), store_fp16=dense16)
+        layer = layers.get(key)
+        if layer is not None:
             positions = torch.nonzero(value.flatten() != 0).flatten().numpy()
-            fixed = h["fc_gap_bits"] if isinstance(layer, nn.Linear) else h["conv_gap_bits"]
+            fixed = _fixed_gap_bits(layer, h)
             sparse = len(positions) < value.numel()
             info[key] = {
+                "layer": layer.name,
+                "kind": layer.kind,
                 "weights": value.numel(),
                 "kept": len(positions),
                 "fixed_gap_bits": fixed if sparse else 0,
@@ -277,34 +368,47 @@ def _entries(model: nn.Module, recipe: dict[str, Any]):
                 "codebook": 0,
                 "gap_bits": 0,
             }
-        if pname == "weight" and mname in shared:
-            s = shared[mname]
-            mask = s.mask.flatten()
-            positions = torch.nonzero(mask).flatten().numpy()
-            codebook = s.codebook.detach().numpy().astype(np.float32)
-            b = _choose_gap_bits(
-                positions, mask.numel(), info[key]["fixed_gap_bits"], h["gap_bits"]
-            )
+        if key in shared and layer is not None:
+            s = shared[key]
+            entry = _shared_entry(key, s, info[key]["fixed_gap_bits"], h["gap_bits"])
+            k = len(entry.codebook)
             info[key].update(
-                bits=math.ceil(math.log2(max(len(codebook), 2))), codebook=len(codebook), gap_bits=b
+                bits=math.ceil(math.log2(max(k, 2))), codebook=k, gap_bits=entry.gap_bits
             )
-            entries.append(
-                archive.Shared(
-                    key,
-                    tuple(s.mask.shape),
-                    codebook,
-                    s.index.flatten()[mask].numpy(),
-                    positions,
-                    b,
-                )
-            )
+            if h["enabled"]:
+                entry = _smaller(entry, dense, info[key])
+            entries.append(entry)
         else:
-            entries.append(
-                archive.Dense(
-                    key, value.clone(), store_fp16=recipe["quantize"]["dense"] == "float16"
-                )
-            )
+            entries.append(dense)
     return entries, info
+
+
+def _smaller(shared: archive.Shared, dense: archive.Dense, info: dict[str, Any]):
+    """The smaller record of the two (measured by encoding both), noted in `info`.
+
+    The dense figure reported is float16's whenever `quantize.dense` asks for it, rounded or
+    not: what dense storage would cost. Only an exact record is ever chosen, and `prefer_dense_`
+    has made the layers where float16 wins exact.
+    """
+    s_bytes, d_bytes = archive.record_size(shared), archive.record_size(dense)
+    dtype = "fp16" if archive.stored_dtype(dense) == torch.float16 else "fp32"
+    t = dense.tensor
+    if dense.store_fp16 and dtype == "fp32" and t.numel() and bool(t.abs().max() <= _FP16_MAX):
+        as16 = archive.Dense(dense.name, t.half().float(), store_fp16=True)
+        shown, shown_dtype = archive.record_size(as16), "fp16"
+    else:
+        shown, shown_dtype = d_bytes, dtype
+    if d_bytes < s_bytes:
+        why, chosen = f"dense {dtype}: {d_bytes:,} B < shared {s_bytes:,} B", dense
+    else:
+        why, chosen = f"shared: {s_bytes:,} B <= dense {shown_dtype} {shown:,} B", shared
+    info.update(
+        encoding="shared" if chosen is shared else f"dense {dtype}",
+        encoding_reason=why,
+        shared_bytes=s_bytes,
+        dense_bytes=d_bytes if chosen is dense else shown,
+    )
+    return chosen
 
 
 def _escapes(positions: np.ndarray, b: int) -> int:
@@ -402,6 +506,8 @@ def _layer_rows(info, stats: archive.Encoded | None) -> list[dict[str, Any]]:
         n = max(i["kept"], 1)
         row = {
             "name": name,
+            "layer": i["layer"],
+            "kind": i["kind"],
             "weights": i["weights"],
             "kept": i["kept"],
             "kept_fraction": i["kept"] / i["weights"],
@@ -411,6 +517,9 @@ def _layer_rows(info, stats: archive.Encoded | None) -> list[dict[str, Any]]:
             "gap_bits": i["gap_bits"],
             "codebook": i["codebook"],
         }
+        for k in ("encoding", "encoding_reason", "shared_bytes", "dense_bytes"):
+            if k in i:
+                row[k] = i[k]
         s = stats.layers.get(name) if stats else None
         if s and "index_stream_bits" in s:
             row.update(
@@ -418,8 +527,10 @@ def _layer_rows(info, stats: archive.Encoded | None) -> list[dict[str, Any]]:
                 index_bits_huffman=s["gap_stream_bits"] / n,
                 weight_bits_entropy=s["index_entropy_bits"] / n,
                 index_bits_entropy=s["gap_entropy_bits"] / n,
-                bytes=s["record_bytes"],
-                size_fraction=s["record_bytes"] / (4 * i["weights"]),
+            )
+        if s:
+            row.update(
+                bytes=s["record_bytes"], size_fraction=s["record_bytes"] / (4 * i["weights"])
             )
         rows.append(row)
     return rows

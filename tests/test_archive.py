@@ -103,3 +103,12 @@ def test_model_round_trip_through_sharing():
     prune.bake_(model)
     x = torch.rand(3, 1, 8, 8)
     assert torch.equal(fresh(x), model(x))
+
+
+def test_record_size_is_the_bytes_encode_writes():
+    entries, _ = _entries()
+    _, stats = archive.encode(entries, SPEC, {})
+    for e in entries:
+        assert archive.record_size(e) == stats.layers[e.name]["record_bytes"], e.name
+    assert archive.stored_dtype(entries[2]) == torch.float16  # exact in float16
+    assert archive.stored_dtype(entries[3]) == torch.float32  # 1e-8 is not

@@ -104,3 +104,17 @@ def test_unknown_layer_and_bad_bits():
         kmeans.share_weights_(tiny("mlp"), kmeans.QuantizeConfig(bits={"fc9": 4}))
     with pytest.raises(InputError, match="impossible"):
         kmeans.QuantizeConfig(fc_bits=0)
+
+
+def test_weights_mode_forward_is_exactly_the_centroids():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 30, generator=g, requires_grad=True)
+    mask = torch.rand(40, 30, generator=g) > 0.5
+    start = torch.zeros(40, 30, dtype=torch.int64)
+    s = kmeans.SharedWeights(torch.linspace(-2, 2, 7), start, mask, mode="weights")
+    out = s(w)
+    nearest = kmeans.nearest(w.detach(), s.codebook.detach())
+    assert torch.equal(out.detach(), torch.where(mask, s.codebook.detach()[nearest], 0.0))
+    assert not torch.signbit(out[~mask]).any()
+    out.sum().backward()  # straight-through: the kept originals get the weight's gradient
+    assert torch.equal(w.grad, mask.float())

@@ -150,3 +150,16 @@ def test_baking_a_copy_leaves_the_original_working():
         assert type(plain.conv1) is nn.Conv2d and torch.equal(plain(x), ref)
         assert "conv1.weight" in plain.state_dict()
     assert prune.masks_of(model) and torch.equal(model(x), ref)
+
+
+def test_attention_projections_are_prunable_embeddings_only_when_asked():
+    model = tiny("textcls")
+    names = set(prune.prunable(model))
+    assert "encoder.blocks.0.attn.in_proj_weight" in names
+    assert "encoder.blocks.0.attn.out_proj.weight" in names
+    assert "tokens.weight" not in names and not any("norm" in n for n in names)
+    cfg = prune.PruneConfig(sparsity=0.5, include_bias=True, embeddings=True)
+    with_bias = set(prune.prunable(model, cfg))
+    assert {"encoder.blocks.0.attn.in_proj_bias", "tokens.weight", "positions.weight"} <= with_bias
+    kept = prune.prune_(model, prune.PruneConfig(sparsity={"encoder.blocks.0.attn.in_proj": 0.5}))
+    assert kept == pytest.approx({"encoder.blocks.0.attn.in_proj_weight": 0.5})

@@ -1,0 +1,292 @@
+"""Every layer type users have: pruning and weight sharing on (module, parameter) pairs, the
+per-layer choice between a shared and a dense record, and the fast shared-weight forward."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from compressor import archive, kmeans, prune, recipe, shrink
+from compressor import report as report_mod
+from models import InputError, tiny
+
+ATTN = "encoder.blocks.0.attn"
+# The layers of each tiny family, with embeddings asked for (textcls' tokens and positions).
+EXPECTED = {
+    "resnet_se": {
+        "stem.0": ("weight", "conv"),
+        **{
+            f"blocks.{b}.block.{i}": ("weight", "conv")
+            for b in range(4)
+            for i in ("0", "3", "6.reduce", "6.expand", "7")
+        },
+        "head": ("weight", "linear"),
+    },
+    "vit": {
+        "patch": ("weight", "conv"),
+        f"{ATTN}.in_proj": ("in_proj_weight", "attention"),
+        f"{ATTN}.out_proj": ("weight", "attention"),
+        "encoder.blocks.0.mlp.0": ("weight", "linear"),
+        "encoder.blocks.0.mlp.2": ("weight", "linear"),
+        "head": ("weight", "linear"),
+    },
+    "textcls": {
+        "tokens": ("weight", "embedding"),
+        "positions": ("weight", "embedding"),
+        f"{ATTN}.in_proj": ("in_proj_weight", "attention"),
+        f"{ATTN}.out_proj": ("weight", "attention"),
+        "encoder.blocks.0.mlp.0": ("weight", "linear"),
+        "encoder.blocks.0.mlp.2": ("weight", "linear"),
+        "head": ("weight", "linear"),
+    },
+}
+
+
+def _inputs(model):
+    if hasattr(model, "example_inputs"):
+        return model.example_inputs(batch=3)[0]
+    return torch.rand(3, *model.in_shape, generator=torch.Generator().manual_seed(0))
+
+
+def _layer_keys(name, embeddings):
+    return {
+        f"{layer.rpartition('.')[0]}.{p}" if p != "weight" else f"{layer}.weight"
+        for layer, (p, kind) in EXPECTED[name].items()
+        if embeddings or kind != "embedding"
+    }
+
+
+def test_layer_names_and_kinds():
+    for name, expected in EXPECTED.items():
+        found = kmeans.layers(tiny(name), embeddings=True)
+        assert {n: (la.param, la.kind) for n, la in found.items()} == expected
+    model = tiny("resnet_se")
+    depthwise = model.get_submodule("blocks.0.block.3")
+    assert depthwise.groups == depthwise.in_channels > 1  # a depthwise conv is a layer
+    assert model.get_submodule("blocks.0.block.6.reduce").bias is not None  # SE conv, with bias
+    assert prune.layer_name(f"{ATTN}.in_proj_weight") == f"{ATTN}.in_proj"
+    assert prune.layer_name(f"{ATTN}.in_proj_bias") == f"{ATTN}.in_proj"
+    assert prune.layer_name("fc1.weight") == prune.layer_name("fc1.bias") == "fc1"
+    assert "tokens" not in kmeans.layers(tiny("textcls"))  # embeddings only when asked
+
+
+@pytest.mark.parametrize(
+    ("name", "embeddings"), [("resnet_se", False), ("vit", False), ("textcls", True)]
+)
+def test_prune_and_share_every_layer_and_bake_back(name, embeddings):
+    model = tiny(name).eval()
+    x = _inputs(model)
+    before = copy.deepcopy(model.state_dict())
+    keys = _layer_keys(name, embeddings)
+    prune.prune_(model, prune.PruneConfig(sparsity=0.5, embeddings=embeddings))
+    assert set(prune.masks_of(model)) == keys
+    bits = kmeans.share_weights_(
+        model, kmeans.QuantizeConfig(conv_bits=3, fc_bits=2, embeddings=embeddings)
+    )
+    assert set(kmeans.shared_params(model)) == keys
+    for key, s in kmeans.shared_params(model).items():
+        w = shrink._baked_value(model, key)
+        assert kmeans.distinct_values(w) <= 2 ** bits[prune.layer_name(key)]
+        assert torch.all(w[~s.mask] == 0) and not torch.signbit(w[~s.mask]).any()
+        assert 0.45 <= float(s.mask.float().mean()) <= 0.55
+    ref = model(x)
+    plain = prune.bake_(copy.deepcopy(model))
+    assert not any(parametrize.is_parametrized(m) for m in plain.modules())
+    assert all(type(m).__name__ != "ParametrizedMultiheadAttention" for m in plain.modules())
+    state = plain.state_dict()
+    assert set(state) == set(before)
+    for k, v in before.items():  # norms, biases, class token, positions: untouched
+        if k not in keys:
+            assert torch.equal(state[k], v), k
+    assert torch.equal(plain(x), ref)
+    with torch.no_grad():  # MultiheadAttention's fast path reads the parametrized weight too
+        assert torch.allclose(model(x), ref, atol=1e-5)
+
+
+def test_embeddings_stay_dense_unless_asked():
+    model = tiny("textcls")
+    prune.prune_(model, prune.PruneConfig(sparsity=0.5))
+    kmeans.share_weights_(model, kmeans.QuantizeConfig())
+    touched = set(prune.masks_of(model)) | set(kmeans.shared_params(model))
+    assert touched and not touched & {"tokens.weight", "positions.weight"}
+    r = recipe.resolve({"prune": {"sparsity": {"tokens": 0.5}}})
+    with pytest.raises(InputError, match="'tokens', an embedding; set prune.embeddings = true"):
+        shrink.check_fits_recipe(tiny("textcls"), r)
+    r = recipe.resolve({"prune": {"sparsity": {"tokens": 0.5}, "embeddings": True}})
+    shrink.check_fits_recipe(tiny("textcls"), r)
+    with pytest.raises(InputError, match="prune.embeddings = 'yes' is impossible"):
+        recipe.resolve({"prune": {"embeddings": "yes"}})
+
+
+class SeparateQKV(nn.Module):
+    """MultiheadAttention with key/value widths of their own: three projection parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, kdim=6, vdim=4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x[..., :6], x[..., :4], need_weights=False)[0]
+
+
+def test_separate_q_k_v_projections():
+    model = SeparateQKV().eval()
+    found = kmeans.layers(model)
+    assert {n: la.param for n, la in found.items()} == {
+        "attn.q_proj": "q_proj_weight",
+        "attn.k_proj": "k_proj_weight",
+        "attn.v_proj": "v_proj_weight",
+        "attn.out_proj": "weight",
+    }
+    cfg = prune.PruneConfig(sparsity={"attn.q_proj": 0.75, "attn.k_proj_weight": 0.5})
+    kept = prune.prune_(model, cfg)
+    assert kept == pytest.approx({"attn.q_proj_weight": 0.25, "attn.k_proj_weight": 0.5})
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=2, bits={"attn.v_proj": 1}))
+    assert kmeans.distinct_values(model.attn.v_proj_weight) <= 2
+    x = torch.rand(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    ref = model(x)
+    assert torch.equal(prune.bake_(copy.deepcopy(model))(x), ref)
+
+
+def test_recipe_names_attention_projections():
+    model = tiny("vit")
+    cfg = prune.PruneConfig(sparsity={f"{ATTN}.in_proj": 0.75, "head": 0.5})
+    kept = prune.prune_(model, cfg)
+    assert kept == pytest.approx({f"{ATTN}.in_proj_weight": 0.25, "head.weight": 0.5})
+    bits = kmeans.share_weights_(model, kmeans.QuantizeConfig(bits={f"{ATTN}.in_proj": 2}))
+    assert (
+        bits[f"{ATTN}.in_proj"] == 2
+        and kmeans.distinct_values(model.get_submodule(ATTN).in_proj_weight) <= 4
+    )
+    with pytest.raises(InputError, match="no prunable layer named encoder.blocks.0.attn;"):
+        prune.prune_(tiny("vit"), prune.PruneConfig(sparsity={ATTN: 0.5}))
+    r = recipe.resolve({"quantize": {"bits": {f"{ATTN}.in_proj": 4}}})
+    shrink.check_fits_recipe(tiny("vit"), r)
+
+
+# --- shared or dense, per layer -------------------------------------------------------------
+
+
+class BigAndTiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(300, 100)
+        self.tiny = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.tiny(self.big(x)[:, :4])
+
+
+@pytest.mark.parametrize("dense", ["float16", "float32"])
+def test_each_layer_is_stored_the_smaller_way(dense):
+    torch.manual_seed(0)
+    model = BigAndTiny()
+    prune.prune_(model, prune.PruneConfig(sparsity={"big": 0.9}))
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=8, bits={"big": 3}))
+    r = recipe.resolve({"quantize": {"dense": dense}})
+    x = torch.rand(2, 300)
+    y = model(x)
+    assert shrink.prefer_dense_(model, r) == (["tiny"] if dense == "float16" else [])
+    entries, info = shrink._entries(model, r)
+    by_name = {e.name: e for e in entries}
+    assert isinstance(by_name["big.weight"], archive.Shared)
+    assert isinstance(by_name["tiny.weight"], archive.Dense)
+    big, small = info["big.weight"], info["tiny.weight"]
+    assert big["encoding"] == "shared" and big["shared_bytes"] < big["dense_bytes"]
+    dtype = "fp16" if dense == "float16" else "fp32"
+    assert small["encoding"] == f"dense {dtype}" and small["dense_bytes"] < small["shared_bytes"]
+    assert small["encoding_reason"] == (
+        f"dense {dtype}: {small['dense_bytes']:,} B < shared {small['shared_bytes']:,} B"
+    )
+    assert small["dense_bytes"] == archive.record_size(by_name["tiny.weight"])
+    assert big["shared_bytes"] == archive.record_size(by_name["big.weight"])
+    w = model.tiny.weight.detach()
+    if dense == "float16":  # the model computes with the values the archive stores
+        assert torch.equal(w, w.half().float())
+        assert torch.allclose(model(x), y, atol=1e-2)
+    decoded = archive.decode(archive.encode(entries, {"name": "x"}, {})[0])
+    shrink._check_bit_identical(model, decoded.state_dict)  # raises on any difference
+    assert kmeans.distinct_values(model.tiny.weight) <= 2**8
+
+
+def test_shrink_stores_no_layer_worse_than_dense_fp16(tmp_path):
+    """A tiny residual CNN through the whole pipeline (no training): every layer's record is at
+    most its dense float16 record, and the report says which and why."""
+    model = tiny("resnet_se")
+    hooks = shrink.Hooks(
+        retrain=lambda *a, **k: None, test_accuracy=lambda m: 0.5, val_accuracy=lambda m: 0.5
+    )
+    r = recipe.resolve(
+        {"prune": {"rounds": 1, "retrain_epochs": 0}, "quantize": {"finetune_epochs": 0}}
+    )
+    rep = shrink.shrink(model, {"name": "resnet_se", "kwargs": {}}, r, hooks, tmp_path)
+    rows = {row["layer"]: row for row in rep["layers"]}
+    assert set(rows) == set(EXPECTED["resnet_se"])
+    for row in rows.values():
+        assert row["bytes"] == min(row["shared_bytes"], row["dense_bytes"])
+        assert row["encoding"] in ("shared", "dense fp16")
+    encodings = {row["encoding"] for row in rows.values()}
+    assert encodings == {"shared", "dense fp16"}  # both win somewhere in this net
+    # The whole archive is at most the same model stored dense float16 (the other 74 records,
+    # BatchNorm statistics and biases, are the same both ways: the pipeline rounded them).
+    decoded = archive.read(tmp_path / "student.dcz")
+    as16 = [
+        archive.Dense(k, v.half().float() if v.is_floating_point() else v, store_fp16=True)
+        for k, v in decoded.state_dict.items()
+    ]
+    dense16 = len(archive.encode(as16, decoded.spec, decoded.metadata)[0])
+    assert rep["archive"]["bytes"] < dense16
+    md = report_mod.markdown(rep)
+    assert "| blocks.0.block.3 |" in md and "dense fp16: " in md and "shared: " in md
+
+
+# --- the shared-weight forward --------------------------------------------------------------
+
+
+def _shared(n=5000, k=15, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(50, n // 50, generator=g) > 0.8
+    index = torch.randint(0, k, mask.shape, generator=g)
+    return kmeans.SharedWeights(torch.randn(k, generator=g), index, mask)
+
+
+def test_shared_forward_is_one_gather_with_the_papers_gradient():
+    s = _shared()
+    grad = torch.randn(s.mask.shape, generator=torch.Generator().manual_seed(1))
+    w = s(None)
+    reference = torch.where(s.mask, s.codebook.detach()[s.index], 0.0)
+    assert torch.equal(w.detach(), reference) and not torch.signbit(w[~s.mask]).any()
+    w.backward(grad)
+    expected = torch.zeros(len(s.codebook)).index_add_(0, s.index[s.mask], grad[s.mask])
+    assert torch.allclose(s.codebook.grad, expected, atol=1e-5)
+
+
+def test_evaluation_cache_follows_every_change():
+    s = _shared()
+    with torch.no_grad():
+        first = s(None)
+        assert s(None) is first  # reused while nothing changed
+        s.codebook.data.mul_(2)  # as a fused optimizer does: no version bump on the parameter
+        assert torch.equal(s(None), torch.where(s.mask, s.codebook[s.index], 0.0))
+        s.mask[0, :] = False  # tighter mask, in place
+        assert torch.all(s(None)[0] == 0)
+        s.index.fill_(0)
+        assert set(s(None).unique().tolist()) == {0.0, float(s.codebook[0])}
+    with torch.inference_mode():
+        assert torch.equal(s(None), torch.where(s.mask, s.codebook[s.index], 0.0))
+
+
+def test_fine_tuning_step_changes_only_kept_weights():
+    s = _shared()
+    for _ in range(3):
+        s.codebook.grad = None
+        s(None).square().sum().backward()
+        with torch.no_grad():  # an SGD step, in place (a torch.optim import costs seconds)
+            s.codebook -= 0.1 * s.codebook.grad
+            w = s(None)
+        assert torch.equal(w, torch.where(s.mask, s.codebook.detach()[s.index], 0.0))
+        assert not torch.signbit(w[~s.mask]).any()
+    assert np.isfinite(s.codebook.detach().numpy()).all()
