@@ -1,6 +1,7 @@
 """INT8 files for the runtimes apps pin: versions read back, no orphan Q/DQ, choices that do
 not depend on the build machine's load, parity of the file as written against plain numpy."""
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -302,3 +303,231 @@ def test_bias_correction_removes_the_mean_shift(tmp_path, bias):
     )
     assert np.all(shift[1] <= scale / 2 + 1e-6), (shift, scale)  # within one bias step
     assert shift[1].sum() < shift[0].sum()
+
+
+# --- the agreement floor: few builds, recorded, silent ---------------------------------------
+
+
+def _fake_search(n: int, needed: set[str] | int):
+    """A `candidate` for `_fall_back` over nodes n0..n{n-1}: it holds when the nodes back in
+    FP32 include `needed` (a set) or number at least `needed` (an int); calls are counted."""
+    reference = np.eye(4)[np.arange(100) % 4]
+    calls = []
+
+    def candidate(back, floor):
+        calls.append(len(back))
+        ok = needed <= set(back) if isinstance(needed, set) else len(back) >= needed
+        out = reference if ok else np.roll(reference, 1, axis=1)
+        if floor is not None and not ok:
+            return "model", None, 0  # stopped early
+        return f"model-{len(back)}", out, 0
+
+    return [f"n{i}" for i in range(n)], candidate, reference, calls
+
+
+def test_fallback_bisects_to_the_fewest_nodes_in_log_builds():
+    cfg = I.QuantConfig()
+    order, candidate, reference, calls = _fake_search(74, 21)  # a 12-block ViT's 74 nodes
+    model, out, _, back = I._fall_back(order, candidate, reference, cfg, before=0.5)
+    assert back == order[:21] and model == "model-21"
+    assert I.agreement(out, reference) >= cfg.min_agreement
+    assert len(calls) <= 2 * 7  # 1, 2, 4, ..., 32, then bisection in (16, 32]: not 74 builds
+    # Every node needed: the whole list, the all-FP32 graph, holds.
+    order, candidate, reference, calls = _fake_search(5, 5)
+    assert I._fall_back(order, candidate, reference, cfg, before=0.5)[3] == order
+
+
+def test_fallback_that_cannot_reach_the_floor_is_a_stage_error():
+    order, candidate, reference, _ = _fake_search(6, {"nowhere"})
+    with pytest.raises(I.StageError, match=r"min_agreement 0.995: best 0.5000, even with all 6"):
+        I._fall_back(order, candidate, reference, I.QuantConfig(), before=0.5)
+
+
+def _onnx(tmp: Path, name: str, nodes, inits: dict[str, np.ndarray], x_shape) -> tuple:
+    """A hand-written FP32 graph x -> ... -> y (no exporter: a fraction of a second), saved
+    and `preprocess`ed: (fp32 path, prepared path)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", *x_shape])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    onnx.save(model, str(tmp / f"{name}.onnx"))
+    return tmp / f"{name}.onnx", E.preprocess(tmp / f"{name}.onnx", tmp / f"{name}.prep.onnx")
+
+
+def _outlier_mlp(tmp: Path) -> tuple:
+    """A deep narrow ReLU MLP (6 Gemms, variance-preserving weights so the logits depend on the
+    input) whose first input feature is unused: when that feature is huge in a few calibration
+    samples, the input's INT8 scale rounds every other feature away, in the first Gemm only."""
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    dims = [12, 24, 24, 24, 24, 24, 6]
+    nodes, inits, t = [], {}, "x"
+    for k, (a, b) in enumerate(itertools.pairwise(dims)):
+        inits[f"w{k}"] = rng.standard_normal((b, a)) * np.sqrt(2 / a)
+        inits[f"b{k}"] = 0.1 * rng.standard_normal(b)
+        out = "y" if k == len(dims) - 2 else f"h{k}"
+        nodes.append(helper.make_node("Gemm", [t, f"w{k}", f"b{k}"], [out], f"fc{k}", transB=1))
+        if out != "y":
+            nodes.append(helper.make_node("Relu", [out], [f"r{k}"], f"relu{k}"))
+            t = f"r{k}"
+    inits["w0"][:, 0] = 0.0
+    return _onnx(tmp, "outlier", nodes, inits, [12])
+
+
+def test_floor_holds_with_the_harmful_node_back_in_fp32_few_builds_silently(
+    tmp_path, monkeypatch, capfd, caplog
+):
+    import logging
+
+    fp32, prep = _outlier_mlp(tmp_path)
+    x = np.random.default_rng(0).standard_normal((400, 12)).astype(np.float32)
+    x[:4, 0] = 3000.0  # in the calibration inputs only
+    cfg = I.QuantConfig(min_agreement=0.97)  # logits near ties: INT8 elsewhere flips a few
+    builds = []
+    real = I.Quantizer.build
+    monkeypatch.setattr(I.Quantizer, "build", lambda *a, **k: builds.append(1) or real(*a, **k))
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG):
+        choice = I.choose(prep, fp32.read_bytes(), x[:100], x[100:], cfg, {"avx2"})
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # neither ORT's Python warnings nor its C++ log
+    assert not [r for r in caplog.records if "onnxruntime" in r.pathname]
+    sel = choice.selection
+    first = "fc0"
+    assert sel.agreement_before_fallback < 0.97 <= sel.agreement
+    assert list(sel.fp32_nodes) == [first]  # the harmful one, ranked first, and only it
+    assert sel.fp32_nodes[first].startswith("accuracy: top-1 agreement")
+    assert sel.int8_nodes == 5 and choice.model is not None
+    record = choice.candidates[[c["scheme"] for c in choice.candidates].index(sel.scheme.name)]
+    # ours: all INT8, then the first prefix holds (the old search: 6 to score, 1 to fall back);
+    # ORT's default falls back all 6 nodes: 1, 2, 4, 6, then 5 in the bisection
+    assert record["builds"] == 2
+    assert len(builds) == sum(c["builds"] for c in choice.candidates)
+    assert all(c["builds"] <= 1 + 2 * 3 for c in choice.candidates)
+    assert record["min_agreement"] == 0.97 and record["fallen_back"] == 1
+    assert record["agreement_before_fallback"] < 0.97 and record["check_samples"] == 300
+    got = I.outputs(I.session(choice.model.SerializeToString(), optimized=False), x[100:])
+    ref = I.outputs(I.session(fp32.read_bytes(), optimized=False), x[100:])
+    assert I.agreement(got, ref) >= 0.97  # the file as shipped holds the floor
+
+
+def test_the_quantizer_warns_through_logging_and_quiet_hides_it(tmp_path, caplog, monkeypatch):
+    """ORT's quantizer logs 'Axis 1 is out-of-range ...' for per-channel LayerNorm weights;
+    without `quiet` Python would print that on stderr."""
+    import contextlib
+    import logging
+
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], "fc1", transB=1),
+        # one bias shared by a Gemm and a LayerNorm, as an exporter's deduplication leaves it
+        helper.make_node("LayerNormalization", ["h", "g", "b1"], ["n"], "norm"),
+        helper.make_node("Gemm", ["n", "w2", "b2"], ["y"], "fc2", transB=1),
+    ]
+    shapes = {"w1": (16, 8), "b1": (16,), "g": (16,), "w2": (4, 16), "b2": (4,)}
+    inits = {k: rng.standard_normal(v) for k, v in shapes.items()}
+    _, prep = _onnx(tmp_path, "norm", nodes, inits, [8])
+    q = I.Quantizer(prep, rng.standard_normal((16, 8)).astype(np.float32))
+    scheme = I.scheme_for(I.QuantConfig(), False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        q.build(scheme)
+    assert not [r for r in caplog.records if "onnxruntime" in r.pathname]
+    monkeypatch.setattr(I, "quiet", lambda stdout=False: contextlib.nullcontext())
+    with caplog.at_level(logging.WARNING):
+        q.build(scheme)
+    assert any("out-of-range" in r.getMessage() for r in caplog.records)  # what quiet hides
+    # The quantizer names the shared bias's DequantizeLinear output "b1": with every node in
+    # FP32 the FP32 bias comes back under another name, and the file loads.
+    fp32 = q.build(scheme, q.nodes)
+    assert not {"QuantizeLinear", "DequantizeLinear"} & set(_ops(fp32))
+    I.session(fp32.SerializeToString(), optimized=False)
+
+
+# --- (N, L, D) tensors and int64 token inputs ------------------------------------------------
+
+
+class _Tokens(nn.Module):
+    """Token ids -> embedding -> Linear on (N, L, D) (MatMul + Add) -> attention-like
+    scaled MatMul between activations -> mean -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.qk, self.head = nn.Embedding(40, 8), nn.Linear(8, 16), nn.Linear(8, 4)
+
+    def forward(self, ids):
+        q, k = self.qk(self.emb(ids)).chunk(2, -1)
+        a = torch.softmax((q * 0.5) @ k.transpose(1, 2), -1)
+        return self.head((a @ k).mean(1))
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tok")
+    ids = torch.randint(0, 40, (2, 6))
+    fp32 = E.export_onnx(_Tokens().eval(), ids, tmp / "f.onnx", E.ExportConfig())
+    x = np.random.default_rng(0).integers(0, 40, (200, 6)).astype(np.int64)
+    return fp32, E.preprocess(fp32, tmp / "p.onnx"), x
+
+
+def test_int64_token_inputs_go_through_the_choice(tokens):
+    fp32, prep, x = tokens
+    cfg = I.QuantConfig(min_agreement=1.0)
+    a = I.choose(prep, fp32.read_bytes(), x[:64], x[64:], cfg, {"avx2"})
+    b = I.choose(prep, fp32.read_bytes(), x[:64], x[64:], cfg, {"avx2"})
+    assert a.selection.agreement == 1.0
+    to_bytes = [c.model.SerializeToString() if c.model else b"" for c in (a, b)]
+    assert to_bytes[0] == to_bytes[1]  # deterministic with token inputs too
+
+
+def test_every_node_excluded_is_the_fp32_graph_even_after_quantized_glue(tokens):
+    """The attention MatMul reads a scaling Mul's output: ORT's quantizer quantizes that Mul
+    even when the MatMul is excluded, which left the MatMul reading Q/DQ (INT8 after all)."""
+    _, prep, x = tokens
+    q = I.Quantizer(prep, x[:32])
+    model = q.build(I.scheme_for(I.QuantConfig(), False), q.nodes)
+    assert not I.int8_compute_nodes(model.graph)
+    assert not {"QuantizeLinear", "DequantizeLinear"} & set(_ops(model))
+
+
+def test_bias_correction_of_a_matmul_on_n_l_d_tensors_uses_the_last_axis(tokens, tmp_path):
+    _, prep, ids = tokens
+    q = I.Quantizer(prep, ids[:128])
+    qdq = q.build(I.ORT_DEFAULT)
+    errors = I.node_errors(qdq, q.model, ids[:128], optimized=False)
+    linear = next(n for n in q.model.graph.node if n.op_type == "MatMul")  # (N, L, 8) x (8, 16)
+    assert errors[linear.name].shift.shape == (16,)  # one per output feature, not per token
+    fixed, n = I.correct_bias(qdq, q.model, ids[:128], optimized=False)
+    assert n == 2  # the Linear's MatMul + Add and the head's Gemm; not the activation MatMuls
+    onnx.checker.check_model(fixed, full_check=True)
+
+    # A Linear on (N, L, D) exports as MatMul + Add: the Add's bias absorbs the shift.
+    from onnx import helper
+
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"], "matmul"),
+        helper.make_node("Add", ["m", "b"], ["y"], "add"),
+    ]
+    inits = {"w": rng.standard_normal((16, 4)) / 4, "b": rng.standard_normal(4) / 4}
+    _, prep = _onnx(tmp_path, "linear3d", nodes, inits, [5, 16])
+    x = (rng.standard_normal((128, 5, 16)) + 2.0).astype(np.float32)
+    q = I.Quantizer(prep, x)
+    assert [n.op_type for n in q.model.graph.node] == ["MatMul", "Add"]
+    qdq = q.build(I.ORT_DEFAULT)  # per-tensor: a visible shift per channel
+    fixed, n = I.correct_bias(qdq, q.model, x, optimized=False)
+    assert n == 1
+    add = q.model.graph.node[1].output[0]
+    ref = I._run_with(q.model, [add], x, False)[0]
+    shift = [np.abs((I._run_with(m, [add], x, False)[0] - ref).mean((0, 1))) for m in (qdq, fixed)]
+    assert shift[1].sum() < 0.5 * shift[0].sum(), shift
