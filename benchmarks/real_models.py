@@ -67,7 +67,7 @@ MATRIX = [
     Case("mobilenet_v2", "models.hf:mobilenet_v2", "{}", "images", True),
     Case("efficientnet_b0", "models.hf:efficientnet_b0", "{}", "images", True),
     Case("vit_tiny", "models.hf:vit_tiny", "{}", "images", True),
-    Case("bert", "models.hf:bert", "{\"vocab_size\": 1000}", "tokens", True),
+    Case("bert", "models.hf:bert", '{"vocab_size": 1000}', "tokens", True),
 ]
 
 
