@@ -380,7 +380,10 @@ def _entries(model: nn.Module, recipe: dict[str, Any]):
             entries.append(entry)
         else:
             entries.append(dense)
-    return entries, info
+    # Report rows in model order (a parametrized weight moves to the end of its module's
+    # state_dict, after a MultiheadAttention's out_proj for instance).
+    order = {key: i for i, key in enumerate(layers)}
+    return entries, dict(sorted(info.items(), key=lambda kv: order[kv[0]]))
 
 
 def _smaller(shared: archive.Shared, dense: archive.Dense, info: dict[str, Any]):

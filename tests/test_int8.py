@@ -400,22 +400,39 @@ def test_floor_holds_with_the_harmful_node_back_in_fp32_few_builds_silently(
     assert out == "" and err == ""  # neither ORT's Python warnings nor its C++ log
     assert not [r for r in caplog.records if "onnxruntime" in r.pathname]
     sel = choice.selection
-    first = "fc0"
     assert sel.agreement_before_fallback < 0.97 <= sel.agreement
-    assert list(sel.fp32_nodes) == [first]  # the harmful one, ranked first, and only it
-    assert sel.fp32_nodes[first].startswith("accuracy: top-1 agreement")
-    assert sel.int8_nodes == 5 and choice.model is not None
+    # the output layer goes first, then the harmful one: the largest own error
+    assert list(sel.fp32_nodes) == ["fc5", "fc0"]
+    assert sel.fp32_nodes["fc0"].startswith("accuracy: top-1 agreement")
+    assert sel.int8_nodes == 4 and choice.model is not None
     record = choice.candidates[[c["scheme"] for c in choice.candidates].index(sel.scheme.name)]
-    # ours: all INT8, then the first prefix holds (the old search: 6 to score, 1 to fall back);
-    # ORT's default falls back all 6 nodes: 1, 2, 4, 6, then 5 in the bisection
-    assert record["builds"] == 2
+    # ours: all INT8, then prefixes of 1 (fails) and 2 (holds); the old search built 6 models
+    # to score the nodes and 1 a node fallen back
+    assert record["builds"] == 3
     assert len(builds) == sum(c["builds"] for c in choice.candidates)
     assert all(c["builds"] <= 1 + 2 * 3 for c in choice.candidates)
-    assert record["min_agreement"] == 0.97 and record["fallen_back"] == 1
+    assert record["min_agreement"] == 0.97 and record["fallen_back"] == 2
     assert record["agreement_before_fallback"] < 0.97 and record["check_samples"] == 300
     got = I.outputs(I.session(choice.model.SerializeToString(), optimized=False), x[100:])
     ref = I.outputs(I.session(fp32.read_bytes(), optimized=False), x[100:])
     assert I.agreement(got, ref) >= 0.97  # the file as shipped holds the floor
+
+
+def test_fp32_readers_get_back_the_relu_the_quantizer_folded_into_a_q(tmp_path):
+    """ORT's quantizer drops a Relu after a quantized tensor (the Q's range clamps instead):
+    a node back in FP32 reading that tensor must get the Relu back, or it reads negatives."""
+    fp32, prep = _outlier_mlp(tmp_path)
+    x = np.random.default_rng(0).standard_normal((64, 12)).astype(np.float32)
+    q = I.Quantizer(prep, x)
+    scheme = I.scheme_for(I.QuantConfig(), False)
+    assert "Relu" not in _ops(q.build(scheme))  # all INT8: every Relu folded into a Q
+    only_first = q.build(scheme, q.nodes[1:])
+    assert [n.name for n in I.int8_compute_nodes(only_first.graph)] == ["fc0"]
+    assert _ops(only_first).count("Relu") == 5
+    onnx.checker.check_model(only_first, full_check=True)  # each Relu after its producer
+    ref = I.outputs(I.session(fp32.read_bytes(), optimized=False), x)
+    got = I.outputs(I.session(only_first.SerializeToString(), optimized=False), x)
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
 
 
 def test_the_quantizer_warns_through_logging_and_quiet_hides_it(tmp_path, caplog, monkeypatch):
