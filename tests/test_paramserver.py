@@ -78,6 +78,7 @@ def test_ps_sync_trains_like_allreduce(tmp_path):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow  # 64 s on 2 cores; test_ssp_resumes_where_the_checkpoint_left_off keeps resume
 def test_ps_checkpoint_resumes_under_another_shard_count(tmp_path):
     whole = _job(tmp_path, "whole", PSConfig("sync", 2, 2))
     run_job(whole)
@@ -188,7 +189,8 @@ def test_ssp_never_runs_ahead_more_than_its_bound(slow_job, tau):
         assert per["0"] < 1.5 * per["1"], per
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+# async's variant is slow-marked: ssp with its staleness bound covers the same push/pull path
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.slow), "ssp"])
 def test_async_and_ssp_learn_digits(run, tmp_path, mode):
     result = run(
         "train",
@@ -278,7 +280,7 @@ def dying(tmp_path, monkeypatch):
     return job
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow)])
 def test_async_carries_on_without_a_dead_worker(dying, mode):
     result = run_job(dying(1, mode))
     assert result.strategy["lost_workers"] == [1]
