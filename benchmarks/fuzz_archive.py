@@ -113,13 +113,14 @@ def layout(data: bytes) -> Layout:
         pos += n
 
     pos = len(archive.MAGIC)
-    num("H", "version")
+    version = num("H", "version")
     hlen = num("I", "header length")
     span(hlen, "header")
     count = num("I", "tensor count")
     for _ in range(count):
         start = pos
-        span(num("H", "name length"), "name")
+        if version == 1:  # version 2 keeps the names in the header
+            span(num("H", "name length"), "name")
         num("B", "dtype")
         ndim = num("B", "ndim")
         for i in range(ndim):
@@ -153,15 +154,26 @@ def seal(body: bytes | bytearray) -> bytes:
     return bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
 
 
+def _names(data: bytes) -> list[str] | None:
+    """A well-formed archive's tensor names from its header (version 2), else None."""
+    (hlen,) = struct.unpack_from("<I", data, HEADER_AT - 4)
+    return json.loads(zlib.decompress(data[HEADER_AT : HEADER_AT + hlen])).get("tensors")
+
+
 def with_header(data: bytes, compressed: bytes) -> bytes:
     (hlen,) = struct.unpack_from("<I", data, HEADER_AT - 4)
     body = data[: HEADER_AT - 4] + struct.pack("<I", len(compressed)) + compressed
     return seal(body + data[HEADER_AT + hlen : -4])
 
 
-def hostile_header(rng: np.random.Generator) -> bytes:
-    """A header JSON text that must be refused (or, the last, that decodes unchanged)."""
-    ok = {"model": SPEC, "metadata": {}}
+def hostile_header(rng: np.random.Generator, names: list[str] | None = None) -> bytes:
+    """A header JSON text that must be refused (or, the last, that decodes unchanged).
+    `names`: the seed's tensor names (format version 2), None for a version 1 seed."""
+    ok = {"model": SPEC, "metadata": {}} | ({"tensors": names} if names is not None else {})
+    names = names or ["w"]
+    v2 = lambda tensors: json.dumps(  # noqa: E731
+        {"model": SPEC, "metadata": {}, "tensors": tensors}, separators=(",", ":")
+    ).encode()
     deep = int(rng.integers(33, 200_000))
     makers = [
         lambda: b"[]",
@@ -185,6 +197,12 @@ def hostile_header(rng: np.random.Generator) -> bytes:
         lambda: (
             b'{"model":{"name":"x","kwargs":{}},"metadata":{"pad":"' + b"A" * (2 << 20) + b'"}}'
         ),
+        lambda: v2(names[:-1]),  # one name short of the records
+        lambda: v2([*names, "extra"]),
+        lambda: v2([names[0], *names[:-1]]),  # a name twice
+        lambda: v2(["", *names[1:]]),
+        lambda: v2([7, *names[1:]]),
+        lambda: v2({"w": 1}),
         lambda: json.dumps(ok, separators=(",", ":")).encode(),
     ]
     return makers[int(rng.integers(len(makers)))]()
@@ -293,7 +311,7 @@ def mutate(seed: bytes, lay: Layout, rng: np.random.Generator) -> tuple[str, byt
             recs[i], recs[j] = recs[j], recs[i]
         count = len(recs) if rng.random() < 0.8 else len(recs) + int(rng.integers(-1, 2))
         return f"splice:{op}", seal(head + struct.pack("<I", max(count, 0)) + b"".join(recs))
-    raw = zlib.compress(hostile_header(rng), int(rng.integers(1, 10)))
+    raw = zlib.compress(hostile_header(rng, _names(seed)), int(rng.integers(1, 10)))
     if rng.random() < 0.1:
         raw += b"trailing"
     return "header", with_header(seed, raw)

@@ -6,16 +6,16 @@ Byte layout (all integers little-endian):
     offset  size  field
     0       8     magic  89 44 43 5A 0D 0A 1A 0A  ("\\x89DCZ\\r\\n\\x1a\\n": binary, catches
                   newline translation and truncation to 7 bits, as PNG's)
-    8       2     format version (u16) = 1
+    8       2     format version (u16) = 2
     10      4     header length H (u32)
-    14      H     header: zlib-compressed UTF-8 JSON {"model": spec, "metadata": {...}}
-    14+H    4     tensor count T (u32)
-    ...           T tensor records, in state_dict order (below)
+    14      H     header: zlib-compressed UTF-8 JSON
+                  {"model": spec, "metadata": {...}, "tensors": [name, ...]}
+    14+H    4     tensor count T (u32), the length of "tensors"
+    ...           T tensor records, in state_dict order, the i-th named tensors[i] (below)
     end-4   4     CRC32 (zlib.crc32) of every byte before it
 
 Tensor record:
 
-    u16 name length, name (UTF-8)
     u8  dtype of the tensor when decoded (see DTYPES)
     u8  ndim, then ndim x u32 shape
     u8  encoding: 0 = dense, 1 = shared
@@ -28,6 +28,11 @@ Tensor record:
              2^b bytes (b > 0): code length of each gap symbol 0..2^b-1
              u32 index stream bytes, u32 gap stream bytes, then the two streams
              (canonical Huffman, MSB first, zero-padded to a byte; see compressor.huffman)
+
+Version 1 (still read, no longer written) kept each name in its record, as u16 length + UTF-8
+before the dtype, and had no "tensors" in the header. Version 2 moved the names into the
+deflated header: names share long prefixes ("blocks.3.se.expand.bias"), and on a 4,310-parameter
+residual CNN with 96 tensors the raw names were 2,504 of the archive's 10,977 bytes.
 
 Entries are the non-zeros in row-major order; gap symbol s < 2^b-1 means "s zeros, then the
 next entry", and 2^b-1 is an escape: "2^b-1 zeros, no entry" (in place of the paper's filler
@@ -77,7 +82,7 @@ from models.errors import InputError
 from models.fileio import atomic_path
 
 MAGIC = b"\x89DCZ\r\n\x1a\n"
-VERSION = 1
+VERSION = 2  # the version `encode` writes; the reader takes 1 and 2
 DTYPES = [
     torch.float32,
     torch.float16,
@@ -150,27 +155,33 @@ def stored_dtype(e: Dense) -> torch.dtype:
 
 
 def record_size(e: Dense | Shared) -> int:
-    """Bytes of `e`'s record in an archive, framing (name, dtype, shape) included: what
-    choosing between a shared and a dense record compares."""
+    """Bytes of `e`'s record in an archive, framing (dtype, shape) included: what choosing
+    between a shared and a dense record compares. (Its name, in the header, costs the same
+    either way.)"""
     out = io.BytesIO()
-    _write_record(out, e)
+    _write_record(out, e, VERSION)
     return out.tell()
 
 
 def encode(
-    entries: list[Dense | Shared], spec: dict[str, Any], metadata: dict[str, Any]
+    entries: list[Dense | Shared],
+    spec: dict[str, Any],
+    metadata: dict[str, Any],
+    version: int = VERSION,
 ) -> tuple[bytes, Encoded]:
-    """Serialise entries; return the archive bytes and per-layer stream sizes."""
+    """Serialise entries; return the archive bytes and per-layer stream sizes. `version` 1
+    writes the old layout (names in the records), for re-encoding what `decode` read."""
+    if version not in (1, 2):
+        raise ValueError(f"archive format version {version}: compress writes 1 or 2")
     out = io.BytesIO()
-    header = zlib.compress(
-        json.dumps({"model": spec, "metadata": metadata}, separators=(",", ":")).encode(), 9
-    )
-    out.write(MAGIC + struct.pack("<HI", VERSION, len(header)) + header)
+    names = [e.name for e in entries] if version >= 2 else None
+    header = zlib.compress(_header_text(spec, metadata, names), 9)
+    out.write(MAGIC + struct.pack("<HI", version, len(header)) + header)
     out.write(struct.pack("<I", len(entries)))
     stats = Encoded(bytes=0, header_bytes=len(MAGIC) + 6 + len(header) + 4 + 4)
     for e in entries:
         start = out.tell()
-        layer = _write_record(out, e)
+        layer = _write_record(out, e, version)
         if layer is not None:
             stats.layers[e.name] = layer
         stats.layers.setdefault(e.name, {})["record_bytes"] = out.tell() - start
@@ -181,12 +192,13 @@ def encode(
     return data, stats
 
 
-def _write_record(out: io.BytesIO, e: Dense | Shared) -> dict[str, Any] | None:
+def _write_record(out: io.BytesIO, e: Dense | Shared, version: int) -> dict[str, Any] | None:
     """Write one tensor record; a shared record returns its stream sizes for the report."""
-    name = e.name.encode()
     dtype = e.tensor.dtype if isinstance(e, Dense) else torch.float32
     shape = tuple(e.tensor.shape) if isinstance(e, Dense) else e.shape
-    out.write(struct.pack("<H", len(name)) + name)
+    if version == 1:
+        name = e.name.encode()
+        out.write(struct.pack("<H", len(name)) + name)
     out.write(struct.pack("<BB", DTYPES.index(dtype), len(shape)))
     out.write(struct.pack(f"<{len(shape)}I", *shape))
     if isinstance(e, Dense):
@@ -267,6 +279,7 @@ class Decoded:
     # metadata) gives back the same bytes.
     entries: list[Dense | Shared] | None = None
     sha256: str = ""  # of the whole file, as `sha256sum` prints it
+    version: int = VERSION  # the file's format version (encode(..., version) re-writes it)
 
 
 class _Reader:
@@ -276,6 +289,7 @@ class _Reader:
         self.max_elements = max_elements
         self.expect: dict[str, tuple[int, ...]] | None = None
         self.model = ""
+        self.names: list[str] | None = None  # version 2: the header's; 1: each record's own
 
     def fail(self, what: str) -> InputError:
         return InputError(
@@ -347,17 +361,20 @@ def decode(
     r = _Reader(body, path, limits.max_elements() if max_elements is None else max_elements)
     r.take(len(MAGIC) + 2)
     (hlen,) = r.unpack("I")
-    spec, metadata = _read_header(r, r.take(hlen))
+    spec, metadata, r.names = _read_header(r, r.take(hlen), version)
     r.expect = expect(spec) if expect else None
     r.model = spec["name"]
     (count,) = r.unpack("I")
-    # A record takes at least 10 bytes (name length, dtype, ndim, encoding, stored dtype, size).
-    if count > r.left() // 10:
+    if r.names is not None and count != len(r.names):
+        raise r.fail(f"header names {len(r.names):,} tensors, the file holds {count:,}")
+    # A record takes at least 8 bytes (dtype, ndim, encoding, stored dtype, size), and in
+    # version 1 two more for its name's length.
+    if count > r.left() // (10 if version == 1 else 8):
         raise r.fail(f"header claims {count:,} tensors in {r.left():,} bytes")
     state: dict[str, torch.Tensor] = {}
     entries: list[Dense | Shared] = []
-    for _ in range(count):
-        entry = _read_record(r)
+    for i in range(count):
+        entry = _read_record(r, i)
         if entry.name in state:
             raise r.fail(f"tensor {entry.name!r} appears twice")
         state[entry.name] = entry.tensor if isinstance(entry, Dense) else entry.decoded
@@ -371,11 +388,14 @@ def decode(
             f"{path}: model {r.model} has tensor {missing!r}, which the archive lacks; "
             "the archive is damaged or names the wrong model"
         )
-    return Decoded(spec, metadata, state, entries if keep_entries else None, got)
+    return Decoded(spec, metadata, state, entries if keep_entries else None, got, version)
 
 
-def _read_header(r: _Reader, raw: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The header's spec and metadata: inflated under MAX_HEADER_BYTES, then checked."""
+def _read_header(
+    r: _Reader, raw: bytes, version: int
+) -> tuple[dict[str, Any], dict[str, Any], list[str] | None]:
+    """The header's spec, metadata and (version 2) tensor names: inflated under
+    MAX_HEADER_BYTES, then checked."""
     inflater = zlib.decompressobj()
     try:
         text = inflater.decompress(raw, MAX_HEADER_BYTES)
@@ -391,9 +411,15 @@ def _read_header(r: _Reader, raw: bytes) -> tuple[dict[str, Any], dict[str, Any]
         raise r.fail("header JSON is nested too deeply") from None
     except ValueError:  # bad UTF-8 or bad JSON
         raise InputError(f"{r.path}: archive header is damaged (not JSON)") from None
-    if not isinstance(header, dict) or list(header) != ["model", "metadata"]:
-        raise r.fail('header is not a JSON object {"model": ..., "metadata": ...}')
+    keys = ["model", "metadata"] + (["tensors"] if version >= 2 else [])
+    if not isinstance(header, dict) or list(header) != keys:
+        raise r.fail(f"header is not a JSON object with keys {', '.join(keys)}")
     spec, metadata = header["model"], header["metadata"]
+    names = header.get("tensors")
+    if version >= 2 and (
+        not isinstance(names, list) or not all(isinstance(n, str) and n for n in names)
+    ):
+        raise r.fail('header "tensors" is not a list of tensor names')
     if (
         not isinstance(spec, dict)
         or not isinstance(spec.get("name"), str)
@@ -405,13 +431,18 @@ def _read_header(r: _Reader, raw: bytes) -> tuple[dict[str, Any], dict[str, Any]
     if limits.nesting_depth(header) > limits.MAX_NESTING:
         raise r.fail(f"header JSON is nested deeper than {limits.MAX_NESTING} levels")
     # The one text `encode` writes: other spellings (spaces, duplicate keys, 1e2) are refused.
-    if _header_text(spec, metadata) != text:
+    if _header_text(spec, metadata, names) != text:
         raise r.fail("header JSON is not in the form compress writes")
-    return spec, metadata
+    return spec, metadata, names
 
 
-def _header_text(spec: dict[str, Any], metadata: dict[str, Any]) -> bytes:
-    return json.dumps({"model": spec, "metadata": metadata}, separators=(",", ":")).encode()
+def _header_text(
+    spec: dict[str, Any], metadata: dict[str, Any], names: list[str] | None = None
+) -> bytes:
+    header = {"model": spec, "metadata": metadata}
+    if names is not None:
+        header["tensors"] = names
+    return json.dumps(header, separators=(",", ":")).encode()
 
 
 def _dtype(r: _Reader, code: int) -> torch.dtype:
@@ -427,14 +458,17 @@ class _SharedRecord:
     decoded: torch.Tensor
 
 
-def _read_record(r: _Reader) -> Dense | _SharedRecord:
-    (nlen,) = r.unpack("H")
-    try:
-        name = r.take(nlen).decode("utf-8")
-    except UnicodeDecodeError:
-        raise r.fail("a tensor name is not UTF-8") from None
-    if not name:
-        raise r.fail("a tensor has an empty name")
+def _read_record(r: _Reader, i: int) -> Dense | _SharedRecord:
+    if r.names is not None:
+        name = r.names[i]
+    else:
+        (nlen,) = r.unpack("H")
+        try:
+            name = r.take(nlen).decode("utf-8")
+        except UnicodeDecodeError:
+            raise r.fail("a tensor name is not UTF-8") from None
+        if not name:
+            raise r.fail("a tensor has an empty name")
     dcode, ndim = r.unpack("BB")
     dtype = _dtype(r, dcode)
     shape = r.unpack(f"{ndim}I")

@@ -91,6 +91,44 @@ def test_a_consistent_but_wrong_record_is_refused():
         archive.decode(archive.encode([e], SPEC, {})[0], "x.dcz")
 
 
+def test_names_live_in_the_deflated_header_and_version_1_still_reads():
+    entries, _ = _entries()
+    v2, _ = archive.encode(entries, SPEC, {})
+    v1, _ = archive.encode(entries, SPEC, {}, version=1)
+    assert struct.unpack_from("<H", v2, 8) == (2,) and struct.unpack_from("<H", v1, 8) == (1,)
+    assert b"fc.weight" in v1 and b"fc.weight" not in v2  # deflated in v2's header
+    a, b = archive.decode(v2, keep_entries=True), archive.decode(v1, keep_entries=True)
+    assert (a.version, b.version) == (2, 1) and list(a.state_dict) == list(b.state_dict)
+    assert all(bits_equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+    # each re-encodes to its own bytes
+    assert archive.encode(b.entries, b.spec, b.metadata, b.version)[0] == v1
+    assert archive.encode(a.entries, a.spec, a.metadata, a.version)[0] == v2
+
+
+def test_a_version_2_header_must_name_each_record_once():
+    entries, _ = _entries()
+    data, _ = archive.encode(entries, SPEC, {})
+    names = [e.name for e in entries]
+
+    def with_names(tensors):
+        header = zlib.compress(
+            archive._header_text(SPEC, {}, tensors) if tensors is not None else b"{}", 9
+        )
+        (hlen,) = struct.unpack_from("<I", data, 10)
+        body = data[:10] + struct.pack("<I", len(header)) + header + data[14 + hlen : -4]
+        return body + struct.pack("<I", zlib.crc32(body))
+
+    assert archive.decode(with_names(names)).state_dict.keys() == set(names)
+    for bad, message in [
+        (names[:-1], "header names 6 tensors, the file holds 7"),
+        ([*names, "x"], "header names 8 tensors"),
+        ([names[0], *names[:-1]], "appears twice"),
+        (["", *names[1:]], "not a list of tensor names"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            archive.decode(with_names(bad), "crafted.dcz")
+
+
 def test_model_round_trip_through_sharing():
     model = tiny("lenet5", in_shape=(1, 8, 8))
     prune.prune_(model, prune.PruneConfig(sparsity=0.7))

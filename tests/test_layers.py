@@ -239,6 +239,9 @@ def test_shrink_stores_no_layer_worse_than_dense_fp16(tmp_path):
     ]
     dense16 = len(archive.encode(as16, decoded.spec, decoded.metadata)[0])
     assert rep["archive"]["bytes"] < dense16
+    # Against FP32, the floor for any model: ~2x is what dense fp16 gives, so framing
+    # must be small. Format version 1 (names in the records) made this 4.5k-weight net 1.57x.
+    assert rep["archive"]["ratio"] >= 1.9
     md = report_mod.markdown(rep)
     assert "| blocks.0.block.3 |" in md and "dense fp16: " in md and "shared: " in md
 

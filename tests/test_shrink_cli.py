@@ -460,7 +460,7 @@ def test_decode_newer_version(run, tmp_path):
     import zlib
 
     data = bytearray((GOLDEN / "v1.dcz").read_bytes()[:-4])
-    struct.pack_into("<H", data, 8, 2)
+    struct.pack_into("<H", data, 8, archive.VERSION + 1)
     (tmp_path / "new.dcz").write_bytes(bytes(data) + struct.pack("<I", zlib.crc32(bytes(data))))
     result = run("decode", tmp_path / "new.dcz", "--out", tmp_path / "m.pt")
     assert result.exit_code == 2 and "newer than this compress reads" in result.stderr
