@@ -323,11 +323,8 @@ def _export(
     cfg = export_config(e)
     with clock.step("export_fp32", f"export: FP32 ONNX (opset {cfg.opset})"):
         fp32 = export.export_onnx(model, data.x_train[:2], tmp / "student.fp32.onnx", cfg)
-    bits = {
-        r["name"].removesuffix(".weight"): r["weight_bits"]
-        for r in report["layers"]
-        if r.get("codebook")
-    }
+    bits = {r["layer"]: r["weight_bits"] for r in report["layers"] if r.get("codebook")}
+    fp32_names: dict[str, str] = {}  # state key -> the FP32 file's initializer, for INT8's
 
     # The PyTorch logits every parity figure is measured against: one forward pass.
     torch_ref = export.torch_logits(model, data.x_test)
@@ -336,7 +333,9 @@ def _export(
         return export.parity(model, path, data.x_test, data.y_test, optimized, torch_ref)
 
     def describe(path: Path, optimized: bool = True) -> dict[str, Any]:
-        checks = export.weight_invariants(path, model, bits)
+        checks = export.weight_invariants(path, model, bits, fp32_names)
+        if not fp32_names:
+            fp32_names.update({k: c["initializer"] for k, c in checks.items() if c["found"]})
         return {
             "path": str(out / path.name),
             "bytes": path.stat().st_size,

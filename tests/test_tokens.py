@@ -82,6 +82,16 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
     state = checkpoint.load(out / "student.pt").state_dict
     assert decoded.keys() == state.keys()
     assert all(bits_equal(decoded[k], state[k]) for k in state)
+    # Every shared layer is read back from each ONNX file, MultiheadAttention's in_proj_weight
+    # and the MLP's weights (stored transposed by the dynamo exporter, as val_N) included.
+    full = json.loads((out / "report.json").read_text())
+    shared = {r["name"] for r in full["layers"] if r.get("codebook")}
+    assert any(k.endswith("in_proj_weight") for k in shared)
+    for kind in ("fp32", "int8"):
+        if kind in full["onnx"]:
+            checks = full["onnx"][kind]["weights"]
+            assert shared <= {k for k, c in checks.items() if c["found"]}, kind
+            assert full["onnx"][kind]["weights_ok"], kind
     fp32 = report["onnx"]["fp32"]
     (inp,) = onnx.load(fp32["path"]).graph.input
     assert inp.type.tensor_type.elem_type == onnx.TensorProto.INT64

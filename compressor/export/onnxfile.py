@@ -395,10 +395,17 @@ def torch_logits(model: nn.Module, x: torch.Tensor) -> np.ndarray:
         return torch.cat([model(x[i : i + 512]) for i in range(0, len(x), 512)]).numpy()
 
 
-def weight_invariants(path: Path, model: nn.Module, bits: dict[str, int]) -> dict[str, Any]:
-    """Read each Linear/Conv weight back from the file: its zeros must be where the model's
-    are, and a shared layer (named in `bits`) must hold <= 2^bits distinct values in each
-    output channel (INT8 scales and folded BatchNorm multiply each channel by its own factor)."""
+def weight_invariants(
+    path: Path, model: nn.Module, bits: dict[str, int], aliases: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Read each weight matrix back from the file (Linear/Conv `.weight`, MultiheadAttention's
+    `in_proj_weight`): its zeros must be where the model's are, and a shared layer (named in
+    `bits`, by layer) must hold <= 2^bits distinct values in each output channel (INT8 scales
+    and folded BatchNorm multiply each channel by its own factor). Each check names the
+    initializer it read (`initializer`); pass the FP32 file's as `aliases` when checking the
+    INT8 file made from it, whose initializers carry those names plus `_quantized`. A shared
+    layer found nowhere in the file gets a check with `found` and `ok` False: a weight the
+    checks miss cannot pass for a checked one."""
     import onnx
     from onnx import numpy_helper
 
@@ -406,21 +413,27 @@ def weight_invariants(path: Path, model: nn.Module, bits: dict[str, int]) -> dic
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     state = prune.bake_(copy.deepcopy(model)).state_dict()
     out: dict[str, Any] = {}
+    claimed: set[str] = set()
     for name, w in state.items():
-        if not name.endswith(".weight") or w.ndim < 2:
+        if not name.endswith((".weight", "_weight")) or w.ndim < 2:
             continue
-        found = _find_weight(inits, name, w)
+        layer = name.removesuffix(".weight").removesuffix("_weight")
+        limit = 2 ** bits[layer] if layer in bits else None
+        found = _find_weight(inits, name, w, (aliases or {}).get(name), claimed)
         if found is None:
+            if limit is not None:  # a shared layer the file should hold
+                out[name] = {"found": False, "limit": limit, "ok": False}
             continue
-        arr, quantized = found
+        arr, quantized, init = found
+        claimed.add(init)
         # Pruned weights must stay exactly zero (INT8 may also round tiny survivors to zero).
-        zeros_ok = bool(np.all(arr.reshape(w.shape)[(w == 0).numpy()] == 0))
-        layer = name.removesuffix(".weight")
+        zeros_ok = bool(np.all(arr[(w == 0).numpy()] == 0))
         # Per output channel: INT8 scales each channel, and the exporter folds BatchNorm into
         # the preceding conv's weights, which also scales each channel.
         distinct = max(len(np.unique(r)) for r in arr.reshape(w.shape[0], -1))
-        limit = 2 ** bits[layer] if layer in bits else None
         out[name] = {
+            "found": True,
+            "initializer": init,
             "zeros_kept": zeros_ok,
             "distinct_values_per_channel": int(distinct),
             "distinct_values": len(np.unique(arr)),
@@ -431,14 +444,43 @@ def weight_invariants(path: Path, model: nn.Module, bits: dict[str, int]) -> dic
     return out
 
 
-def _find_weight(inits: dict[str, np.ndarray], name: str, w: torch.Tensor):
-    """The initializer holding `name`: by name (FP32 export keeps parameter names), else by
-    shape among int8 initializers (QDQ renames them `<name>_quantized`)."""
+def _find_weight(
+    inits: dict[str, np.ndarray],
+    name: str,
+    w: torch.Tensor,
+    alias: str | None = None,
+    claimed: frozenset[str] | set[str] = frozenset(),
+):
+    """(values in `w`'s layout, int8?, initializer name) of the initializer holding `name`:
+    by name (FP32 export keeps parameter names; QDQ appends `_quantized`), by `alias` (the FP32
+    file's name for it), else, in an FP32 file, the unclaimed initializer equal to `w` or to
+    its transpose (torch's dynamo exporter stores a Linear before a MatMul transposed, as
+    `val_14`)."""
+    shape, t_shape = tuple(w.shape), tuple(w.shape[::-1])
+
+    def fit(key: str, arr: np.ndarray):
+        if arr.shape == shape:
+            return arr, arr.dtype == np.int8, key
+        if w.ndim == 2 and arr.shape == t_shape:
+            return arr.T, arr.dtype == np.int8, key
+        return None
+
+    for base in (name, alias):
+        if base is None:
+            continue
+        for key in (base, base + "_quantized"):
+            if key in inits and (hit := fit(key, inits[key])):
+                return hit
     for key, arr in inits.items():
-        if key == name or key.startswith(name + "_quantized"):
-            return arr, arr.dtype == np.int8
-        if key.replace("/", ".").endswith(name) and arr.shape == tuple(w.shape):
-            return arr, arr.dtype == np.int8
+        if key.replace("/", ".").endswith(name) and arr.shape == shape:
+            return arr, arr.dtype == np.int8, key
+    ref = w.numpy()
+    for key, arr in inits.items():
+        if key in claimed or arr.dtype != ref.dtype:
+            continue
+        hit = fit(key, arr)
+        if hit is not None and np.array_equal(hit[0], ref):
+            return hit
     return None
 
 
