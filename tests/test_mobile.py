@@ -125,6 +125,19 @@ def test_to_ort_refuses_a_model_that_answers_differently(models_dir, tmp_path, m
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
+def test_int8_files_are_checked_against_their_own_tolerance(models_dir, tmp_path, monkeypatch):
+    """INT8 kernels round requantizations their own way on each layout: an INT8 .ort is held
+    to MAX_REL_DIFF_INT8 of the outputs' scale, an FP32 one to MAX_ABS_DIFF."""
+    assert mobile._quantized(models_dir / "lenet5.int8.onnx")
+    assert not mobile._quantized(models_dir / "lenet5.onnx")
+    monkeypatch.setattr(mobile, "MAX_ABS_DIFF", -1.0)  # the FP32 limit does not apply to INT8
+    mobile.to_ort(models_dir / "lenet5.int8.onnx", tmp_path / "a.ort")
+    monkeypatch.setattr(mobile, "MAX_REL_DIFF_INT8", -1.0)
+    with pytest.raises(StageError, match="answers differently"):
+        mobile.to_ort(models_dir / "lenet5.int8.onnx", tmp_path / "b.ort")
+    assert not (tmp_path / "b.ort").exists()
+
+
 def test_to_ort_reports_a_failing_tool(models_dir, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         return subprocess.CompletedProcess(args, 1, "", "Traceback ...\nValueError: boom\n")
