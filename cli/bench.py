@@ -111,10 +111,10 @@ def bench(
             from models.fileio import check_writable
 
             check_writable(path, flag)
-    ds = data_mod.load(data) if data else None
+    paths = variants.expand(list(models))
+    ds = data_mod.load(data, _input_name(paths, model)) if data else None
     info = (lambda m: None) if quiet else (lambda m: render.stderr.print(m))
     with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
-        paths = variants.expand(list(models))
         for p in paths:  # before onnx or ONNX Runtime reads any external data
             if p.suffix == ".onnx":
                 safeload.check_onnx_external_data(p)
@@ -182,3 +182,18 @@ def _profiles(described, cfg, ds) -> dict:
         p = ortprofile.profile_ops(m.path, x, threads=benchmark.resolve_threads(cfg.threads[0]))
         out[m.label] = {**p, "top": ortprofile.top_ops(p, 5)}
     return out
+
+
+def _input_name(paths: list[Path], model: str | None) -> str | None:
+    """The forward argument of the PyTorch model being measured (--model, else the first
+    checkpoint's recorded zoo model): an npz array of that name is the input, as under
+    `compress train` (e.g. `ids` for textcls). Code named by import path is not imported for
+    this unless --model names it."""
+    name = model
+    if name is None:
+        from models import checkpoint
+
+        first = next((p for p in paths if p.suffix == ".pt"), None)
+        spec = checkpoint.load(first).spec if first is not None else None
+        name = spec.name if spec is not None and ":" not in spec.name else None
+    return data_mod.forward_input(zoo.resolve(name)) if name else None

@@ -202,7 +202,7 @@ def run_shrink(
     run it with progress on stderr; return the report."""
     pipeline.check_out_dir(out)
     ck = checkpoint.load(model_path)
-    ds = data_mod.load(data or ck.metadata.get("data") or "digits")
+    ds = data_mod.load(data or ck.metadata.get("data") or "digits", _input_name(ck, model))
     spec = ck.spec_for(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)
     net = ck.build_model(spec, allow_import=model == spec.name)
     data_mod.check_fits(net, ds, spec.name)
@@ -232,6 +232,17 @@ def run_shrink(
         return pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta, ds)
     finally:
         progress.close()
+
+
+def _input_name(ck: checkpoint.Checkpoint, model: str | None) -> str | None:
+    """The forward argument of the model the checkpoint will build (e.g. `ids` for textcls):
+    an npz array of that name is its input, as under `compress train`. A model named by import
+    path is only resolved here with the user's consent (--model naming it); without it,
+    building the model refuses next with the reason."""
+    name = model or (ck.spec.name if ck.spec is not None else None)
+    if name is None or (":" in name and model != name):
+        return None
+    return data_mod.forward_input(zoo.resolve(name))
 
 
 @click.command(

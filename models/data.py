@@ -31,7 +31,8 @@ id 0): compress feeds a model exactly one input tensor. In an npz, the input arr
     input_ids       integer token ids (N, L), kept as int64 (the argument name of BERT-style
                     models); input_ids_test pairs with y_test
     NAME            an array named after the model's forward argument (e.g. `ids` for
-                    textcls), when the caller names it (`load(spec, input_name=...)`): integer
+                    textcls), when the caller names it (`load(spec, input_name=...)`; the
+                    CLI's train, shrink and bench do, from the model they build): integer
                     arrays are token ids, float arrays are used as x would be
 A second input array (x with input_ids, or attention_mask / token_type_ids / position_ids) is
 refused: derive the mask inside the model from a padding id instead. The tokens spec labels a

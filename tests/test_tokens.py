@@ -139,6 +139,34 @@ def test_bench_inputs_without_data_are_ids_the_model_embeds(shrunk):
         assert x.min() >= 1 and x.max() == 63  # 0 is padding
 
 
+def test_npz_named_after_the_forward_argument_reaches_shrink_and_bench(shrunk, run, tmp_path):
+    # textcls's forward takes `ids`: an npz holding `ids` (not `x` or `input_ids`) is its input
+    # under train, shrink and bench alike. Before, shrink and bench read it as "lacks array x".
+    folder, _, _ = shrunk
+    ids, y = data.token_sequences(200, 16, 64)
+    npz = tmp_path / "mine.npz"
+    np.savez(npz, ids=ids, y=y)
+    recipe = tmp_path / "dense.toml"  # the data path is under test: no compression stages
+    recipe.write_text(
+        "[prune]\nenabled = false\n[quantize]\nenabled = false\n[huffman]\nenabled = false\n"
+        "[export]\nint8 = false\nort = false\n"
+    )
+    out = tmp_path / "out"
+    result = run(
+        "shrink", folder / "textcls.pt", "--data", f"npz:{npz}", "--recipe", recipe,
+        "--out", out, "--json", "-q",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.json()["baseline"]["test_accuracy"] > 0.25  # 4 classes: the ids were read
+    result = run(
+        "bench", folder / "textcls.pt", "--data", f"npz:{npz}", "--batch", "2",
+        "--min-runs", "2", "--min-seconds", "0", "--providers", "torch", "--json", "-q",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (row,) = result.json()["results"]
+    assert row["test_accuracy"] > 0.25
+
+
 # --- refusals: one line each ------------------------------------------------------------------
 
 
