@@ -205,6 +205,9 @@ def run_shrink(
     ds = data_mod.load(data or ck.metadata.get("data") or "digits", _input_name(ck, model))
     spec = ck.spec_for(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)
     net = ck.build_model(spec, allow_import=model == spec.name)
+    # The loaded weights and optimizer state (3x the model after Adam) are copied into `net`:
+    # let them go rather than hold them through every stage.
+    del ck
     data_mod.check_fits(net, ds, spec.name)
 
     progress = render.TrainProgress(quiet=quiet)
