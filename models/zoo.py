@@ -73,9 +73,15 @@ class ModelSpec:
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Whole channels removed after construction (`compressor.channels`): the plan that
+    # `models.thin.apply_` replays on the freshly built model. None for an unthinned model.
+    thinned: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kwargs": _jsonable(self.kwargs)}
+        d = {"name": self.name, "kwargs": _jsonable(self.kwargs)}
+        if self.thinned is not None:  # absent otherwise: older files keep their exact bytes
+            d["thinned"] = self.thinned
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> ModelSpec:
@@ -84,7 +90,12 @@ class ModelSpec:
         kwargs = d.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise InputError(f"model spec for {d['name']}: 'kwargs' must be a mapping")
-        return cls(d["name"], dict(kwargs))
+        thinned = d.get("thinned")
+        if thinned is not None:
+            from models import thin
+
+            thin.check(thinned, f"model spec for {d['name']}: thinned")
+        return cls(d["name"], dict(kwargs), thinned)
 
     @property
     def is_import_path(self) -> bool:
@@ -261,7 +272,12 @@ def build(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
             f"model {spec.name!r} could not be built with {_jsonable(spec.kwargs)}: "
             f"{type(e).__name__}: {detail}"
         ) from None
-    return _check_module(model, spec)
+    model = _check_module(model, spec)
+    if spec.thinned is not None:
+        from models import thin
+
+        thin.apply_(model, spec.thinned, spec.name)
+    return model
 
 
 def state_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]] | None:
@@ -280,6 +296,11 @@ def state_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]] | None:
         return None
     if not isinstance(model, nn.Module):
         return None
+    if spec.thinned is not None:  # the channel plan replays on meta tensors too
+        from models import thin
+
+        with torch.device("meta"):
+            thin.apply_(model, spec.thinned, spec.name)  # a plan that does not fit: InputError
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
