@@ -178,6 +178,18 @@ def shrink_summary(report: dict) -> None:
                 f"{tr['labelled']:,} with their labels, {tr['teacher_labelled']:,} labelled by "
                 "the teacher"
             )
+    if "channels" in report:
+        c = report["channels"]
+        (m0, m1), (p0, p1), (a0, a1) = c["macs"], c["parameters"], c["test_accuracy"]
+        stdout.print(
+            f"channels: MACs {m0:,} -> {m1:,} ({m1 / m0:.0%}), parameters {p0:,} -> {p1:,}, "
+            f"test accuracy {a0:.2%} -> {a1:.2%}; the table starts from the thinned model"
+            + (
+                f" (archive {c['archive_ratio_vs_original']:.1f}× smaller than the original)"
+                if "archive_ratio_vs_original" in c
+                else ""
+            )
+        )
     base = report["baseline"]
     table = Table(title="compress shrink", title_justify="left")
     for col in ("stage", "bytes", "ratio", "test acc", "Δ points"):

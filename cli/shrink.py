@@ -178,6 +178,7 @@ JSON_KEYS = (
     "student",
     "hint",
     "transfer",
+    "channels",
     "layers",
     "files",
     "seconds",

@@ -5,6 +5,7 @@ at the end, so a failed or interrupted run leaves nothing half-written."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -18,16 +19,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import archive, distill, envinfo, export
+from compressor import archive, channels, distill, envinfo, export
 from compressor import report as report_mod
 from compressor import shrink as shrink_mod
 from compressor.export import compat, int8, mobile
 from models import checkpoint
 from models.data import Dataset, check_kind, embedding_rows
-from models.errors import InputError
+from models.errors import InputError, StageError
 from models.fileio import atomic_path, check_writable, refuse_link, umask
 from models.zoo import ModelSpec, build, state_shapes
 
+TAYLOR_SAMPLES = 256  # training samples whose gradients rank channels (Taylor importance)
 OUTPUTS = (
     "student.fp32.onnx",
     "student.int8.onnx",
@@ -44,6 +46,7 @@ OUTPUTS = (
     "report.md",
     "weights_histogram.png",
     "kept_per_layer.png",
+    "channels_per_layer.png",
 )
 
 
@@ -142,8 +145,19 @@ def shrink_to_folder(
                 )
             if train_on is not data:
                 hooks = _keep_to(hooks, train_on, len(data.y_train))
+        thinned = None
+        if recipe["channels"]["enabled"]:
+            if data is None:
+                raise InputError("channel pruning needs the data set")
+            with clock.step("channels", "channels: removing whole channels"):
+                spec, thinned = _thin(model, spec, recipe, data, hooks)
         with clock.step("deep_compression"):
             report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+        if thinned is not None:
+            report["channels"] = thinned
+            if "archive" in report:  # against the model the user brought, not the thinned one
+                original = 4 * thinned["parameters"][0]
+                thinned["archive_ratio_vs_original"] = original / report["archive"]["bytes"]
         final_acc = (
             report["stages"][-1]["test_accuracy"]
             if report["stages"]
@@ -259,6 +273,51 @@ def _probe_opset(model: nn.Module, recipe: dict[str, Any], data: Dataset) -> Non
         )
         model = zoo.build(spec, seed=0)
     export.probe_opset(model, data.x_train[:2], export_config(e))
+
+
+def _thin(
+    model: nn.Module,
+    spec: ModelSpec,
+    recipe: dict[str, Any],
+    data: Dataset,
+    hooks: shrink_mod.Hooks,
+) -> tuple[ModelSpec, dict[str, Any]]:
+    """The channels stage: cut `model` in place; the spec gains the replayable plan."""
+    cfg = channels.ChannelsConfig.from_recipe(recipe["channels"])
+    t = recipe["train"]
+    retrain = hooks.retrain
+    if t["distill"] > 0:  # retrain against the unthinned model's soft targets
+        loss = distill.loss_with_teacher(copy.deepcopy(model), t["temperature"], t["distill"])
+
+        def retrain(m, epochs, lr):
+            hooks.retrain(m, epochs, lr, loss)
+
+    x, y = data.x_train, data.y_train
+
+    def gradients(m: nn.Module) -> None:
+        # Taylor importance: |w x dL/dw| summed over a few training batches, BatchNorm
+        # statistics left alone (eval mode).
+        was = m.training
+        m.eval()
+        try:
+            for i in range(0, min(len(y), TAYLOR_SAMPLES), 64):
+                nn.functional.cross_entropy(m(x[i : i + 64]), y[i : i + 64]).backward()
+        finally:
+            m.train(was)
+
+    before = hooks.test_accuracy(model)
+    record = channels.thin_(
+        model, x[:2], cfg, retrain=retrain, gradients=gradients, info=hooks.info
+    )
+    record["test_accuracy"] = [before, hooks.test_accuracy(model)]
+    # The plan must rebuild this very shape from the spec: checked here, not at decode time.
+    spec = dataclasses.replace(spec, thinned=record["plan"])
+    rebuilt = build(spec)
+    got = {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()}
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if got != want:
+        raise StageError("channels: the recorded plan does not rebuild the thinned model")
+    return spec, record
 
 
 def _keep_to(hooks: shrink_mod.Hooks, train_on: Dataset, n_real: int) -> shrink_mod.Hooks:

@@ -1,7 +1,7 @@
 """Recipes: the stages of `compress shrink` and their parameters, as TOML or JSON.
 
 A recipe (TOML, YAML or JSON, by the file's suffix) has one section per stage, run in the
-pipeline's only valid order (distill -> prune -> quantize -> huffman -> export): each stage works
+pipeline's only valid order (distill -> channels -> prune -> quantize -> huffman -> export): each stage works
 on the weights the previous one left, and the Huffman archive is emitted from the final weights. Every key has a default, so an empty recipe
 is a complete one; an unknown key or an impossible value is refused, naming the key, before
 any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
@@ -10,6 +10,8 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
     [train]     batch_size, optimizer, seed, distill (alpha), temperature  # retraining
     [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha,
                 hint_student, hint_teacher, hint_epochs, transfer, transfer_size, labels
+    [channels]  enabled = false, target_macs = 0.5, importance ("l1" | "l2" | "taylor"), scope,
+                rounds, retrain_epochs, lr, ignore = [layer, ...], round_to, max_ratio
     [prune]     enabled, sparsity ("default" | "auto" | 0.9 | {layer = 0.9}) or quality,
                 scope, rounds, retrain_epochs, lr, budget, include_bias, embeddings = false
     [quantize]  enabled, conv_bits = 8, fc_bits = 5, bits = {layer = n}, mode, finetune_epochs,
@@ -66,6 +68,21 @@ DEFAULTS: dict[str, Any] = {
         "transfer": "none",
         "transfer_size": 1.0,
         "labels": 1.0,
+    },
+    # Structured pruning before Deep Compression: whole channels, neurons and embedding
+    # dimensions removed until the model's MACs are target_macs of the original's (see
+    # compressor.channels). Off by default: it changes the architecture.
+    "channels": {
+        "enabled": False,
+        "target_macs": 0.5,
+        "importance": "l1",
+        "scope": "layer",
+        "rounds": 3,
+        "retrain_epochs": 1,
+        "lr": 3e-3,
+        "ignore": [],
+        "round_to": 0,
+        "max_ratio": 0.9,
     },
     "prune": {
         "enabled": True,
@@ -131,6 +148,8 @@ DEFAULTS: dict[str, Any] = {
 _CHOICES = {
     ("train", "optimizer"): ("adam", "sgd"),
     ("prune", "scope"): ("layer", "global"),
+    ("channels", "importance"): ("l1", "l2", "taylor"),
+    ("channels", "scope"): ("layer", "global"),
     ("quantize", "mode"): ("centroids", "weights"),
     ("quantize", "dense"): ("float16", "float32"),
     ("huffman", "gap_bits"): ("auto", "fixed"),
@@ -258,6 +277,14 @@ def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> dict[s
                     f"{source}: unknown key {key}.{k}; [{key}] takes {', '.join(DEFAULTS[key])}"
                 )
             out[key][k] = v
+    sections = list(raw)
+    if {"channels", "prune"} <= set(sections) and sections.index("channels") > sections.index(
+        "prune"
+    ):
+        raise InputError(
+            f"{source}: [channels] comes after [prune]; channel pruning runs first (it "
+            "changes the layers that prune then thins): move [channels] above [prune]"
+        )
     if "sparsity" in raw.get("prune", {}) and "quality" not in raw.get("prune", {}):
         out["prune"]["quality"] = None
     if raw.get("prune", {}).get("quality") is not None and "sparsity" not in raw.get("prune", {}):
@@ -275,6 +302,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         if r[section][key] not in choices:
             raise _bad(source, f"{section}.{key}", r[section][key], f"one of {', '.join(choices)}")
     for section, key in (
+        ("channels", "enabled"),
         ("prune", "enabled"),
         ("quantize", "enabled"),
         ("huffman", "enabled"),
@@ -287,6 +315,17 @@ def _validate(r: dict[str, Any], source: str) -> None:
     ):
         if not isinstance(r[section][key], bool):
             raise _bad(source, f"{section}.{key}", r[section][key], "true or false")
+    c = r["channels"]
+    if not (_number(c["target_macs"]) and 0 < c["target_macs"] <= 1):
+        raise _bad(source, "channels.target_macs", c["target_macs"], "a fraction in (0, 1]")
+    if not (_number(c["max_ratio"]) and 0 < c["max_ratio"] < 1):
+        raise _bad(source, "channels.max_ratio", c["max_ratio"], "a fraction in (0, 1)")
+    _int(r, source, "channels", "rounds", 1, 100)
+    _int(r, source, "channels", "retrain_epochs", 0)
+    _int(r, source, "channels", "round_to", 0, 1024)
+    _positive(r, source, "channels", "lr")
+    if not (isinstance(c["ignore"], list) and all(isinstance(n, str) for n in c["ignore"])):
+        raise _bad(source, "channels.ignore", c["ignore"], "a list of layer names")
     _int(r, source, "train", "batch_size", 1)
     _int(r, source, "train", "seed", 0, 2**32 - 1)
     if not (_number(r["train"]["distill"]) and 0 <= r["train"]["distill"] <= 1):
@@ -414,7 +453,7 @@ def _positive(r, source, section, key) -> None:
 def dumps(recipe: dict[str, Any]) -> str:
     """The recipe as TOML (what --dry-run prints; loads back to the same recipe)."""
     lines = [f"version = {recipe['version']}"]
-    for section in ("train", "distill", "prune", "quantize", "huffman", "export"):
+    for section in ("train", "distill", "channels", "prune", "quantize", "huffman", "export"):
         lines.append(f"\n[{section}]")
         tables = []
         for key, value in recipe[section].items():

@@ -47,6 +47,7 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
                 "were labelled by the teacher.",
                 "",
             ]
+    lines += _channel_lines(report)
     lines += [
         "| stage | bytes | compression | test accuracy | Δ accuracy (points) |",
         "|---|---|---|---|---|",
@@ -93,6 +94,33 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _channel_lines(report: dict[str, Any]) -> list[str]:
+    c = report.get("channels")
+    if not c:
+        return []
+    (m0, m1), (p0, p1), (a0, a1) = c["macs"], c["parameters"], c["test_accuracy"]
+    lines = [
+        "## Channels removed (structured pruning)",
+        "",
+        f"MACs per sample {m0:,} -> {m1:,} ({m1 / m0:.0%}, target {c['target_macs']:.0%}"
+        f"{'' if c['reached'] else ', not reached: every layer hit channels.max_ratio'}); "
+        f"parameters {p0:,} -> {p1:,}; test accuracy {a0:.2%} -> {a1:.2%} after "
+        f"{len(c['rounds'])} round(s) with retraining. Kept whole: {', '.join(c['ignored'])}. "
+        "The tables below start from the thinned model",
+    ]
+    if "archive_ratio_vs_original" in c:
+        lines[-1] += (
+            f"; against the original FP32 model the archive is "
+            f"{c['archive_ratio_vs_original']:.1f}× smaller"
+        )
+    lines[-1] += "."
+    cut = [r for r in c["layers"] if r["after"] != r["before"]]
+    if cut:
+        lines += ["", "| layer | channels before | after |", "|---|---|---|"]
+        lines += [f"| {r['name']} | {r['before']} | {r['after']} |" for r in cut]
+    return [*lines, ""]
 
 
 def _layer_line(r: dict[str, Any]) -> str:
@@ -186,7 +214,8 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
 
 
 def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write weights_histogram.png and kept_per_layer.png; return their paths."""
+    """Write weights_histogram.png, kept_per_layer.png and (after the channels stage)
+    channels_per_layer.png; return their paths."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib
 
@@ -205,6 +234,18 @@ def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set(title=f"{h['layer']}: weights and shared values", xlabel="weight", ylabel="count")
         ax.legend(fontsize=8)
         written.append(save_figure(fig, out_dir / "weights_histogram.png"))
+        plt.close(fig)
+    c = report.get("channels")
+    if c:
+        rows = c["layers"]
+        fig, ax = plt.subplots(figsize=(7, 0.5 + 0.3 * len(rows)))
+        names = [r["name"] for r in rows]
+        ax.barh(names, [r["before"] for r in rows], color="lightgrey", label="before")
+        ax.barh(names, [r["after"] for r in rows], color="seagreen", label="kept")
+        ax.set(xlabel="output channels", title="Channels kept per layer (structured pruning)")
+        ax.invert_yaxis()
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, out_dir / "channels_per_layer.png"))
         plt.close(fig)
     rows = report["layers"]
     if rows:
