@@ -1,0 +1,269 @@
+"""Structured pruning (`compressor.channels`, `models.thin`): whole channels removed with every
+coupled one, a plan that rebuilds the thinned shape from the spec, the MACs target, and the
+one-line refusals. Tiny models of each family: plain CNN, residual with BatchNorm, depthwise and
+squeeze-excite, and a 1-layer transformer."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from compressor import channels, recipe
+from compressor.flops import onnx_macs, torch_macs
+from models import thin, zoo
+from models.errors import InputError
+
+SHAPES = {
+    "lenet5": (1, 28, 28),
+    "resnet_se": (3, 16, 16),
+    "mobilenet": (1, 8, 8),
+    "vit": (3, 16, 16),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(name: str) -> tuple[nn.Module, torch.Tensor]:
+    model = zoo.tiny(name, in_shape=SHAPES[name], seed=0).eval()
+    return model, torch.randn(4, *SHAPES[name], generator=torch.Generator().manual_seed(1))
+
+
+def zero_group(model: nn.Module, example: torch.Tensor, layer: str, idxs: list[int]) -> None:
+    """Zero every weight slice coupled to output channels `idxs` of `layer` (its rows, the
+    consumers' columns, BatchNorm's scale and shift): those channels then carry exactly 0."""
+    import torch_pruning as tp
+
+    graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
+    module = model.get_submodule(layer)
+    group = graph.get_pruning_group(
+        module, graph.get_pruner_of_module(module).prune_out_channels, idxs
+    )
+    with torch.no_grad():
+        for dep, ix in group:
+            m, out = dep.target.module, graph.is_out_channel_pruning_fn(dep.handler)
+            depthwise = isinstance(m, nn.Conv2d) and m.groups == m.in_channels > 1
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                if out or depthwise:
+                    m.weight[ix] = 0
+                    if m.bias is not None:
+                        m.bias[ix] = 0
+                else:
+                    m.weight[:, ix] = 0
+            elif isinstance(m, nn.BatchNorm2d):
+                m.weight[ix] = 0
+                m.bias[ix] = 0
+
+
+# A layer of each family whose output channels feed others: a plain conv (lenet5: its channels
+# reach the classifier through a flatten), a block's expansion conv (resnet_se: through a
+# depthwise conv and squeeze-excite), resnet_se's stem (its channels run along the residual
+# adds), a conv before a depthwise one (mobilenet), and a transformer's MLP hidden layer (vit:
+# the embedding width is left alone, LayerNorm would renormalise over it).
+CASES = [
+    ("lenet5", "conv1", [0, 2]),
+    ("resnet_se", "blocks.0.block.0", [1, 5, 6]),
+    ("resnet_se", "stem.0", [0, 5]),
+    ("mobilenet", "features.0", [0, 3]),
+    ("vit", "encoder.blocks.0.mlp.0", [2, 7, 30]),
+]
+
+
+@pytest.mark.parametrize(("name", "layer", "idxs"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_removing_dead_channels_leaves_the_outputs_unchanged(name, layer, idxs):
+    model, x = tiny(name)
+    names = dict(model.named_modules())
+    assert layer in names, sorted(names)
+    zero_group(model, x[:2], layer, idxs)
+    with torch.no_grad():
+        masked = model(x)
+    params = sum(p.numel() for p in model.parameters())
+    plan = channels.remove_(model, x[:2], layer, idxs)
+    assert sum(p.numel() for p in model.parameters()) < params
+    with torch.no_grad():
+        assert torch.allclose(model(x), masked, atol=1e-6, rtol=0)
+    # The plan rebuilds the thinned shape from the spec alone, and the weights load strictly.
+    kwargs = {**zoo._TINY[name], "in_shape": list(SHAPES[name]), "num_classes": 10}
+    spec = zoo.ModelSpec(name, kwargs)
+    rebuilt = zoo.build(
+        zoo.ModelSpec.from_dict(
+            {**spec.to_dict(), "thinned": {"example": thin.describe_example(x), "history": plan}}
+        )
+    )
+    rebuilt.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(x), model(x))
+
+
+@pytest.mark.parametrize("name", ["resnet_se", "vit"])
+def test_thin_reaches_the_macs_target_and_exports_smaller(name, tmp_path):
+    from compressor.export import ExportConfig, export_onnx
+
+    model, x = tiny(name)
+    before = torch_macs(model, x[:1])
+    cfg = channels.ChannelsConfig(target_macs=0.6, rounds=2, retrain_epochs=0)
+    calls = []
+    record = channels.thin_(model, x[:2], cfg, retrain=lambda *a: calls.append(a))
+    assert calls == []  # retrain_epochs = 0
+    assert record["macs"][0] == before and record["reached"]
+    assert torch_macs(model, x[:1]) == record["macs"][1] <= 0.6 * before
+    assert record["parameters"][1] < record["parameters"][0]
+    assert [r["round"] for r in record["rounds"]] == [1, 2]
+    assert record["ignored"] == ["head"]  # the output layer keeps the class count
+    assert model(x).shape == (4, 10)
+    assert any(r["after"] < r["before"] for r in record["layers"])
+    json.dumps(record)  # plain data, into report.json and the archive header
+    # The exported graph has the thinner shapes: its MACs are the thinned model's.
+    path = export_onnx(model, x[:1], tmp_path / "thin.onnx", ExportConfig())
+    assert onnx_macs(path, 1) == record["macs"][1]
+
+
+def test_layer_scope_cuts_every_layer_alike_and_rounds_follow_the_goal():
+    model, x = tiny("lenet5")
+    cfg = channels.ChannelsConfig(target_macs=0.5, rounds=3, retrain_epochs=1, lr=0.1)
+    seen = []
+    record = channels.thin_(model, x[:2], cfg, retrain=lambda m, e, lr: seen.append((e, lr)))
+    assert seen == [(1, 0.1)] * 3
+    goals = [r["goal"] / record["macs"][0] for r in record["rounds"]]
+    assert goals == pytest.approx([5 / 6, 4 / 6, 3 / 6])
+    assert all(r["macs"] <= r["goal"] for r in record["rounds"])
+
+
+def test_l1_importance_matches_a_hand_computation():
+    import torch_pruning as tp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    x = torch.randn(2, 6)
+    graph = tp.DependencyGraph().build_dependency(model, example_inputs=x)
+    group = graph.get_pruning_group(model[0], tp.prune_linear_out_channels, list(range(5)))
+    got = channels._importance(channels.ChannelsConfig(importance="l1"))(group)
+    # Each hidden unit: the L1 norm of its row in the first layer and of its column in the
+    # second, averaged over the two, then divided by the mean over units.
+    w1, w2 = model[0].weight.detach(), model[2].weight.detach()
+    per = (w1.abs().sum(1) + w2.abs().sum(0)) / 2
+    assert torch.allclose(got, per / per.mean(), atol=1e-6)
+
+
+# --- recipes and bad input --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"target_macs": 0}, "channels.target_macs"),
+        ({"target_macs": 1.5}, "channels.target_macs"),
+        ({"importance": "random"}, "channels.importance"),
+        ({"rounds": 0}, "channels.rounds"),
+        ({"ignore": "head"}, "channels.ignore"),
+        ({"max_ratio": 1.0}, "channels.max_ratio"),
+    ],
+)
+def test_bad_channel_settings_are_refused(section, message):
+    with pytest.raises(InputError, match=message):
+        recipe.resolve({"channels": section})
+
+
+def test_channels_after_prune_is_refused():
+    import tomllib
+
+    text = "[prune]\nrounds = 1\n[channels]\nenabled = true\n"
+    with pytest.raises(InputError, match=r"\[channels\] comes after \[prune\]"):
+        recipe.resolve(tomllib.loads(text))
+    ok = recipe.resolve(tomllib.loads("[channels]\nenabled = true\n[prune]\nrounds = 1\n"))
+    assert ok["channels"]["enabled"] and ok["prune"]["rounds"] == 1
+
+
+def test_ignore_naming_a_missing_layer_is_refused():
+    model, x = tiny("lenet5")
+    with pytest.raises(InputError, match="channels.ignore names 'fc9'.*layers: conv1"):
+        channels.thin_(model, x[:2], channels.ChannelsConfig(ignore=("fc9",)))
+
+
+def test_a_graph_the_tracer_cannot_follow_names_the_fix(monkeypatch):
+    import torch_pruning as tp
+
+    def fail(*a, **k):
+        raise RuntimeError("unsupported op aten::foo")
+
+    monkeypatch.setattr(tp.pruner, "MetaPruner", fail)
+    model, x = tiny("lenet5")
+    with pytest.raises(InputError, match=r"cannot follow .*aten::foo.*channels.ignore"):
+        channels.thin_(model, x[:2], channels.ChannelsConfig())
+
+
+@pytest.mark.parametrize(
+    ("history", "message"),
+    [
+        ([["nowhere", True, [0]]], "names layer 'nowhere'"),
+        ([["conv1", True, [0, 99]]], "index past them"),
+        ([["conv1", True, [0, 0]]], "repeats an index"),
+        ([["conv1", "yes", [0]]], r"\[layer, bool, \[indices\]\]"),
+        ([["conv1", True, [-1]]], r"\[layer, bool, \[indices\]\]"),
+        ("conv1", "history"),
+    ],
+)
+def test_a_crafted_plan_is_one_line(history, message):
+    spec = {
+        "name": "lenet5",
+        "kwargs": {"in_shape": [1, 28, 28]},
+        "thinned": {"example": {"shape": [2, 1, 28, 28], "dtype": "float32"}, "history": history},
+    }
+    with pytest.raises(InputError, match=message) as e:
+        zoo.build(zoo.ModelSpec.from_dict(spec))
+    assert "\n" not in str(e.value)
+    if isinstance(history, list) and isinstance(history[0][1], bool) and history[0][2][0] >= 0:
+        # The decoder's first look (on the meta device, nothing allocated) refuses it too.
+        with pytest.raises(InputError, match=message):
+            zoo.state_shapes(zoo.ModelSpec.from_dict(spec))
+
+
+def test_an_unthinned_spec_keeps_its_bytes():
+    spec = zoo.ModelSpec("lenet5", {"in_shape": [1, 28, 28]})
+    assert spec.to_dict() == {"name": "lenet5", "kwargs": {"in_shape": [1, 28, 28]}}
+    assert zoo.ModelSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_shrink_with_channels_end_to_end(run, tmp_path):
+    # The CLI path: train, thin by half the MACs, Deep Compression on the thinner model, FP32
+    # ONNX; the archive decodes (replaying the plan) to the shipped weights bit for bit.
+    ck = tmp_path / "lenet5.pt"
+    result = run(
+        "train", "--model", "lenet5", "--data", "digits", "--epochs", "2", "--batch-size", "64",
+        "--out", ck, "-q",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rec = tmp_path / "thin.toml"
+    rec.write_text(
+        "[train]\nbatch_size = 64\n"
+        "[channels]\nenabled = true\ntarget_macs = 0.5\nrounds = 1\nretrain_epochs = 1\n"
+        "[prune]\nrounds = 1\nretrain_epochs = 0\n[quantize]\nfinetune_epochs = 0\n"
+        "[export]\nint8 = false\nort = false\n"
+    )
+    out = tmp_path / "out"
+    result = run("shrink", ck, "--recipe", rec, "--out", out, "--json", "-q")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    c = report["channels"]
+    assert c["reached"] and c["macs"][1] <= 0.5 * c["macs"][0]
+    assert report["baseline"]["parameters"] == c["parameters"][1] < c["parameters"][0]
+    assert c["archive_ratio_vs_original"] > report["archive"]["ratio"]
+    assert (out / "channels_per_layer.png").stat().st_size > 0
+    assert "## Channels removed" in (out / "report.md").read_text()
+    assert onnx_macs(out / "student.fp32.onnx", 1) == c["macs"][1]
+    result = run("decode", out / "student.dcz", "--out", tmp_path / "dec.pt")
+    assert result.exit_code == 0, result.output
+    from models import checkpoint
+
+    a = checkpoint.load(tmp_path / "dec.pt").build_model()
+    b = checkpoint.load(out / "student.pt").build_model()
+    x = torch.from_numpy(np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32))
+    with torch.no_grad():
+        assert torch.equal(a.eval()(x), b.eval()(x))
