@@ -224,7 +224,7 @@ def thin_(
                 gradients(model)
             pruner.step()
             steps += 1
-            macs = torch_macs(model, one)
+            macs = _macs_after_cut(model, one)
         plan += [thin.entry(*h) for h in pruner.DG.pruning_history()]
         model.zero_grad(set_to_none=True)
         info(
@@ -246,6 +246,21 @@ def thin_(
         "rounds": rounds,
         "plan": {"example": thin.describe_example(example), "history": plan},
     }
+
+
+def _macs_after_cut(model: nn.Module, one: torch.Tensor) -> int:
+    """MACs of the cut model, whose forward must still run: a model that reshapes by a width
+    fixed in its code (attention heads as `view(b, n, heads, 64)`) breaks when that width is
+    cut, and the user must keep those layers whole."""
+    try:
+        return torch_macs(model, one)
+    except Exception as e:
+        detail = " ".join(str(e).split())[:160]
+        raise InputError(
+            f"channels: after cutting channels the model no longer runs ({type(e).__name__}: "
+            f"{detail}); its forward likely uses a fixed width (e.g. attention heads): keep "
+            "those layers whole with channels.ignore = ['name', ...]"
+        ) from None
 
 
 def _params(model: nn.Module) -> int:

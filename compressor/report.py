@@ -105,7 +105,7 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
         "## Channels removed (structured pruning)",
         "",
         f"MACs per sample {m0:,} -> {m1:,} ({m1 / m0:.0%}, target {c['target_macs']:.0%}"
-        f"{'' if c['reached'] else ', not reached: every layer hit channels.max_ratio'}); "
+        f"{'' if c['reached'] else ', not reached: channels.max_ratio and the layers kept whole limit the cut'}); "
         f"parameters {p0:,} -> {p1:,}; test accuracy {a0:.2%} -> {a1:.2%} after "
         f"{len(c['rounds'])} round(s) with retraining. Kept whole: {', '.join(c['ignored'])}. "
         "The tables below start from the thinned model",

@@ -3,6 +3,7 @@ coupled one, a plan that rebuilds the thinned shape from the spec, the MACs targ
 one-line refusals. Tiny models of each family: plain CNN, residual with BatchNorm, depthwise and
 squeeze-excite, and a 1-layer transformer."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -197,6 +198,30 @@ def test_a_graph_the_tracer_cannot_follow_names_the_fix(monkeypatch):
     model, x = tiny("lenet5")
     with pytest.raises(InputError, match=r"cannot follow .*aten::foo.*channels.ignore"):
         channels.thin_(model, x[:2], channels.ChannelsConfig())
+
+
+class FixedWidth(nn.Module):
+    """A forward that reshapes by a width written in its code, as attention heads do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc1(x).view(x.shape[0], 4, 4).relu()
+        return self.fc2(h.reshape(x.shape[0], 16))
+
+
+def test_a_forward_that_breaks_once_cut_names_the_fix():
+    model, x = FixedWidth(), torch.randn(2, 8)
+    cfg = channels.ChannelsConfig(rounds=1, retrain_epochs=0)
+    with pytest.raises(InputError, match=r"no longer runs .*channels.ignore") as e:
+        channels.thin_(model, x, cfg)
+    assert "\n" not in str(e.value)
+    # Kept whole, nothing is left to cut before the output layer: the stage says so instead.
+    record = channels.thin_(FixedWidth(), x, dataclasses.replace(cfg, ignore=("fc1",)))
+    assert not record["reached"] and record["macs"][1] == record["macs"][0]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,182 @@
+"""Structured pruning against its targets: at `target_macs = 0.5`, a model whose INT8 file runs
+>= 1.8x faster than the unthinned model's INT8 file at batch 1 and 64 (measured side by side,
+interleaved, in one `compress bench` run), within 1.0 point of the unthinned model's accuracy
+after retraining; and, combined with Deep Compression, an archive ratio against the original
+model at least that of unstructured pruning alone.
+
+    python benchmarks/structured.py                       # VGG on digits (about 5 min, 2 cores)
+    pip install -e ".[zoo]" && python benchmarks/structured.py --models vgg,resnet18
+
+For each model, through the real CLI in subprocesses:
+  1. `compress train` (the teacher: VGG on digits, ResNet-18 on 2,000 3x32x32 digits images);
+  2. `compress shrink` with only the export on: the unthinned FP32 and INT8 files;
+  3. `compress shrink` with `[channels]` (target_macs 0.5, 3 rounds of `--retrain` epochs)
+     and the export: the thinned FP32 and INT8 files;
+  4. with --archive: Deep Compression alone, and `[channels]` + Deep Compression, for the
+     archive ratios against the original model;
+  5. `compress bench` on the four ONNX files: p50 latency at batch 1 and 64 on ORT's CPU
+     provider, interleaved, one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CASES = {
+    # model, kwargs, data, teacher epochs
+    "vgg": ("vgg", "{}", "digits", 10),
+    "resnet18": ("models.hf:resnet18", "{}", "images", 3),
+}
+TARGET_SPEEDUP = 1.8
+MAX_DROP_POINTS = 1.0
+
+
+def compress(*args: str) -> dict:
+    cmd = [sys.executable, "-m", "cli", *map(str, args), "--json", "-q"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed: {lines[-1]}")
+    return json.loads(done.stdout)
+
+
+def recipe(path: Path, channels: bool, deep: bool, retrain: int) -> Path:
+    lines = ["[train]", "batch_size = 64"]
+    if channels:
+        lines += [
+            "[channels]",
+            "enabled = true",
+            "target_macs = 0.5",
+            "rounds = 3",
+            f"retrain_epochs = {retrain}",
+        ]
+    if deep:
+        lines += ["[prune]", "rounds = 1", f"retrain_epochs = {retrain}"]
+        lines += ["[quantize]", f"finetune_epochs = {retrain}"]
+    else:
+        lines += ["[prune]", "enabled = false", "[quantize]", "enabled = false"]
+        lines += ["[huffman]", "enabled = false"]
+    lines += ["[export]", "ort = false"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="vgg", help=f"comma-separated: {', '.join(CASES)}")
+    ap.add_argument("--retrain", type=int, default=2, help="epochs per round of retraining")
+    ap.add_argument("--archive", action="store_true", help="also the Deep Compression runs")
+    ap.add_argument("--workdir", default=None)
+    opts = ap.parse_args()
+    work = Path(opts.workdir or tempfile.mkdtemp(prefix="structured-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(
+        f"# Structured pruning, {time.strftime('%Y-%m-%d')}, {platform.machine()} "
+        f"{os.cpu_count()} cores ({', '.join(_cpu_flags())}), python {platform.python_version()}"
+    )
+    for name in opts.models.split(","):
+        if name not in CASES:
+            raise SystemExit(f"unknown model {name}; choose from {', '.join(CASES)}")
+        one(name, work, opts)
+
+
+def one(name: str, work: Path, opts) -> None:
+    model, kwargs, data, epochs = CASES[name]
+    if data == "images":
+        from real_models import images_npz
+
+        npz = work / "images.npz"
+        if not npz.exists():
+            images_npz(npz)
+        data = f"npz:{npz}"
+    ck = work / f"{name}.pt"
+    t = time.perf_counter()
+    if not ck.exists():
+        compress(
+            "train", "--model", model, "--model-kwargs", kwargs, "--data", data,
+            "--epochs", epochs, "--out", ck,
+        )  # fmt: skip
+    extra = ["--model", model] if ":" in model else []
+    runs = {"dense": (False, False), "thin": (True, False)}
+    if opts.archive:
+        runs |= {"deep": (False, True), "thin+deep": (True, True)}
+    reports = {}
+    for label, (ch, deep) in runs.items():
+        rec = recipe(work / f"{name}-{label}.toml", ch, deep, opts.retrain)
+        out = work / f"{name}-{label}"
+        compress("shrink", ck, "--data", data, "--recipe", rec, "--out", out, *extra)
+        reports[label] = json.loads((out / "report.json").read_text())
+    files = [work / f"{name}-{lab}" / "student.int8.onnx" for lab in ("dense", "thin")]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise SystemExit(f"no INT8 file written: {', '.join(missing)} (see report.json)")
+    fp32 = [f.with_name("student.fp32.onnx") for f in files]
+    bench = compress(
+        "bench", *files, *fp32, "--data", data, "--batch", "1,64", "--threads", "1",
+        "--providers", "cpu", "--min-seconds", "2",
+    )  # fmt: skip
+    lat = {(Path(r["path"]).parent.name, r["precision"], r["batch"]): r for r in bench["results"]}
+    d, th = reports["dense"], reports["thin"]
+    c = th["channels"]
+    acc_d = d["onnx"]["int8"]["test_accuracy"]
+    acc_t = th["onnx"]["int8"]["test_accuracy"]
+    drop = 100 * (acc_d - acc_t)
+    print(f"\n## {name} ({model}, data {data}, teacher {epochs} epochs; {c['macs'][0]:,} MACs)")
+    print(f"channels: 3 rounds x {opts.retrain} retraining epochs; {time.perf_counter() - t:.0f} s")
+    print("| | MACs | parameters | INT8 test acc | FP32 b1 | INT8 b1 | FP32 b64 | INT8 b64 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, macs, params, acc in (
+        ("unthinned", c["macs"][0], c["parameters"][0], acc_d),
+        ("thinned", c["macs"][1], c["parameters"][1], acc_t),
+    ):
+        folder = f"{name}-{'dense' if label == 'unthinned' else 'thin'}"
+        cells = [
+            f"{lat[(folder, p, b)]['p50_ms']:.3f} ms" for b in (1, 64) for p in ("fp32", "int8")
+        ]
+        print(f"| {label} | {macs:,} | {params:,} | {acc:.2%} | {' | '.join(cells)} |")
+    ok = True
+    for b in (1, 64):
+        s = lat[(f"{name}-dense", "int8", b)]["p50_ms"] / lat[(f"{name}-thin", "int8", b)]["p50_ms"]
+        ok &= s >= TARGET_SPEEDUP
+        print(f"INT8 speed-up at batch {b}: {s:.2f}x (target >= {TARGET_SPEEDUP}x)")
+    ok &= drop <= MAX_DROP_POINTS
+    print(f"accuracy drop: {drop:+.2f} points (target <= {MAX_DROP_POINTS})")
+    if opts.archive:
+        deep, both = reports["deep"], reports["thin+deep"]
+        orig = 4 * c["parameters"][0]
+        r_deep = orig / deep["archive"]["bytes"]
+        r_both = both["channels"]["archive_ratio_vs_original"]
+        a_deep = deep["stages"][-1]["test_accuracy"]
+        a_both = both["stages"][-1]["test_accuracy"]
+        print(
+            f"archive vs the original: Deep Compression {r_deep:.1f}x at {a_deep:.2%}; "
+            f"channels + Deep Compression {r_both:.1f}x at {a_both:.2%}"
+        )
+    print(f"verdict: {'PASS' if ok else 'FAIL'}")
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
+    return []
+
+
+if __name__ == "__main__":
+    main()
