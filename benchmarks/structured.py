@@ -51,7 +51,7 @@ def compress(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def recipe(path: Path, channels: bool, deep: bool, retrain: int) -> Path:
+def recipe(path: Path, channels: bool, deep: bool, retrain: int, round_to: int = 0) -> Path:
     lines = ["[train]", "batch_size = 64"]
     if channels:
         lines += [
@@ -60,6 +60,7 @@ def recipe(path: Path, channels: bool, deep: bool, retrain: int) -> Path:
             "target_macs = 0.5",
             "rounds = 3",
             f"retrain_epochs = {retrain}",
+            f"round_to = {round_to}",
         ]
     if deep:
         lines += ["[prune]", "rounds = 1", f"retrain_epochs = {retrain}"]
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--models", default="vgg", help=f"comma-separated: {', '.join(CASES)}")
     ap.add_argument("--retrain", type=int, default=2, help="epochs per round of retraining")
     ap.add_argument("--archive", action="store_true", help="also the Deep Compression runs")
+    ap.add_argument("--round-to", type=int, default=8, help="channels.round_to (0 = off)")
     ap.add_argument("--workdir", default=None)
     opts = ap.parse_args()
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="structured-"))
@@ -113,7 +115,7 @@ def one(name: str, work: Path, opts) -> None:
         runs |= {"deep": (False, True), "thin+deep": (True, True)}
     reports = {}
     for label, (ch, deep) in runs.items():
-        rec = recipe(work / f"{name}-{label}.toml", ch, deep, opts.retrain)
+        rec = recipe(work / f"{name}-{label}.toml", ch, deep, opts.retrain, opts.round_to)
         out = work / f"{name}-{label}"
         compress("shrink", ck, "--data", data, "--recipe", rec, "--out", out, *extra)
         reports[label] = json.loads((out / "report.json").read_text())
@@ -133,7 +135,10 @@ def one(name: str, work: Path, opts) -> None:
     acc_t = th["onnx"]["int8"]["test_accuracy"]
     drop = 100 * (acc_d - acc_t)
     print(f"\n## {name} ({model}, data {data}, teacher {epochs} epochs; {c['macs'][0]:,} MACs)")
-    print(f"channels: 3 rounds x {opts.retrain} retraining epochs; {time.perf_counter() - t:.0f} s")
+    print(
+        f"channels: 3 rounds x {opts.retrain} retraining epochs, round_to {opts.round_to}; "
+        f"{time.perf_counter() - t:.0f} s"
+    )
     print("| | MACs | parameters | INT8 test acc | FP32 b1 | INT8 b1 | FP32 b64 | INT8 b64 |")
     print("|---|---|---|---|---|---|---|---|")
     for label, macs, params, acc in (

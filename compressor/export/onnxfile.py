@@ -374,13 +374,15 @@ def parity(
     y: torch.Tensor,
     optimized: bool = True,
     reference: np.ndarray | None = None,
+    outputs: np.ndarray | None = None,
 ) -> dict[str, float]:
     """The file's test accuracy, its top-1 agreement with the PyTorch model, max |delta logit|.
     optimized=False: the file as written (ORT with graph optimizations off, the reference
     semantics); True: this host's ORT with its default fused kernels. `reference`: the
-    model's logits for `x` (`torch_logits`), when the caller already has them."""
+    model's logits for `x` (`torch_logits`), when the caller already has them; `outputs`: the
+    file's own outputs for `x` with `optimized`, likewise."""
     ref = torch_logits(model, x) if reference is None else reference
-    got = int8.outputs(int8.session(path, optimized), x.numpy())
+    got = int8.outputs(int8.session(path, optimized), x.numpy()) if outputs is None else outputs
     return {
         "test_accuracy": float(np.mean(got.argmax(1) == y.numpy())),
         "top1_agreement": agreement(got, ref),
