@@ -435,6 +435,28 @@ def test_fp32_readers_get_back_the_relu_the_quantizer_folded_into_a_q(tmp_path):
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
 
 
+def test_a_second_rewrite_names_its_activation_copies_apart(tmp_path):
+    """Two rewrites of one graph (rewiring FP32 readers, then stripping orphan Q/DQ pairs) each
+    put activations back: the second must not reuse a node name the first gave. ORT refuses a
+    graph with two nodes of one name; ResNet-18 under target host failed that way."""
+    _, prep = _outlier_mlp(tmp_path)
+    x = np.random.default_rng(0).standard_normal((64, 12)).astype(np.float32)
+    q = I.Quantizer(prep, x)
+    model = q.build(I.scheme_for(I.QuantConfig(), False), q.nodes[1:])
+    copies = [n for n in model.graph.node if n.op_type == "Relu" and n.name.endswith("_fp32")]
+    assert copies  # the first rewrite put Relus back under "<relu>_fp32"
+    original = onnx.load(str(prep))
+    relu_out = {n.name: n.output[0] for n in original.graph.node if n.op_type == "Relu"}
+    # A later rewrite asked for the same FP32 tensors (as if its readers had changed again).
+    reads = I._Fp32Reads(model.graph, original)
+    reads.producer = {o: n for n in q.build(I.scheme_for(I.QuantConfig(), False)).graph.node
+                      for o in n.output}  # fmt: skip
+    for relu in copies:
+        reads.name(relu_out[relu.name.removesuffix("_fp32")])
+    names = [n.name for n in model.graph.node]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
 def test_the_quantizer_warns_through_logging_and_quiet_hides_it(tmp_path, caplog, monkeypatch):
     """ORT's quantizer logs 'Axis 1 is out-of-range ...' for per-channel LayerNorm weights;
     without `quiet` Python would print that on stderr."""

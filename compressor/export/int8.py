@@ -336,7 +336,15 @@ class _Fp32Reads:
         self.fp32_inits = {t.name: t for t in original.graph.initializer} if original else {}
         self.producer = {o: n for n in graph.node for o in n.output}
         self.inits = {t.name for t in graph.initializer}
-        self.taken = self.inits | set(self.producer) | {i.name for i in graph.input}
+        # Names in use, tensors and nodes alike: a graph that went through a rewrite before
+        # already holds "<relu>_fp32" nodes (ResNet-18 under target host: "two nodes with same
+        # node name" from ORT when a second rewrite named its copy the same).
+        self.taken = (
+            self.inits
+            | set(self.producer)
+            | {i.name for i in graph.input}
+            | {n.name for n in graph.node}
+        )
         self.cache: dict[str, str] = {}
         self.after: dict[int, list] = {}  # id(producer) -> activation copies to place after it
 
