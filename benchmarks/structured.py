@@ -142,7 +142,7 @@ def one(name: str, work: Path, opts) -> None:
         f"channels: 3 rounds x {opts.retrain} retraining epochs, round_to {opts.round_to}; "
         f"{time.perf_counter() - t:.0f} s"
     )
-    print("| | MACs | parameters | INT8 test acc | FP32 b1 | INT8 b1 | FP32 b64 | INT8 b64 |")
+    print("\n| | MACs | parameters | INT8 test acc | FP32 b1 | INT8 b1 | FP32 b64 | INT8 b64 |")
     print("|---|---|---|---|---|---|---|---|")
     for label, macs, params, acc in (
         ("unthinned", c["macs"][0], c["parameters"][0], acc_d),
@@ -153,6 +153,7 @@ def one(name: str, work: Path, opts) -> None:
             f"{lat[(folder, p, b)]['p50_ms']:.3f} ms" for b in (1, 64) for p in ("fp32", "int8")
         ]
         print(f"| {label} | {macs:,} | {params:,} | {acc:.2%} | {' | '.join(cells)} |")
+    print()
     ok = True
     for b in (1, 64):
         s = lat[(f"{name}-dense", "int8", b)]["p50_ms"] / lat[(f"{name}-thin", "int8", b)]["p50_ms"]
