@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from real_models import _cpu_flags, images_npz  # noqa: E402  (the matrix's CPU flags and images)
 
 CASES = {
     # model, kwargs, data, teacher epochs
@@ -99,8 +100,6 @@ def main() -> None:
 def one(name: str, work: Path, opts) -> None:
     model, kwargs, data, epochs = CASES[name]
     if data == "images":
-        from real_models import images_npz
-
         npz = work / "images.npz"
         if not npz.exists():
             images_npz(npz)
@@ -173,18 +172,6 @@ def one(name: str, work: Path, opts) -> None:
             f"channels + Deep Compression {r_both:.1f}x at {a_both:.2%}"
         )
     print(f"verdict: {'PASS' if ok else 'FAIL'}")
-
-
-def _cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
-    return []
 
 
 if __name__ == "__main__":
