@@ -124,6 +124,29 @@ def test_thin_reaches_the_macs_target_and_exports_smaller(name, tmp_path):
     # The exported graph has the thinner shapes: its MACs are the thinned model's.
     path = export_onnx(model, x[:1], tmp_path / "thin.onnx", ExportConfig())
     assert onnx_macs(path, 1) == record["macs"][1]
+    # Two rounds, two dependency graphs: the plan still replays on one freshly built model.
+    kwargs = {**zoo._TINY[name], "in_shape": list(SHAPES[name]), "num_classes": 10}
+    rebuilt = zoo.build(zoo.ModelSpec(name, kwargs, record["plan"]))
+    rebuilt.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(x), model.eval()(x))
+
+
+def test_taylor_importance_asks_for_gradients_before_every_cut():
+    model, x = tiny("resnet_se")
+    y = torch.arange(4) % 10
+    calls = []
+
+    def gradients(m):
+        calls.append(1)
+        nn.functional.cross_entropy(m(x), y).backward()
+
+    cfg = channels.ChannelsConfig(importance="taylor", target_macs=0.7, rounds=1, retrain_epochs=0)
+    record = channels.thin_(model, x[:2], cfg, gradients=gradients)
+    assert record["reached"] and len(calls) >= 1
+    assert all(p.grad is None for p in model.parameters())  # no stale gradients left behind
+    with pytest.raises(InputError, match="taylor"):
+        channels.thin_(tiny("lenet5")[0], x[:2], cfg)
 
 
 def test_layer_scope_cuts_every_layer_alike_and_rounds_follow_the_goal():
