@@ -116,13 +116,15 @@ from torch import nn
 
 
 class Net(nn.Sequential):
-    # An MLP whose forward pass takes 2 ms: compute that dwarfs the messages.
+    # An MLP whose forward pass takes 10 ms: compute that dwarfs the messages. (At 2 ms, on a
+    # busy 2-core machine with three processes, the messages were a third of a step and an 8x
+    # straggler took 576 of 1,437 samples: the test failed its 2x margin once in CI.)
 
     def __init__(self, in_shape=(1, 8, 8), num_classes=10):
         super().__init__(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes))
 
     def forward(self, x):
-        time.sleep(0.002)
+        time.sleep(0.01)
         return super().forward(x)
 """
 
