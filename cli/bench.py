@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import emit_json, json_option
+from cli.main import emit_json, input_name, json_option
 from compressor import benchmark, benchreport, envinfo, variants
 from compressor import export as export_mod
 from models import data as data_mod
@@ -112,7 +112,7 @@ def bench(
 
             check_writable(path, flag)
     paths = variants.expand(list(models))
-    ds = data_mod.load(data, _input_name(paths, model)) if data else None
+    ds = data_mod.load(data, input_name(_model_name(paths, model), model)) if data else None
     info = (lambda m: None) if quiet else (lambda m: render.stderr.print(m))
     with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
         for p in paths:  # before onnx or ONNX Runtime reads any external data
@@ -184,16 +184,12 @@ def _profiles(described, cfg, ds) -> dict:
     return out
 
 
-def _input_name(paths: list[Path], model: str | None) -> str | None:
-    """The forward argument of the PyTorch model being measured (--model, else the first
-    checkpoint's recorded zoo model): an npz array of that name is the input, as under
-    `compress train` (e.g. `ids` for textcls). Code named by import path is not imported for
-    this unless --model names it."""
-    name = model
-    if name is None:
-        from models import checkpoint
+def _model_name(paths: list[Path], model: str | None) -> str | None:
+    """The PyTorch model being measured: --model, else the first checkpoint's recorded one."""
+    if model is not None:
+        return model
+    from models import checkpoint
 
-        first = next((p for p in paths if p.suffix == ".pt"), None)
-        spec = checkpoint.load(first).spec if first is not None else None
-        name = spec.name if spec is not None and ":" not in spec.name else None
-    return data_mod.forward_input(zoo.resolve(name)) if name else None
+    first = next((p for p in paths if p.suffix == ".pt"), None)
+    spec = checkpoint.load(first).spec if first is not None else None
+    return spec.name if spec is not None else None

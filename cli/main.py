@@ -62,6 +62,18 @@ def json_option(f):
     )(f)
 
 
+def input_name(name: str | None, model_flag: str | None) -> str | None:
+    """The forward argument of model `name` (e.g. `ids` for textcls): an npz array of that name
+    is the model's input, under every command alike. Code named by import path is imported
+    only with the user's consent (--model naming it); without it None, and building the model
+    refuses next with the reason."""
+    if name is None or (":" in name and name != model_flag):
+        return None
+    from models import data, zoo
+
+    return data.forward_input(zoo.resolve(name))
+
+
 def emit_json(obj: dict[str, Any]) -> None:
     # NaN and infinity are not JSON: they become null.
     click.echo(json.dumps(_finite(obj), indent=2, sort_keys=False, default=str, allow_nan=False))

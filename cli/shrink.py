@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import OutPath, emit_json, json_option
+from cli.main import OutPath, emit_json, input_name, json_option
 from compressor import pipeline
 from compressor import recipe as recipe_mod
 from compressor.shrink import Hooks
@@ -203,7 +203,8 @@ def run_shrink(
     run it with progress on stderr; return the report."""
     pipeline.check_out_dir(out)
     ck = checkpoint.load(model_path)
-    ds = data_mod.load(data or ck.metadata.get("data") or "digits", _input_name(ck, model))
+    named = model or (ck.spec.name if ck.spec is not None else None)
+    ds = data_mod.load(data or ck.metadata.get("data") or "digits", input_name(named, model))
     spec = ck.spec_for(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)
     net = ck.build_model(spec, allow_import=model == spec.name)
     # The loaded weights and optimizer state (3x the model after Adam) are copied into `net`:
@@ -236,17 +237,6 @@ def run_shrink(
         return pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta, ds)
     finally:
         progress.close()
-
-
-def _input_name(ck: checkpoint.Checkpoint, model: str | None) -> str | None:
-    """The forward argument of the model the checkpoint will build (e.g. `ids` for textcls):
-    an npz array of that name is its input, as under `compress train`. A model named by import
-    path is only resolved here with the user's consent (--model naming it); without it,
-    building the model refuses next with the reason."""
-    name = model or (ck.spec.name if ck.spec is not None else None)
-    if name is None or (":" in name and model != name):
-        return None
-    return data_mod.forward_input(zoo.resolve(name))
 
 
 @click.command(

@@ -32,7 +32,6 @@ follow raises InputError naming the fix (`channels.ignore`).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,13 +123,8 @@ def _pruner(model: nn.Module, example: torch.Tensor, cfg: ChannelsConfig, ignore
 
     modules = dict(model.named_modules())
     heads = {m: m.num_heads for m in modules.values() if isinstance(m, nn.MultiheadAttention)}
-    was = model.training
-    model.eval()  # tracing runs a forward: BatchNorm statistics must not move
     try:
-        with warnings.catch_warnings():
-            # It warns about free nn.Parameters (a class token, positions) whose last dim it
-            # cuts with the embedding: that is what we want.
-            warnings.simplefilter("ignore")
+        with thin.tracing(model):
             return tp.pruner.MetaPruner(
                 model,
                 example,
@@ -150,8 +144,6 @@ def _pruner(model: nn.Module, example: torch.Tensor, cfg: ChannelsConfig, ignore
             f"channels: torch-pruning cannot follow this model's graph ({type(e).__name__}: "
             f"{detail}); exclude the module it stops at with channels.ignore = ['name']"
         ) from None
-    finally:
-        model.train(was)
 
 
 def remove_(model: nn.Module, example: torch.Tensor, layer: str, idxs: list[int]) -> list[list]:
@@ -163,17 +155,11 @@ def remove_(model: nn.Module, example: torch.Tensor, layer: str, idxs: list[int]
     modules = dict(model.named_modules())
     if layer not in modules:
         raise InputError(f"channels: the model has no layer {layer!r}")
-    was = model.training
-    model.eval()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
-            module = modules[layer]
-            fn = graph.get_pruner_of_module(module).prune_out_channels
-            graph.get_pruning_group(module, fn, [int(i) for i in idxs]).prune()
-    finally:
-        model.train(was)
+    with thin.tracing(model):
+        graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
+        module = modules[layer]
+        fn = graph.get_pruner_of_module(module).prune_out_channels
+        graph.get_pruning_group(module, fn, [int(i) for i in idxs]).prune()
     return [thin.entry(*h) for h in graph.pruning_history()]
 
 

@@ -12,6 +12,7 @@ against the model before torch-pruning sees it (a crafted plan gets one InputErr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any
@@ -23,6 +24,21 @@ from models.errors import InputError
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
 MAX_ENTRIES = 100_000  # a plan holds one entry per pruned group per increment: hundreds
+
+
+@contextlib.contextmanager
+def tracing(model: nn.Module):
+    """How torch-pruning may trace `model`: in eval mode (the trace runs a forward pass, and
+    BatchNorm statistics must not move), its warnings about free nn.Parameters (a class token,
+    positions: it cuts their last dim with the embedding, as wanted) silenced."""
+    was = model.training
+    model.eval()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        model.train(was)
 
 
 def entry(name: str, out_channels: bool, idxs: Any) -> list[Any]:
@@ -79,11 +95,8 @@ def apply_(model: nn.Module, plan: Any, name: str = "model") -> nn.Module:
 
     ex = plan["example"]
     example = torch.ones(ex["shape"], dtype=DTYPES[ex["dtype"]])
-    was = model.training
-    model.eval()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with tracing(model):
             graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
             for layer, out, idxs in plan["history"]:
                 if not idxs:
@@ -103,6 +116,4 @@ def apply_(model: nn.Module, plan: Any, name: str = "model") -> nn.Module:
         raise InputError(
             f"model {name}: its channel plan does not fit the model ({type(e).__name__}: {detail})"
         ) from None
-    finally:
-        model.train(was)
     return model
