@@ -570,3 +570,34 @@ def test_bias_correction_of_a_matmul_on_n_l_d_tensors_uses_the_last_axis(tokens,
     ref = I._run_with(q.model, [add], x, False)[0]
     shift = [np.abs((I._run_with(m, [add], x, False)[0] - ref).mean((0, 1))) for m in (qdq, fixed)]
     assert shift[1].sum() < 0.5 * shift[0].sum(), shift
+
+
+def test_outputs_do_not_depend_on_the_thread_count(prepared, tmp_path):
+    """`session` runs checks on every core: it relies on ORT's CPU kernels giving the same bits
+    whatever the thread count (they split work by output, never a sum), as written and fused."""
+    fp32, prep, calib = prepared
+    q = I.Quantizer(prep, calib)
+    qdq = q.build(I.scheme_for(I.QuantConfig(), False)).SerializeToString()
+    x = np.random.default_rng(1).random((96, 1, 8, 8), dtype=np.float32)
+    for model in (fp32.read_bytes(), qdq):
+        for optimized in (False, True):
+            one = I.outputs(I.session(model, optimized, threads=1), x)
+            two = I.outputs(I.session(model, optimized, threads=2), x)
+            assert np.array_equal(one, two)
+
+
+def test_node_errors_are_the_same_whatever_the_batch(prepared):
+    """node_errors reduces in the graph, 64 samples a run, twins placed after their originals:
+    the sums must not depend on how the samples were cut."""
+    _, prep, calib = prepared
+    q = I.Quantizer(prep, calib)
+    m = q.build(I.scheme_for(I.QuantConfig(), False))
+    x = np.random.default_rng(2).random((130, 1, 8, 8), dtype=np.float32)
+    whole = I.node_errors(m, q.model, x, optimized=False)
+    parts = [I.node_errors(m, q.model, x[i : i + 10], optimized=False) for i in range(0, 130, 10)]
+    assert whole and set(whole) == set(parts[0])
+    for name, e in whole.items():
+        assert e.nmse > 0
+        if e.shift is not None:
+            mean = sum(p[name].shift * 10 for p in parts) / 130
+            np.testing.assert_allclose(e.shift, mean, rtol=1e-5, atol=1e-7)
