@@ -341,9 +341,8 @@ class Quantizer:
         fp32_inits = {t.name: t for t in self.model.graph.initializer}
         fp32_nodes = {n.name: n for n in self.model.graph.node}
         producer = {o: n for n in g.node for o in n.output}
-        # the quantizer may name a DequantizeLinear output after the constant it reads
         taken = inits | set(producer) | {i.name for i in g.input}
-        restored: dict[str, str] = {}
+        have = {name: name for name in inits}  # FP32 constant -> its name in this graph
         for n in g.node:
             f = fp32_nodes.get(n.name)
             if n.name not in names or f is None or len(f.input) != len(n.input):
@@ -353,18 +352,8 @@ class Quantizer:
                 const = f.input[k]
                 if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
                     continue
-                if const not in fp32_inits:
-                    continue
-                if const not in restored:
-                    fresh = const
-                    while fresh in taken:
-                        fresh += "_fp32"
-                    t = copy.deepcopy(fp32_inits[const])
-                    t.name = fresh
-                    g.initializer.append(t)
-                    taken.add(fresh)
-                    restored[const] = fresh
-                n.input[k] = restored[const]
+                if const in fp32_inits:
+                    n.input[k] = _fp32_constant(g, const, fp32_inits, have, taken)
         strip_orphan_qdq(out, self.model)
         _drop_unused(g)
         compat.keep_used_opsets(out)
@@ -607,19 +596,26 @@ def _restore_constants(graph, fp32, inits, consumers, live, find) -> int:
             for k, name in enumerate(c.input):
                 if name != dq.output[0] or ref.input[k] not in ref_inits:
                     continue
-                const = ref.input[k]
-                if const not in have:
-                    fresh = const
-                    while fresh in taken:
-                        fresh += "_fp32"
-                    t = copy.deepcopy(ref_inits[const])
-                    t.name = fresh
-                    graph.initializer.append(t)
-                    have[const] = fresh
-                    taken.add(fresh)
-                c.input[k] = have[const]
+                c.input[k] = _fp32_constant(graph, ref.input[k], ref_inits, have, taken)
                 restored += 1
     return restored
+
+
+def _fp32_constant(graph, const: str, ref_inits, have: dict[str, str], taken: set[str]) -> str:
+    """The name under which `graph` holds the FP32 model's constant `const` (`have` maps the
+    ones it holds already), a copy added where missing: under a new name where a tensor took
+    the old one (the quantizer may name a DequantizeLinear output after the constant it
+    dequantizes, a bias shared by a Gemm and a LayerNorm)."""
+    if const not in have:
+        fresh = const
+        while fresh in taken:
+            fresh += "_fp32"
+        t = copy.deepcopy(ref_inits[const])
+        t.name = fresh
+        graph.initializer.append(t)
+        have[const] = fresh
+        taken.add(fresh)
+    return have[const]
 
 
 def _rename(graph, old: str, new: str) -> None:
