@@ -42,7 +42,8 @@ def zero_group(model: nn.Module, example: torch.Tensor, layer: str, idxs: list[i
     consumers' columns, BatchNorm's scale and shift): those channels then carry exactly 0."""
     import torch_pruning as tp
 
-    graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
+    with thin.tracing(model):  # as the library traces: eval mode, no free-parameter warning
+        graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
     module = model.get_submodule(layer)
     group = graph.get_pruning_group(
         module, graph.get_pruner_of_module(module).prune_out_channels, idxs
