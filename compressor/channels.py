@@ -41,7 +41,7 @@ from torch import nn
 
 from compressor.flops import torch_macs
 from models import thin
-from models.errors import InputError
+from models.errors import InputError, one_line
 
 IMPORTANCE = ("l1", "l2", "taylor")
 SCOPES = ("layer", "global")
@@ -139,7 +139,7 @@ def _pruner(model: nn.Module, example: torch.Tensor, cfg: ChannelsConfig, ignore
     except InputError:
         raise
     except Exception as e:
-        detail = " ".join(str(e).split())[:200]
+        detail = one_line(e)
         raise InputError(
             f"channels: torch-pruning cannot follow this model's graph ({type(e).__name__}: "
             f"{detail}); exclude the module it stops at with channels.ignore = ['name']"
@@ -241,7 +241,7 @@ def _macs_after_cut(model: nn.Module, one: torch.Tensor) -> int:
     try:
         return torch_macs(model, one)
     except Exception as e:
-        detail = " ".join(str(e).split())[:160]
+        detail = one_line(e, 160)
         raise InputError(
             f"channels: after cutting channels the model no longer runs ({type(e).__name__}: "
             f"{detail}); its forward likely uses a fixed width (e.g. attention heads): keep "

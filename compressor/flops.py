@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.errors import InputError
+from models.errors import InputError, one_line
 
 # ONNX op -> index of its weight input (the tensor whose shape gives the work per output).
 CONV_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3}
@@ -204,7 +204,7 @@ def onnx_macs(path: Path | str, batch: int) -> int:
     try:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception as e:
-        msg = " ".join(str(e).split())[:160]
+        msg = one_line(e, 160)
         raise InputError(f"{path}: shape inference failed at batch {batch} ({msg})") from None
     shapes = _shapes(model)
     counted = {*CONV_OPS, "Gemm", *MATMUL_OPS}

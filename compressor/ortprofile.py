@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from models.errors import InputError, StageError
+from models.errors import InputError, StageError, one_line
 
 
 def _session(path: Path, threads: int, providers: Sequence[str], prefix: str):
@@ -44,7 +44,7 @@ def _session(path: Path, threads: int, providers: Sequence[str], prefix: str):
     try:
         return ort.InferenceSession(str(path), opts, providers=list(providers))
     except Exception as e:
-        msg = " ".join(str(e).split())[:200]
+        msg = one_line(e)
         raise InputError(
             f"{path}: ONNX Runtime cannot load it ({msg}); give an .onnx model"
         ) from None
@@ -83,7 +83,7 @@ def profile_ops(
             for _ in range(warmup + runs):
                 session.run(None, feed)
         except Exception as e:
-            msg = " ".join(str(e).split())[:160]
+            msg = one_line(e, 160)
             raise InputError(
                 f"{path}: input of shape {x.shape} and dtype {x.dtype} does not fit "
                 f"{inputs[0].name} {inputs[0].shape} {inputs[0].type} ({msg})"

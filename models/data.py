@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.errors import InputError
+from models.errors import InputError, one_line
 
 SPECS_HELP = "digits, digits:28, mnist:DIR, npz:FILE or tokens[:L[:V]]"
 MAX_CLASSES = 100_000
@@ -447,7 +447,7 @@ def _npy_header(
             read_header = fmt.read_array_header_1_0 if width == 2 else fmt.read_array_header_2_0
             shape, _fortran, dtype = read_header(io.BytesIO(length + text))
     except Exception as e:  # zipfile, zlib and numpy each raise their own kinds
-        detail = " ".join(str(e).split())[:200]
+        detail = one_line(e)
         raise InputError(f"{where}: not a readable .npy member ({detail}); {fix}") from None
     if dtype.hasobject:
         raise InputError(
@@ -469,7 +469,7 @@ def _npy_reader(
             with zipfile.ZipFile(path) as z, z.open(info) as f:
                 return np.lib.format.read_array(f, allow_pickle=False)
         except Exception as e:
-            detail = " ".join(str(e).split())[:200]
+            detail = one_line(e)
             raise InputError(f"{where}: not a readable .npy member ({detail}); {fix}") from None
 
     return read

@@ -29,3 +29,9 @@ class StageError(CompressError):
     """A stage ran and failed, through no fault of the input (exit 1)."""
 
     exit_code = 1
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """A foreign exception's text (torch, ORT, torch-pruning: often many lines) as the first
+    `limit` characters of one line, to quote inside our own one-line messages."""
+    return " ".join(str(e).split())[:limit]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.errors import InputError
+from models.errors import InputError, one_line
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
 MAX_ENTRIES = 100_000  # a plan holds one entry per pruned group per increment: hundreds
@@ -112,7 +112,7 @@ def apply_(model: nn.Module, plan: Any, name: str = "model") -> nn.Module:
     except InputError:
         raise
     except Exception as e:
-        detail = " ".join(str(e).split())[:160]
+        detail = one_line(e, 160)
         raise InputError(
             f"model {name}: its channel plan does not fit the model ({type(e).__name__}: {detail})"
         ) from None
