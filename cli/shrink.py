@@ -214,7 +214,7 @@ def run_shrink(
 
     progress = render.TrainProgress(quiet=quiet)
     train = recipe["train"]
-    n_val = max(len(ds.y_train) // 10, 1)  # sensitivity runs on held-out *training* data
+    x_val, y_val = ds.decision_split()  # held out of training: what stages decide on
 
     def retrain(m, epochs: int, lr: float, loss_fn=None, data=None) -> None:
         cfg = TrainConfig(
@@ -229,7 +229,7 @@ def run_shrink(
     hooks = Hooks(
         retrain=retrain,
         test_accuracy=lambda m: evaluate(m, ds.x_test, ds.y_test)[1],
-        val_accuracy=lambda m: evaluate(m, ds.x_train[-n_val:], ds.y_train[-n_val:])[1],
+        val_accuracy=lambda m: evaluate(m, x_val, y_val)[1],
         info=progress.info,
     )
     meta = {"data": ds.spec, "source": str(model_path)}

@@ -174,17 +174,25 @@ def transfer_set(
 ) -> tuple[Dataset, dict[str, Any]]:
     """The training set with only a `labels` fraction of its labels kept (a seeded draw), the
     rest labelled by the teacher, plus `size` x N synthetic inputs labelled by the teacher
-    (none on token data, where `kind` must be "none")."""
+    (none on token data, where `kind` must be "none"). The validation split keeps the same
+    fraction of its labels, the teacher's elsewhere: a user with few labels has few there too."""
     check_transfer({"transfer": kind}, data)
-    n = len(data.y_train)
     g = torch.Generator().manual_seed(seed)
-    keep = torch.zeros(n, dtype=torch.bool)
-    keep[torch.randperm(n, generator=g)[: max(1, round(labels * n))]] = True
-    y = torch.where(keep, data.y_train, teacher_labels(teacher, data.x_train))
+
+    def kept(y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = torch.zeros(len(y), dtype=torch.bool)
+        if len(y):
+            keep[torch.randperm(len(y), generator=g)[: max(1, round(labels * len(y)))]] = True
+        return torch.where(keep, y, teacher_labels(teacher, x)), keep
+
+    y, keep = kept(data.y_train, data.x_train)
+    y_val, _ = kept(data.y_val, data.x_val)
     extra = torch.from_numpy(synthetic_inputs(data.x_train.numpy(), kind, size, seed))
     x = torch.cat([data.x_train, extra])
     y = torch.cat([y, teacher_labels(teacher, extra)])
-    ds = dataclasses.replace(data, spec=f"{data.spec}+transfer", x_train=x, y_train=y)
+    ds = dataclasses.replace(
+        data, spec=f"{data.spec}+transfer", x_train=x, y_train=y, y_val=y_val.to(y.dtype)
+    )
     record = {
         "kind": kind,
         "labelled": int(keep.sum()),

@@ -30,6 +30,7 @@ from models.fileio import atomic_path, check_writable, refuse_link, umask
 from models.zoo import ModelSpec, build, state_shapes
 
 TAYLOR_SAMPLES = 256  # training samples whose gradients rank channels (Taylor importance)
+CHECK_SAMPLES = 1000  # validation inputs the INT8 agreement floor is checked on
 OUTPUTS = (
     "student.fp32.onnx",
     "student.int8.onnx",
@@ -144,7 +145,7 @@ def shrink_to_folder(
                     seed=recipe["train"]["seed"],
                 )
             if train_on is not data:
-                hooks = _keep_to(hooks, train_on, len(data.y_train))
+                hooks = _keep_to(hooks, train_on)
         thinned = None
         if recipe["channels"]["enabled"]:
             if data is None:
@@ -153,6 +154,14 @@ def shrink_to_folder(
                 spec, thinned = _thin(model, spec, recipe, data, hooks)
         with clock.step("deep_compression"):
             report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+        if data is not None:
+            report["data"] = {
+                "spec": data.spec,
+                "train": len(data.y_train),
+                "val": len(data.y_val),
+                "test": len(data.y_test),
+                "decisions": data.split_note,
+            }
         if thinned is not None:
             report["channels"] = thinned
             if "archive" in report:  # against the model the user brought, not the thinned one
@@ -320,15 +329,11 @@ def _thin(
     return spec, record
 
 
-def _keep_to(hooks: shrink_mod.Hooks, train_on: Dataset, n_real: int) -> shrink_mod.Hooks:
+def _keep_to(hooks: shrink_mod.Hooks, train_on: Dataset) -> shrink_mod.Hooks:
     """Hooks whose retraining and validation use the transfer set (its kept labels and the
-    teacher's), not the full labelled training set."""
+    teacher's), not the full labelled training and validation sets."""
     retrain = hooks.retrain
-    n_val = max(n_real // 10, 1)
-    x_val, y_val = (
-        train_on.x_train[n_real - n_val : n_real],
-        train_on.y_train[n_real - n_val : n_real],
-    )
+    x_val, y_val = train_on.decision_split()
 
     def retrain_on(m, epochs, lr, loss_fn=None, data=None):
         retrain(m, epochs, lr, loss_fn, data if data is not None else train_on)
@@ -427,18 +432,22 @@ def _export(
     if not e["int8"]:
         return result
     q = quant_config(e)
-    # Calibration: a seeded random draw from the training set. Precision is chosen on other
-    # training images, never on the test set the parity figures come from.
+    # Calibration: a seeded random draw from the training set. Precision is chosen on the
+    # validation split (up to CHECK_SAMPLES of it): inputs no model trained on, where a model
+    # is as unsure as on new data, and never the test set the parity figures come from.
     pick = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
     source = e["calibration_data"] or "training set"
-    if calib is None:
-        calib = data.x_train[pick[: q.calibration]].numpy()
-        check_x = data.x_train[pick[q.calibration : q.calibration + 1000]].numpy()
-    else:  # the user's own calibration inputs; precision still checked on training data
-        calib = calib[: q.calibration]
-        check_x = data.x_train[pick[:1000]].numpy()
+    # the user's own calibration inputs, or a seeded draw of training images
+    calib = data.x_train[pick[: q.calibration]].numpy() if calib is None else calib[: q.calibration]
+    check_from = data.split_note
+    if data.has_val:
+        take = torch.randperm(len(data.y_val), generator=torch.Generator().manual_seed(0))
+        check_x = data.x_val[take[:CHECK_SAMPLES]].numpy()
+    else:  # too little data to hold any out: training images the calibration did not use
+        skip = 0 if e["calibration_data"] else q.calibration
+        check_x = data.x_train[pick[skip : skip + CHECK_SAMPLES]].numpy()
     if len(check_x) == 0:
-        check_x = calib
+        check_x, check_from = calib, "the calibration inputs (no other data left)"
     flags = envinfo.cpu_flags()
     what = (
         f"INT8: calibrating on {len(calib)} samples, choosing nodes for target {q.target} "
@@ -465,6 +474,7 @@ def _export(
         "bias_corrected": sel.bias_corrected,
         "min_agreement": q.min_agreement,
         "calibration": {"source": source, "samples": len(calib), "method": q.method},
+        "checked_on": {"source": check_from, "samples": len(check_x)},
         "fp32_nodes": sel.fp32_nodes,
         "int8_nodes": sel.int8_nodes,
         "quantizable_nodes": choice.quantizable,

@@ -22,6 +22,14 @@ def _kb(n: int) -> str:
 def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
     base = report["baseline"]
     lines = [f"# {title}", ""]
+    if "data" in report:
+        d = report["data"]
+        lines += [
+            f"Data `{d['spec']}`: {d['train']:,} train / {d['val']:,} validation / "
+            f"{d['test']:,} test samples. Decisions (sensitivity, the INT8 floor) are judged on "
+            f"the {d['decisions']}; accuracy below is on the test split.",
+            "",
+        ]
     if report.get("student", {}).get("distilled"):
         t, st = report["teacher"], report["student"]
         lines += [

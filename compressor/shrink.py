@@ -47,7 +47,7 @@ class Hooks:
     # the training set; distillation passes a transfer set).
     retrain: Callable[..., None]
     test_accuracy: Callable[[nn.Module], float]
-    val_accuracy: Callable[[nn.Module], float]  # held-out training data (sensitivity analysis)
+    val_accuracy: Callable[[nn.Module], float]  # the validation split (sensitivity analysis)
     info: Callable[[str], None] = lambda message: None
 
 

@@ -20,6 +20,15 @@ Splits are fixed so every run and every stage sees the same test set, whatever `
     npz             x_test/y_test when present, else every 5th sample (i % 5 == 4) is test
     tokens          sample i is a test sample when i % 5 == 4 (2,400 / 600)
 
+A validation split is then held out of the training split, so that the decisions a stage makes
+(pruning sensitivity, the INT8 agreement floor) are judged on data no model was trained on
+and the test set stays for the figures reported: the training sample at position j of the
+split above is a validation sample when j % 10 == 9 (digits 1,294 train / 143 val, tokens
+2,160 / 240, MNIST t10k only 7,200 / 800, MNIST train files 54,000 / 6,000). An npz with
+x_val/y_val (input_ids_val, or NAME_val, with y_val) uses those instead and trains on all of
+x. A training split of fewer than 20 samples keeps no validation split: stages then decide on
+training data and the report says so (`Dataset.split_note`).
+
 Images are (N, C, H, W); (N, H, W) gains a channel and (N, F) features become (N, 1, 1, F).
 Unsigned integer pixels are scaled by their type's maximum (uint8 / 255), signed ones (0..255)
 by 255, digits by 16; float arrays are used as given. npz labels are classes 0..K-1, each
@@ -60,6 +69,8 @@ from models.errors import InputError, one_line
 
 SPECS_HELP = "digits, digits:28, mnist:DIR, npz:FILE or tokens[:L[:V]]"
 MAX_CLASSES = 100_000
+VAL_EVERY = 10  # training position j is a validation sample when j % VAL_EVERY == VAL_EVERY - 1
+VAL_MIN_TRAIN = 20  # fewer training samples: no validation split
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,8 @@ class Dataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
+    x_val: torch.Tensor  # held out of training: what stages decide on (may be empty)
+    y_val: torch.Tensor
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -85,10 +98,11 @@ class Dataset:
 
     @functools.cached_property  # a pass over every id: computed once per data set
     def vocab(self) -> int | None:
-        """Token data: the highest id in either split + 1 (what an embedding must hold)."""
+        """Token data: the highest id in any split + 1 (what an embedding must hold)."""
         if not self.is_tokens:
             return None
-        return max(int(self.x_train.max()), int(self.x_test.max())) + 1
+        parts = (self.x_train, self.x_val, self.x_test)
+        return max(int(x.max()) for x in parts if len(x)) + 1
 
     def describe(self) -> str:
         """One line: spec, split sizes, input shape and class count."""
@@ -98,8 +112,27 @@ class Dataset:
         else:
             shape = "x".join(map(str, self.in_shape))
         return (
-            f"{self.spec}: {len(self.y_train)} train / {len(self.y_test)} test, "
-            f"{shape}, {self.num_classes} classes"
+            f"{self.spec}: {len(self.y_train)} train / {len(self.y_val)} val / "
+            f"{len(self.y_test)} test, {shape}, {self.num_classes} classes"
+        )
+
+    @property
+    def has_val(self) -> bool:
+        return len(self.y_val) > 0
+
+    def decision_split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) that stages decide on: the validation split, or the training split when the
+        data is too small to hold one out (`split_note` says so)."""
+        return (self.x_val, self.y_val) if self.has_val else (self.x_train, self.y_train)
+
+    @property
+    def split_note(self) -> str:
+        """Where decisions are judged, for reports: one line."""
+        if self.has_val:
+            return f"validation split, {len(self.y_val)} samples held out of training"
+        return (
+            f"training data: {len(self.y_train)} training samples are too few to hold out a "
+            f"validation split (needs {VAL_MIN_TRAIN})"
         )
 
     def random_inputs(self, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -330,12 +363,18 @@ def _npz(spec: str, path: Path, input_name: str | None = None) -> Dataset:
         if f.read(2) != b"PK":
             raise InputError(f"--data {spec!r}: {path} is not an .npz file (a zip of .npy arrays)")
     candidates = list(dict.fromkeys(["x", TOKEN_ARRAY, *([input_name] if input_name else [])]))
-    candidates = [c for c in candidates if c not in ("y", "y_test")]
-    wanted = [*candidates, *(f"{c}_test" for c in candidates), "y", "y_test"]
+    candidates = [c for c in candidates if c not in ("y", "y_test", "y_val")]
+    wanted = [
+        *candidates,
+        *(f"{c}_{part}" for part in ("test", "val") for c in candidates),
+        *("y", "y_test", "y_val"),
+    ]
     names, arrays = _npz_arrays(spec, path, wanted)
     where = f"--data {spec!r}: {path.name}"
     inputs = [c for c in candidates if c in arrays]
-    second = [n for n in sorted(names) if n.removesuffix("_test") in SECOND_INPUTS]
+    second = [
+        n for n in sorted(names) if n.removesuffix("_test").removesuffix("_val") in SECOND_INPUTS
+    ]
     if len(inputs) > 1 or second:
         also = f" besides input array {inputs[0]}" if inputs else ""
         raise InputError(f"{where} holds {' and '.join(inputs[1:] + second)}{also}; {ONE_INPUT}")
@@ -347,9 +386,10 @@ def _npz(spec: str, path: Path, input_name: str | None = None) -> Dataset:
             f"or input_ids=... for int token ids"
         )
     name = inputs[0]
-    test = f"{name}_test"
-    if (test in arrays) != ("y_test" in arrays):
-        raise InputError(f"{where} needs both {test} and y_test, or neither")
+    test, val = f"{name}_test", f"{name}_val"
+    for part, xs in (("test", test), ("val", val)):
+        if (xs in arrays) != (f"y_{part}" in arrays):
+            raise InputError(f"{where} needs both {xs} and y_{part}, or neither")
     x, y = _npz_input(spec, name, arrays[name]()), _npz_y(spec, "y", arrays["y"]())
     if len(x) != len(y):
         what = "images" if x.is_floating_point() else "token sequences"
@@ -360,7 +400,10 @@ def _npz(spec: str, path: Path, input_name: str | None = None) -> Dataset:
     else:
         is_test = torch.arange(len(y)) % 5 == 4
         x, xt, y, yt = x[~is_test], x[is_test], y[~is_test], y[is_test]
-    return _checked(spec, x, y, xt, yt)
+    given = None
+    if val in arrays:
+        given = (_npz_input(spec, val, arrays[val]()), _npz_y(spec, "y_val", arrays["y_val"]()))
+    return _checked(spec, x, y, xt, yt, val=given)
 
 
 def _npz_arrays(
@@ -477,8 +520,9 @@ def _npy_reader(
 
 def _npz_input(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
     """An input array: integer token ids under any name but x (int64, unscaled), else images."""
-    if name.removesuffix("_test") == "x" or a.dtype.kind not in "iu":
-        if name.removesuffix("_test") == TOKEN_ARRAY:
+    base = name.removesuffix("_test").removesuffix("_val")
+    if base == "x" or a.dtype.kind not in "iu":
+        if base == TOKEN_ARRAY:
             raise InputError(
                 f"--data {spec!r}: array {name} has dtype {a.dtype}; input_ids holds integer "
                 "token ids (store int64), images go in x"
@@ -544,25 +588,32 @@ def _checked(
     x_test: torch.Tensor,
     y_test: torch.Tensor,
     num_classes: int | None = None,
+    val: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Dataset:
+    """The data set after checks, with its validation split: `val` as given (an npz's x_val,
+    y_val) or held out of the training split (`val_positions`)."""
     what = "images" if x_train.is_floating_point() else "token sequences"
-    for part, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+    parts = [("train", x_train, y_train), ("test", x_test, y_test)]
+    if val is not None:
+        parts.append(("val", *val))
+    for part, x, y in parts:
         if len(x) == 0:
             raise InputError(f"--data {spec!r}: the {part} split is empty")
         if len(x) != len(y):
             raise InputError(f"--data {spec!r}: {part} has {len(x)} {what} but {len(y)} labels")
         if not torch.isfinite(x).all():
             raise InputError(f"--data {spec!r}: {part} images contain NaN or infinity")
-    if x_train.shape[1:] != x_test.shape[1:]:
-        raise InputError(
-            f"--data {spec!r}: train {what} are {tuple(x_train.shape[1:])} "
-            f"but test {what} {tuple(x_test.shape[1:])}"
-        )
-    if x_train.dtype != x_test.dtype:
-        raise InputError(
-            f"--data {spec!r}: train inputs are {x_train.dtype} but test inputs {x_test.dtype}; "
-            "store both as token ids, or both as images"
-        )
+    for part, x, _ in parts[1:]:
+        if x_train.shape[1:] != x.shape[1:]:
+            raise InputError(
+                f"--data {spec!r}: train {what} are {tuple(x_train.shape[1:])} "
+                f"but {part} {what} {tuple(x.shape[1:])}"
+            )
+        if x_train.dtype != x.dtype:
+            raise InputError(
+                f"--data {spec!r}: train inputs are {x_train.dtype} but {part} inputs "
+                f"{x.dtype}; store all as token ids, or all as images"
+            )
     if num_classes is None:  # npz: classes are 0..K-1, every one present in training
         lo, hi = int(y_train.min()), int(y_train.max())
         if lo < 0 or hi >= MAX_CLASSES:
@@ -579,14 +630,38 @@ def _checked(
                 f"--data {spec!r}: labels out of range: classes must be 0..{num_classes - 1} with "
                 f"every class in training, but class {shown} never occurs; renumber the labels"
             )
-    for part, y in (("train", y_train), ("test", y_test)):
+    for part, _, y in parts:
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= num_classes:
             raise InputError(
                 f"--data {spec!r}: {part} labels out of range [{lo}, {hi}]; "
                 f"expected 0..{num_classes - 1} (classes are numbered from 0)"
             )
-    return Dataset(spec, x_train.contiguous(), y_train, x_test.contiguous(), y_test, num_classes)
+    if val is None:
+        is_val = torch.from_numpy(val_positions(len(y_train)))
+        val = (x_train[is_val], y_train[is_val])
+        x_train, y_train = x_train[~is_val], y_train[~is_val]
+    return Dataset(
+        spec,
+        x_train.contiguous(),
+        y_train,
+        x_test.contiguous(),
+        y_test,
+        num_classes,
+        val[0].contiguous(),
+        val[1],
+    )
+
+
+def val_positions(n_train: int) -> np.ndarray:
+    """Which of n_train training samples (by position) are held out for validation: every
+    VAL_EVERY-th (j % 10 == 9), none when n_train < VAL_MIN_TRAIN. Positions, not a random draw:
+    the split is the same on every run and machine, and for digits (already a stratified
+    shuffle) and the other specs (interleaved) it spreads over classes and sources."""
+    j = np.arange(n_train)
+    if n_train < VAL_MIN_TRAIN:
+        return np.zeros(n_train, dtype=bool)
+    return j % VAL_EVERY == VAL_EVERY - 1
 
 
 def check_labels(data: Dataset, num_classes: int, model_name: str) -> None:

@@ -10,7 +10,8 @@ from tests.conftest import blobs, write_idx
 def test_digits_default_split_is_fixed_and_scaled():
     a, b = load("digits"), load("digits")
     assert a.in_shape == (1, 8, 8) and a.num_classes == 10
-    assert (len(a.y_train), len(a.y_test)) == (1437, 360)
+    # 1,437 training images by the stratified split; every 10th of them held out for validation
+    assert (len(a.y_train), len(a.y_val), len(a.y_test)) == (1294, 143, 360)
     assert torch.equal(a.x_test, b.x_test) and torch.equal(a.y_train, b.y_train)
     assert a.x_train.dtype == torch.float32 and a.x_train.min() >= 0.0 and a.x_train.max() <= 1.0
     # Stratified: every class is in the test split in about its share.
@@ -35,7 +36,7 @@ def test_mnist_t10k_only_uses_documented_split(mnist_dir):
     x = read_idx(mnist_dir / "t10k-images-idx3-ubyte.gz", 3)
     y = read_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz", 1)
     # image i is a test image when i % 5 == 4
-    assert len(d.y_test) == 10 and len(d.y_train) == 40
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (36, 4, 10)
     assert torch.equal(d.y_test, torch.from_numpy(y[4::5].astype(np.int64)))
     assert torch.allclose(d.x_test[:, 0], torch.from_numpy(x[4::5] / 255.0).float())
     assert d.in_shape == (1, 28, 28) and d.num_classes == 10
@@ -46,19 +47,19 @@ def test_mnist_with_train_files_uses_them(mnist_dir):
     write_idx(mnist_dir / "train-images-idx3-ubyte", x)  # raw, next to gzipped t10k
     write_idx(mnist_dir / "train-labels-idx1-ubyte", y)
     d = load(f"mnist:{mnist_dir}")
-    assert (len(d.y_train), len(d.y_test)) == (20, 50)
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (18, 2, 50)
 
 
 def test_npz_with_and_without_test_arrays(tmp_path, npz_file):
     d = load(f"npz:{npz_file}")
-    assert (len(d.y_train), len(d.y_test)) == (240, 60) and d.num_classes == 3
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (216, 24, 60) and d.num_classes == 3
     x, y = blobs(30)
     p = tmp_path / "split.npz"
     np.savez(
         p, x=x.astype(np.float32) / 255, y=y, x_test=x[:5].astype(np.float32) / 255, y_test=y[:5]
     )
     d = load(f"npz:{p}")
-    assert (len(d.y_train), len(d.y_test)) == (30, 5)
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (27, 3, 5)
     flat = tmp_path / "flat.npz"
     np.savez(flat, x=np.random.rand(20, 6).astype(np.float32), y=np.arange(20) % 2)
     assert load(f"npz:{flat}").in_shape == (1, 1, 6)
@@ -188,15 +189,15 @@ def test_tokens_spec_is_fixed_padded_and_labelled_by_keywords():
     a, b = load("tokens"), load("tokens")
     assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
     assert a.is_tokens and a.x_train.dtype == torch.int64 and a.in_shape == (32,)
-    assert (len(a.y_train), len(a.y_test)) == (2400, 600) and a.num_classes == 4
+    assert (len(a.y_train), len(a.y_val), len(a.y_test)) == (2160, 240, 600) and a.num_classes == 4
     assert a.vocab == 1000 and a.describe().endswith("32 token ids (< 1000), 4 classes")
-    x = torch.cat([a.x_train, a.x_test])
+    x = torch.cat([a.x_train, a.x_val, a.x_test])
     pad = x == 0  # padding only at the end, after at least half of the sequence
     assert torch.equal(pad, pad.cummax(1).values) and int(pad.sum(1).max()) <= 16
     # A sequence's class is the keyword group (ids 1+4k .. 4+4k) it holds most often.
     counts = torch.stack([((x >= 1 + 4 * k) & (x <= 4 + 4 * k)).sum(1) for k in range(4)], 1)
-    assert torch.equal(counts.argmax(1), torch.cat([a.y_train, a.y_test]))
-    assert torch.bincount(a.y_train).min() > 500  # balanced
+    assert torch.equal(counts.argmax(1), torch.cat([a.y_train, a.y_val, a.y_test]))
+    assert torch.bincount(a.y_train).min() > 450  # balanced
     short = load("tokens:12:32")
     assert short.in_shape == (12,) and short.vocab <= 32 and not load("digits").is_tokens
 
@@ -247,3 +248,79 @@ def test_token_ids_beyond_the_models_vocabulary():
     images = build(ModelSpec("mlp", {"in_shape": [1, 1, 16], "num_classes": 4}))
     with pytest.raises(InputError, match="no nn.Embedding"):
         check_fits(images, data, "mlp")
+
+
+# --- the validation split ---------------------------------------------------------------------
+
+
+def test_validation_split_never_overlaps_train_or_test(tmp_path):
+    # Each sample's features hold its own index, so every split says which samples it got.
+    n = 500
+    x = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)
+    d = load(_npz(tmp_path, x=x, y=np.arange(n) % 4))
+    ids = {
+        k: set(getattr(d, f"x_{k}")[:, 0, 0, 0].long().tolist()) for k in ("train", "val", "test")
+    }
+    assert not ids["val"] & ids["train"] and not ids["val"] & ids["test"]
+    assert not ids["train"] & ids["test"] and set().union(*ids.values()) == set(range(n))
+    assert ids["test"] == {i for i in range(n) if i % 5 == 4}
+    train_order = [i for i in range(n) if i % 5 != 4]  # positions in the training split
+    assert ids["val"] == {train_order[j] for j in range(len(train_order)) if j % 10 == 9}
+    assert d.has_val and d.decision_split()[0] is d.x_val
+
+
+def test_digits_validation_split_is_every_tenth_stratified_training_image():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    y = load_digits().target
+    idx_train, idx_test = train_test_split(
+        np.arange(len(y)), test_size=0.2, random_state=0, stratify=y
+    )
+    d = load("digits")
+    assert torch.equal(d.y_val, torch.from_numpy(y[idx_train[9::10]]))
+    assert torch.equal(d.y_train, torch.from_numpy(np.delete(y[idx_train], np.s_[9::10])))
+    assert not set(idx_train[9::10]) & set(idx_test)
+    assert torch.bincount(d.y_val, minlength=10).min() >= 10  # every class validated
+
+
+def test_npz_validation_arrays_are_used_as_given(tmp_path):
+    x, y = blobs(40)
+    d = load(_npz(tmp_path, x=x, y=y, x_val=x[:7], y_val=y[:7], x_test=x[:5], y_test=y[:5]))
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (40, 7, 5)  # all of x trains
+    assert torch.equal(d.y_val, torch.from_numpy(y[:7].astype(np.int64)))
+    ids = np.arange(30)
+    p = _npz(
+        tmp_path,
+        input_ids=ids.reshape(10, 3) + 1,
+        y=ids[:10] % 2,
+        input_ids_val=[[9, 99, 5]],
+        y_val=[1],
+    )
+    assert load(p).vocab == 100  # the validation ids count toward the vocabulary
+
+
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        ({"x_val": "x"}, "needs both x_val and y_val"),
+        ({"y_val": "y"}, "needs both x_val and y_val"),
+        ({"x_val": "small", "y_val": "y"}, r"but val images \(1, 4, 4\)"),
+        ({"x_val": "x", "y_val": "bad"}, "val labels out of range"),
+    ],
+)
+def test_npz_bad_validation_arrays(tmp_path, arrays, message):
+    x, y = blobs(30)
+    given = {"x": x, "y": y, "small": x[:, :4, :4], "bad": y + 7}
+    p = _npz(tmp_path, x=x, y=y, **{k: given[v] for k, v in arrays.items()})
+    with pytest.raises(InputError, match=message):
+        load(p)
+
+
+def test_too_little_data_keeps_no_validation_split_and_says_so(tmp_path):
+    x, y = blobs(20)  # 16 training samples after every 5th goes to test
+    d = load(_npz(tmp_path, x=x, y=y))
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (16, 0, 4) and not d.has_val
+    assert d.decision_split()[0] is d.x_train
+    assert "too few to hold out a validation split (needs 20)" in d.split_note
+    assert "16 train / 0 val / 4 test" in d.describe()

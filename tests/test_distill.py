@@ -104,7 +104,8 @@ def _blob_data(n=240, classes=3, seed=0):
         x[i, 0, 2 * k : 2 * k + 2] += 0.7
     t = torch.from_numpy
     cut = n * 3 // 4
-    return Dataset("blobs", t(x[:cut]), t(y[:cut]), t(x[cut:]), t(y[cut:]), classes)
+    none = (t(x[:0]), t(y[:0]))  # no validation split
+    return Dataset("blobs", t(x[:cut]), t(y[:cut]), t(x[cut:]), t(y[cut:]), classes, *none)
 
 
 def test_transfer_set_keeps_a_fraction_of_labels_and_labels_the_rest_by_the_teacher():
@@ -152,7 +153,7 @@ def test_distillation_on_scarce_labels_beats_the_student_alone():
     for i, k in enumerate(y):  # class k: a brighter half-row
         x[i, 0, k % 8, (k // 8) * 4 : (k // 8) * 4 + 4] += 0.8
     t = torch.from_numpy
-    data = Dataset("rows", t(x[:450]), t(y[:450]), t(x[450:]), t(y[450:]), 6)
+    data = Dataset("rows", t(x[:450]), t(y[:450]), t(x[450:]), t(y[450:]), 6, t(x[:0]), t(y[:0]))
     teacher = tiny("mlp", num_classes=6, seed=0)
     fit(teacher, data, TrainConfig(epochs=15, lr=1e-2, seed=0))
     few = torch.randperm(450, generator=torch.Generator().manual_seed(0))[:12]

@@ -72,8 +72,8 @@ def test_ps_sync_trains_like_allreduce(tmp_path):
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
     assert a.steps == b.steps and b.test_accuracy == pytest.approx(a.test_accuracy, abs=0.01)
     assert b.strategy["staleness_histogram"] == {"0": 2 * b.steps}  # every gradient, once
-    # 2 epochs of 1,437 samples; the last global batch of 29 splits 15 + 14
-    assert b.samples == 2 * 1437 and b.strategy["samples_per_worker"] == {"0": 1438, "1": 1436}
+    # 2 epochs of 1,294 samples (digits' training split); the last global batch of 14 splits 7 + 7
+    assert b.samples == 2 * 1294 and b.strategy["samples_per_worker"] == {"0": 1294, "1": 1294}
     assert b.comm_bytes == b.steps * 2 * 4810 * 4  # fp32 gradient out, weights back
     assert multiprocessing.active_children() == []
 
@@ -165,7 +165,7 @@ def test_async_deals_a_straggler_fewer_batches(slow_job):
     `test_ps_sync_trains_like_allreduce`.)"""
     r = run_job(slow_job(PSConfig("async", 2, 1, straggler=(1, 8.0))))
     per = r.strategy["samples_per_worker"]
-    assert per["0"] + per["1"] == r.samples == 1437 and r.steps == 45
+    assert per["0"] + per["1"] == r.samples == 1294 and r.steps == 41
     assert per["0"] > 2 * per["1"], per
 
 
@@ -174,7 +174,7 @@ def test_ssp_resumes_where_the_checkpoint_left_off(slow_job, tmp_path):
     run_job(slow_job(ps))
     r = run_job(slow_job(ps, epochs=2, resume=True, explicit=frozenset({"model", "epochs"})))
     assert r.resumed_from == (1, 0) and r.epochs == 2
-    assert r.steps == 45 and r.samples == 1437  # the second epoch's batches, each once
+    assert r.steps == 41 and r.samples == 1294  # the second epoch's batches, each once
     ck = checkpoint.load(tmp_path / "slow.pt")
     assert ck.train_state["epoch"] == 2 and ck.train_state["optimizer"]["state"]
 
@@ -217,8 +217,8 @@ def test_async_and_ssp_learn_digits(run, tmp_path, mode):
     out = result.json()
     assert out["strategy"] == f"ps-{mode}" and out["test_accuracy"] >= 0.9
     hist = {int(k): v for k, v in out["staleness_histogram"].items()}
-    # Batches are dealt one at a time: 4 epochs of 45 batches of 32, each applied once
-    assert sum(hist.values()) == out["steps"] == 4 * 45 and out["samples"] == 4 * 1437
+    # Batches are dealt one at a time: 4 epochs of 41 batches of 32, each applied once
+    assert sum(hist.values()) == out["steps"] == 4 * 41 and out["samples"] == 4 * 1294
     assert max(hist) >= 1  # asynchronous: some gradients were computed on older weights
     assert set(out["idle_fraction"]) == {"0", "1"} and out["comm_bytes"] > 0
     assert out["bytes_per_step"] == 2 * 4 * 50610  # fp32 gradient out, weights back

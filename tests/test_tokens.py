@@ -85,6 +85,14 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
     # Every shared layer is read back from each ONNX file, MultiheadAttention's in_proj_weight
     # and the MLP's weights (stored transposed by the dynamo exporter, as val_N) included.
     full = json.loads((out / "report.json").read_text())
+    # Decisions are judged on the validation split: 240 of tokens' 2,400 training sequences.
+    assert {k: full["data"][k] for k in ("train", "val", "test")} == {
+        "train": 2160,
+        "val": 240,
+        "test": 600,
+    }
+    assert full["data"]["decisions"].startswith("validation split, 240 samples")
+    assert "2,160 train / 240 validation / 600 test" in (out / "report.md").read_text()
     shared = {r["name"] for r in full["layers"] if r.get("codebook")}
     assert any(k.endswith("in_proj_weight") for k in shared)
     for kind in ("fp32", "int8"):
@@ -103,6 +111,7 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
         assert inp.type.tensor_type.elem_type == onnx.TensorProto.INT64
         assert {"top1_agreement", "check_agreement", "calibration"} <= q.keys()
         assert q["calibration"]["samples"] == 64
+        assert q["checked_on"]["samples"] == 240 and "validation" in q["checked_on"]["source"]
         # An attention graph quantizes its compute nodes only: the scores plus the padding mask
         # (0 or -3.4e38) stay FP32. With every op type quantized this model kept 0.756 top-1
         # agreement with all 7 nodes in INT8; with compute nodes only, 0.99.
