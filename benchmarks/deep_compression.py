@@ -3,20 +3,29 @@ and LeNet-5, and print our figures beside the paper's.
 
     python benchmarks/deep_compression.py --data mnist:../shared/data/mnist
     python benchmarks/deep_compression.py --data digits --models lenet300
+    python benchmarks/deep_compression.py --data mnist:../shared/data/mnist --seeds 3
 
 For each model: train the FP32 baseline with `compress train` (or reuse --workdir's), run
 `compress shrink` with the default recipe and with each --recipe given, and print per stage
 the bytes, the compression ratio and the test accuracy, and per layer the paper's columns.
 Ratios are against 4 bytes per parameter and include codebooks, indices and the archive's
 header and checksum. Everything runs through the real CLI in subprocesses.
+
+Each accuracy change comes with its paired 95% interval over the test images (the shrink
+report's `stages[].change`). With --seeds K, each seed trains its own baseline (`--seed`) and
+shrinks it with `train.seed` set to the same seed; a summary per recipe gives each seed's
+ratio and change with its interval, their mean, the mean's interval from test-set noise alone
+(the per-seed intervals combined as independent normal errors) and the spread across seeds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +88,7 @@ def main() -> None:
         default="default,target,aggressive",
         help="which recipes to run (default, target, aggressive)",
     )
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per model and recipe (0..K-1)")
     opts = ap.parse_args()
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="dc-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -90,38 +100,74 @@ def main() -> None:
         data = opts.data
         if model == "lenet5" and data == "digits":
             data = "digits:28"  # the Caffe geometry needs 28x28
-        ck = work / f"{model}-{data.split(':')[0]}.pt"
-        if not ck.exists():
-            t = time.perf_counter()
-            res = compress(
-                "train",
-                "--model",
-                model,
-                "--data",
-                data,
-                "--epochs",
-                str(EPOCHS[model]),
-                "--out",
-                str(ck),
-            )
-            print(
-                f"\n## {model}: trained {EPOCHS[model]} epochs in {time.perf_counter() - t:.0f} s, "
-                f"test accuracy {res['test_accuracy']:.4f}"
-            )
-        recipes = []
-        for name in opts.recipes.split(","):
-            path = None
-            if name != "default":
-                path = work / f"{model}-{name}.toml"
-                path.write_text(RECIPES[model][name])
-            recipes.append((name, path))
-        for name, recipe in recipes:
-            args = ["shrink", str(ck), "--data", data, "--out", str(work / f"{model}-{name}")]
-            if recipe:
-                args += ["--recipe", str(recipe)]
-            t = time.perf_counter()
-            rep = compress(*args)
-            report(model, name, rep, time.perf_counter() - t, recipe)
+        names = opts.recipes.split(",")
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for seed in range(opts.seeds):
+            tag = f"{model}-{data.split(':')[0]}" + (f"-s{seed}" if seed else "")
+            ck = work / f"{tag}.pt"
+            if not ck.exists():
+                t = time.perf_counter()
+                res = compress(
+                    "train",
+                    *("--model", model, "--data", data, "--epochs", str(EPOCHS[model])),
+                    *("--seed", str(seed), "--out", str(ck)),
+                )
+                print(
+                    f"\n## {model}, seed {seed}: trained {EPOCHS[model]} epochs in "
+                    f"{time.perf_counter() - t:.0f} s, test accuracy {res['test_accuracy']:.4f}"
+                )
+            for name in names:
+                text = "" if name == "default" else RECIPES[model][name]
+                recipe = work / f"{tag}-{name}.toml"
+                recipe.write_text(with_seed(text, seed))
+                args = ["shrink", str(ck), "--data", data, "--out", str(work / f"{tag}-{name}")]
+                t = time.perf_counter()
+                rep = compress(*args, "--recipe", str(recipe))
+                if seed == 0:  # the full tables once; every seed goes into the summary
+                    report(model, name, rep, time.perf_counter() - t, recipe)
+                runs[name].append(rep)
+        if opts.seeds > 1:
+            for name in names:
+                summary(model, name, runs[name])
+
+
+def with_seed(recipe: str, seed: int) -> str:
+    """The recipe text with `train.seed` set (the shrink's retraining and k-means seed)."""
+    if "[train]\n" in recipe:
+        return recipe.replace("[train]\n", f"[train]\nseed = {seed}\n", 1)
+    return recipe + f"[train]\nseed = {seed}\n"
+
+
+def change(rep: dict) -> dict:
+    """The last stage's accuracy change against the dense model, with its paired interval."""
+    return rep["stages"][-1]["change"]
+
+
+def summary(model: str, name: str, reps: list[dict]) -> None:
+    print(f"\n### {model}, recipe {name}: {len(reps)} seeds")
+    print(
+        "| seed | dense error | ratio | Δ accuracy (points) | paired 95% interval | gained / lost |"
+    )
+    print("|---|---|---|---|---|---|")
+    for seed, rep in enumerate(reps):
+        c = change(rep)
+        lo, hi = c["ci_points"]
+        print(
+            f"| {seed} | {1 - rep['baseline']['test_accuracy']:.2%} | "
+            f"{rep['archive']['ratio']:.1f}x | {c['points']:+.2f} | [{lo:+.2f}, {hi:+.2f}] | "
+            f"{c['gained']} / {c['lost']} |"
+        )
+    points = [change(r)["points"] for r in reps]
+    ratios = [r["archive"]["ratio"] for r in reps]
+    se = [(change(r)["ci_points"][1] - change(r)["ci_points"][0]) / (2 * 1.96) for r in reps]
+    mean = sum(points) / len(points)
+    half = 1.96 * math.sqrt(sum(e * e for e in se)) / len(se)
+    spread = statistics.stdev(points)
+    print(
+        f"\nmean over seeds: {sum(ratios) / len(ratios):.1f}x (min {min(ratios):.1f}x), "
+        f"Δ {mean:+.2f} points [{mean - half:+.2f}, {mean + half:+.2f}] from test-set noise; "
+        f"standard deviation across seeds {spread:.2f} points"
+    )
 
 
 def report(model: str, name: str, rep: dict, seconds: float, recipe: Path | None) -> None:
@@ -141,11 +187,12 @@ def report(model: str, name: str, rep: dict, seconds: float, recipe: Path | None
             f"| {st['name']} | {st['bytes']:,} | {st['ratio']:.1f}x | "
             f"{1 - st['test_accuracy']:.2%} | {paper_cols[st['name']]} |"
         )
-    a = rep["archive"]
-    delta = 100 * (rep["stages"][-1]["test_accuracy"] - base["test_accuracy"])
+    a, c = rep["archive"], change(rep)
+    lo, hi = c["ci_points"]
     print(
         f"\narchive {a['bytes']:,} bytes = {a['ratio']:.1f}x (paper {paper['ratio']}x, "
-        f"{paper['bytes']}); accuracy delta {delta:+.2f} points; "
+        f"{paper['bytes']}); accuracy delta {c['points']:+.2f} points (paired 95% interval "
+        f"[{lo:+.2f}, {hi:+.2f}], {c['gained']} test images gained / {c['lost']} lost); "
         f"{a['bytes'] / a['entropy_bound_bytes']:.4f}x the entropy bound"
     )
     print(

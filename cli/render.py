@@ -192,17 +192,21 @@ def shrink_summary(report: dict) -> None:
         )
     base = report["baseline"]
     table = Table(title="compress shrink", title_justify="left")
-    for col in ("stage", "bytes", "ratio", "test acc", "Δ points"):
+    for col in ("stage", "bytes", "ratio", "test acc", "Δ points", "95% CI (paired)"):
         table.add_column(col, justify="right")
-    table.add_row("FP32 dense", f"{base['bytes']:,}", "1.0×", f"{base['test_accuracy']:.2%}", "")
+    table.add_row(
+        "FP32 dense", f"{base['bytes']:,}", "1.0×", f"{base['test_accuracy']:.2%}", "", ""
+    )
     for st in report["stages"]:
         delta = 100 * (st["test_accuracy"] - base["test_accuracy"])
+        c = st.get("change")
         table.add_row(
             STAGE_LABELS.get(st["name"], st["name"]),
             f"{st['bytes']:,}" if "bytes" in st else "–",
             f"{st['ratio']:.1f}×" if "ratio" in st else "–",
             f"{st['test_accuracy']:.2%}",
             f"{delta:+.2f}",
+            f"{c['ci_points'][0]:+.2f} to {c['ci_points'][1]:+.2f}" if c else "",
         )
     stdout.print(table)
     layers = Table(title="per layer", title_justify="left")

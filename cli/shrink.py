@@ -13,7 +13,7 @@ from cli.main import OutPath, emit_json, input_name, json_option
 from compressor import pipeline
 from compressor import recipe as recipe_mod
 from compressor.shrink import Hooks
-from distrib.trainer import TrainConfig, cross_entropy_loss, evaluate, fit
+from distrib.trainer import TrainConfig, correct, cross_entropy_loss, evaluate, fit
 from models import checkpoint, zoo
 from models import data as data_mod
 
@@ -230,6 +230,7 @@ def run_shrink(
         retrain=retrain,
         test_accuracy=lambda m: evaluate(m, ds.x_test, ds.y_test)[1],
         val_accuracy=lambda m: evaluate(m, x_val, y_val)[1],
+        test_correct=lambda m: correct(m, ds.x_test, ds.y_test),
         info=progress.info,
     )
     meta = {"data": ds.spec, "source": str(model_path)}

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import archive, distill, huffman, kmeans, prune
+from compressor import archive, distill, huffman, kmeans, prune, stats
 from models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
@@ -49,6 +49,9 @@ class Hooks:
     test_accuracy: Callable[[nn.Module], float]
     val_accuracy: Callable[[nn.Module], float]  # the validation split (sensitivity analysis)
     info: Callable[[str], None] = lambda message: None
+    # Per test sample, whether the model's top-1 is right: when given, each stage's accuracy
+    # change carries its paired 95% interval (`stats.paired_accuracy_change`).
+    test_correct: Callable[[nn.Module], torch.Tensor] | None = None
 
 
 def default_sparsity(model: nn.Module, embeddings: bool = False) -> dict[str, float]:
@@ -86,11 +89,25 @@ def shrink(
     check_fits_recipe(model, recipe)
     t0 = time.perf_counter()
     params = sum(p.numel() for p in model.parameters())
+    base_correct = hooks.test_correct(model) if hooks.test_correct else None
     baseline = {
         "bytes": 4 * params,
         "parameters": params,
-        "test_accuracy": hooks.test_accuracy(model),
+        "test_accuracy": _accuracy(model, hooks, base_correct),
     }
+
+    def _stage(name: str, started: float, m: nn.Module, **extra: Any) -> dict[str, Any]:
+        correct = hooks.test_correct(m) if hooks.test_correct else None
+        record = {
+            "name": name,
+            "seconds": time.perf_counter() - started,
+            "test_accuracy": _accuracy(m, hooks, correct),
+            **extra,
+        }
+        if correct is not None:
+            record["change"] = stats.paired_accuracy_change(base_correct.numpy(), correct.numpy())
+        return record
+
     stages: list[dict[str, Any]] = []
     report: dict[str, Any] = {"baseline": baseline, "stages": stages, "recipe": recipe}
     hooks.info(
@@ -110,7 +127,7 @@ def shrink(
     if p["enabled"]:
         ts = time.perf_counter()
         report["sensitivity"] = _prune(model, p, hooks)
-        stages.append(_stage("prune", ts, hooks.test_accuracy(model)))
+        stages.append(_stage("prune", ts, model))
     q = recipe["quantize"]
     if q["enabled"]:
         ts = time.perf_counter()
@@ -119,7 +136,7 @@ def shrink(
             dense = prefer_dense_(model, recipe)
             if dense:
                 hooks.info(f"stored dense ({q['dense']}), smaller than shared: {', '.join(dense)}")
-        stages.append(_stage("quantize", ts, hooks.test_accuracy(model)))
+        stages.append(_stage("quantize", ts, model))
 
     entries, layer_info = _entries(model, recipe)
     _account(stages, entries, layer_info, baseline["bytes"], recipe)
@@ -127,16 +144,14 @@ def shrink(
         ts = time.perf_counter()
         path = out_dir / "student.dcz"
         meta = {**(metadata or {}), "test_accuracy": stages[-1]["test_accuracy"]}
-        stats = archive.write(path, entries, spec, meta)
+        written = archive.write(path, entries, spec, meta)
         decoded = archive.read(path)
         _check_bit_identical(model, decoded.state_dict)
         baked = prune.bake_(model)
-        acc = hooks.test_accuracy(baked)
-        stages.append(
-            _stage("huffman", ts, acc, bytes=stats.bytes, ratio=baseline["bytes"] / stats.bytes)
-        )
-        report["archive"] = _archive_report(path, stats, baseline["bytes"])
-        report["layers"] = _layer_rows(layer_info, stats)
+        ratio = baseline["bytes"] / written.bytes
+        stages.append(_stage("huffman", ts, baked, bytes=written.bytes, ratio=ratio))
+        report["archive"] = _archive_report(path, written, baseline["bytes"])
+        report["layers"] = _layer_rows(layer_info, written)
     else:
         prune.bake_(model)
         report["layers"] = _layer_rows(layer_info, None)
@@ -144,13 +159,10 @@ def shrink(
     return report
 
 
-def _stage(name: str, started: float, accuracy: float, **extra: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "seconds": time.perf_counter() - started,
-        "test_accuracy": accuracy,
-        **extra,
-    }
+def _accuracy(model: nn.Module, hooks: Hooks, correct: torch.Tensor | None) -> float:
+    if correct is None:
+        return hooks.test_accuracy(model)
+    return int(correct.sum()) / len(correct)  # exact, as `evaluate` counts (not a float32 mean)
 
 
 def check_fits_recipe(model: nn.Module, recipe: dict[str, Any]) -> None:

@@ -255,6 +255,24 @@ def evaluate(
     return loss_sum / len(y), correct / len(y)
 
 
+@torch.no_grad()
+def correct(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> torch.Tensor:
+    """Per sample, whether `model`'s top-1 class is `y` (bool, on the CPU): paired accuracy
+    comparisons between two models need the samples, not only the mean."""
+    was_training = model.training
+    model.eval()
+    try:
+        parts = [
+            model(x[i : i + batch_size]).argmax(1) == y[i : i + batch_size]
+            for i in range(0, len(y), batch_size)
+        ]
+    finally:
+        model.train(was_training)
+    return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.bool)
+
+
 def _autocast(precision: str, device: str):
     return torch.autocast(
         device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"

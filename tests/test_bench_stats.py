@@ -7,7 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from compressor.stats import bootstrap_ci, percentiles, relative_change, summarize
+from compressor.stats import (
+    bootstrap_ci,
+    paired_accuracy_change,
+    percentiles,
+    relative_change,
+    summarize,
+)
 from models.errors import InputError
 
 
@@ -116,3 +122,35 @@ def test_bad_input_is_refused(call, match):
 def test_relative_change():
     assert relative_change(10.0, 12.0) == pytest.approx(0.2)
     assert relative_change(10.0, 5.0) == pytest.approx(-0.5)
+
+
+def test_paired_accuracy_change_counts_and_interval():
+    rng = np.random.default_rng(1)
+    before = rng.random(2000) < 0.95
+    after = before.copy()
+    flip = rng.choice(2000, 60, replace=False)  # 60 samples change their verdict
+    after[flip] = ~after[flip]
+    c = paired_accuracy_change(before, after)
+    gained, lost = int(np.sum(after & ~before)), int(np.sum(before & ~after))
+    assert (c["gained"], c["lost"], c["samples"]) == (gained, lost, 2000)
+    assert c["points"] == pytest.approx(100 * (after.mean() - before.mean()))
+    lo, hi = c["ci_points"]
+    assert lo < c["points"] < hi
+    # the paired interval: normal theory for the mean of d in {-1, 0, 1}, within 10% of width
+    d = after.astype(float) - before.astype(float)
+    half = 100 * 1.96 * d.std() / math.sqrt(len(d))
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.1)
+    # an unpaired interval would be far wider: what the two models share cancels
+    assert hi - lo < 100 * 2 * 1.96 * math.sqrt(2 * 0.95 * 0.05 / 2000)
+
+
+def test_paired_accuracy_change_without_discordant_samples_is_exactly_zero():
+    same = np.arange(50) % 3 == 0
+    c = paired_accuracy_change(same, same)
+    assert c["points"] == 0.0 and c["ci_points"] == [0.0, 0.0] and c["gained"] == c["lost"] == 0
+
+
+@pytest.mark.parametrize("a, b", [([True, False], [True]), ([], []), ([[True]], [[True]])])
+def test_paired_accuracy_change_refuses_unpaired_vectors(a, b):
+    with pytest.raises(InputError, match="correctness vectors"):
+        paired_accuracy_change(a, b)

@@ -74,6 +74,13 @@ def test_shrink_json_and_files(trained):
     assert [s["name"] for s in report["stages"]] == ["prune", "quantize", "huffman"]
     for s in report["stages"]:
         assert {"name", "bytes", "ratio", "test_accuracy"} <= s.keys()
+        # the change against the dense model, paired over the same 360 test images
+        c, base = s["change"], report["baseline"]["test_accuracy"]
+        assert c["samples"] == 360 and c["points"] == pytest.approx(
+            100 * (s["test_accuracy"] - base)
+        )
+        assert c["points"] == pytest.approx(100 * (c["gained"] - c["lost"]) / 360)
+        assert c["ci_points"][0] <= c["points"] <= c["ci_points"][1]
     a = report["archive"]
     assert (
         a["path"] == str(out / "student.dcz") and a["bytes"] == (out / "student.dcz").stat().st_size
@@ -91,6 +98,8 @@ def test_shrink_json_and_files(trained):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "report.md").read_text()
     assert "P+Q+H" in md and "## Recipe" in md and "retrain_epochs = 1" in md
+    assert "| paired 95% interval | test samples gained / lost |" in md
+    assert "1,294 train / 143 validation / 360 test samples" in md
     saved = json.loads((out / "report.json").read_text())
     assert saved["recipe"]["prune"]["rounds"] == 2
     assert not [p for p in folder.iterdir() if p.name.startswith(".shrunk")]  # no temp folder left
