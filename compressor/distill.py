@@ -190,9 +190,7 @@ def transfer_set(
     extra = torch.from_numpy(synthetic_inputs(data.x_train.numpy(), kind, size, seed))
     x = torch.cat([data.x_train, extra])
     y = torch.cat([y, teacher_labels(teacher, extra)])
-    ds = dataclasses.replace(
-        data, spec=f"{data.spec}+transfer", x_train=x, y_train=y, y_val=y_val.to(y.dtype)
-    )
+    ds = dataclasses.replace(data, spec=f"{data.spec}+transfer", x_train=x, y_train=y, y_val=y_val)
     record = {
         "kind": kind,
         "labelled": int(keep.sum()),

@@ -439,7 +439,7 @@ def _export(
     source = e["calibration_data"] or "training set"
     # the user's own calibration inputs, or a seeded draw of training images
     calib = data.x_train[pick[: q.calibration]].numpy() if calib is None else calib[: q.calibration]
-    check_from = data.split_note
+    check_from, split = data.split_note, "validation" if data.has_val else "training"
     if data.has_val:
         take = torch.randperm(len(data.y_val), generator=torch.Generator().manual_seed(0))
         check_x = data.x_val[take[:CHECK_SAMPLES]].numpy()
@@ -448,6 +448,7 @@ def _export(
         check_x = data.x_train[pick[skip : skip + CHECK_SAMPLES]].numpy()
     if len(check_x) == 0:
         check_x, check_from = calib, "the calibration inputs (no other data left)"
+        split = "calibration"
     flags = envinfo.cpu_flags()
     what = (
         f"INT8: calibrating on {len(calib)} samples, choosing nodes for target {q.target} "
@@ -474,7 +475,7 @@ def _export(
         "bias_corrected": sel.bias_corrected,
         "min_agreement": q.min_agreement,
         "calibration": {"source": source, "samples": len(calib), "method": q.method},
-        "checked_on": {"source": check_from, "samples": len(check_x)},
+        "checked_on": {"split": split, "source": check_from, "samples": len(check_x)},
         "fp32_nodes": sel.fp32_nodes,
         "int8_nodes": sel.int8_nodes,
         "quantizable_nodes": choice.quantizable,

@@ -302,6 +302,6 @@ def _checked_on(int8: dict[str, Any]) -> str:
     c = int8.get("checked_on")
     if c is None:  # a report written before the validation split
         return "held-out training inputs"
-    if c["source"].startswith("validation split"):
+    if c["split"] == "validation":
         return f"{c['samples']:,} validation inputs"
     return f"{c['samples']:,} inputs ({c['source']})"

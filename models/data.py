@@ -658,10 +658,9 @@ def val_positions(n_train: int) -> np.ndarray:
     VAL_EVERY-th (j % 10 == 9), none when n_train < VAL_MIN_TRAIN. Positions, not a random draw:
     the split is the same on every run and machine, and for digits (already a stratified
     shuffle) and the other specs (interleaved) it spreads over classes and sources."""
-    j = np.arange(n_train)
     if n_train < VAL_MIN_TRAIN:
         return np.zeros(n_train, dtype=bool)
-    return j % VAL_EVERY == VAL_EVERY - 1
+    return np.arange(n_train) % VAL_EVERY == VAL_EVERY - 1
 
 
 def check_labels(data: Dataset, num_classes: int, model_name: str) -> None:

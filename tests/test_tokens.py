@@ -112,6 +112,7 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
         assert {"top1_agreement", "check_agreement", "calibration"} <= q.keys()
         assert q["calibration"]["samples"] == 64
         assert q["checked_on"]["samples"] == 240 and "validation" in q["checked_on"]["source"]
+        assert q["checked_on"]["split"] == "validation"
         # An attention graph quantizes its compute nodes only: the scores plus the padding mask
         # (0 or -3.4e38) stay FP32. With every op type quantized this model kept 0.756 top-1
         # agreement with all 7 nodes in INT8; with compute nodes only, 0.99.
