@@ -232,6 +232,7 @@ def run_shrink(
         val_accuracy=lambda m: evaluate(m, x_val, y_val)[1],
         test_correct=lambda m: correct(m, ds.x_test, ds.y_test),
         info=progress.info,
+        train_samples=len(ds.y_train),
     )
     meta = {"data": ds.spec, "source": str(model_path)}
     try:

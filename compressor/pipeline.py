@@ -345,7 +345,12 @@ def _keep_to(hooks: shrink_mod.Hooks, train_on: Dataset) -> shrink_mod.Hooks:
         m.train(was)
         return acc
 
-    return dataclasses.replace(hooks, retrain=retrain_on, val_accuracy=val_accuracy)
+    return dataclasses.replace(
+        hooks,
+        retrain=retrain_on,
+        val_accuracy=val_accuracy,
+        train_samples=len(train_on.y_train),
+    )
 
 
 def _teacher_student(report, distilled, teacher_name, student_name, model, final_acc) -> None:

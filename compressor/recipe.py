@@ -14,8 +14,10 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
                 rounds, retrain_epochs, lr, ignore = [layer, ...], round_to, max_ratio
     [prune]     enabled, sparsity ("default" | "auto" | 0.9 | {layer = 0.9}) or quality,
                 scope, rounds, retrain_epochs, lr, budget, include_bias, embeddings = false
-    [quantize]  enabled, conv_bits = 8, fc_bits = 5, bits = {layer = n}, mode, finetune_epochs,
-                lr, dense = "float16" | "float32", embeddings = false
+    [quantize]  enabled, method = "kmeans" | "soft", conv_bits = 8, fc_bits = 5,
+                bits = {layer = n}, mode, finetune_epochs, lr, dense = "float16" | "float32",
+                embeddings = false; soft: prior_epochs, prior_strength, prior_width,
+                zero_width, zero_mixing
     [huffman]   enabled, fc_gap_bits = 5, conv_gap_bits = 8, gap_bits = "auto" | "fixed"
     [export]    enabled, opset = 18, ir_version, int8, method, calibration, calibration_data,
                 target = "mobile" | "host", scheme = "u8s8" | "u8u8", reduce_range,
@@ -103,10 +105,19 @@ DEFAULTS: dict[str, Any] = {
     },
     "quantize": {
         "enabled": True,
+        # "kmeans": the paper's k-means then centroid fine-tuning; "soft": soft weight-sharing
+        # (Ullrich et al. 2017, compressor.softshare), retraining under a Gaussian-mixture
+        # prior with the prior_* keys below, snapped to its means, then the same fine-tuning.
+        "method": "kmeans",
         "conv_bits": 8,
         "fc_bits": 5,
         "bits": {},
         "mode": "centroids",
+        "prior_epochs": 6,
+        "prior_strength": 1.0,
+        "prior_width": 0.1,
+        "zero_width": 0.4,
+        "zero_mixing": 0.2,
         "finetune_epochs": 3,
         "lr": 1e-3,
         # How tensors that are not shared are stored: biases, norms, and any shared layer whose
@@ -150,6 +161,7 @@ _CHOICES = {
     ("prune", "scope"): ("layer", "global"),
     ("channels", "importance"): ("l1", "l2", "taylor"),
     ("channels", "scope"): ("layer", "global"),
+    ("quantize", "method"): ("kmeans", "soft"),
     ("quantize", "mode"): ("centroids", "weights"),
     ("quantize", "dense"): ("float16", "float32"),
     ("huffman", "gap_bits"): ("auto", "fixed"),
@@ -359,6 +371,16 @@ def _validate(r: dict[str, Any], source: str) -> None:
             raise _bad(source, f"quantize.bits.{layer}", b, f"whole bits 1..{MAX_BITS}")
     _int(r, source, "quantize", "finetune_epochs", 0)
     _positive(r, source, "quantize", "lr")
+    _int(r, source, "quantize", "prior_epochs", 0)
+    for key in ("prior_strength", "prior_width", "zero_width"):
+        _positive(r, source, "quantize", key)
+    if qz["method"] == "soft" and qz["mode"] == "weights":
+        raise InputError(
+            f"{source}: quantize.method = 'soft' fine-tunes the centroids it snapped to; "
+            "drop quantize.mode = 'weights'"
+        )
+    if not (_number(qz["zero_mixing"]) and 0 < qz["zero_mixing"] < 1):
+        raise _bad(source, "quantize.zero_mixing", qz["zero_mixing"], "a share in (0, 1), e.g. 0.2")
     for key in ("fc_gap_bits", "conv_gap_bits"):
         _int(r, source, "huffman", key, 1, 16)
     dd = r["distill"]

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from compressor import archive, distill, huffman, kmeans, prune, stats
+from compressor import archive, distill, huffman, kmeans, prune, softshare, stats
 from models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
@@ -52,6 +53,8 @@ class Hooks:
     # Per test sample, whether the model's top-1 is right: when given, each stage's accuracy
     # change carries its paired 95% interval (`stats.paired_accuracy_change`).
     test_correct: Callable[[nn.Module], torch.Tensor] | None = None
+    # Samples one retraining epoch sees: soft weight-sharing weighs its prior against them.
+    train_samples: int = 0
 
 
 def default_sparsity(model: nn.Module, embeddings: bool = False) -> dict[str, float]:
@@ -116,12 +119,14 @@ def shrink(
     )
 
     t = recipe["train"]
+    base_loss = _cross_entropy
     if t["distill"] > 0:  # retrain against the dense model's soft targets
         teacher = copy.deepcopy(model)
-        loss_fn = distill.loss_with_teacher(teacher, t["temperature"], t["distill"])
+        base_loss = distill.loss_with_teacher(teacher, t["temperature"], t["distill"])
         retrain = hooks.retrain
         hooks = dataclasses.replace(
-            hooks, retrain=lambda m, e, lr, _=None, data=None: retrain(m, e, lr, loss_fn, data)
+            hooks,
+            retrain=lambda m, e, lr, fn=None, data=None: retrain(m, e, lr, fn or base_loss, data),
         )
     p = recipe["prune"]
     if p["enabled"]:
@@ -131,7 +136,7 @@ def shrink(
     q = recipe["quantize"]
     if q["enabled"]:
         ts = time.perf_counter()
-        report["histogram"] = _quantize(model, q, recipe["train"]["seed"], hooks)
+        report["histogram"] = _quantize(model, q, recipe["train"]["seed"], hooks, base_loss)
         if recipe["huffman"]["enabled"]:
             dense = prefer_dense_(model, recipe)
             if dense:
@@ -232,7 +237,14 @@ def _prune(model: nn.Module, p: dict[str, Any], hooks: Hooks) -> dict[str, Any] 
     return sens.to_dict() if sens else None
 
 
-def _quantize(model: nn.Module, q: dict[str, Any], seed: int, hooks: Hooks) -> dict[str, Any]:
+def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    logits = model(x)
+    return F.cross_entropy(logits, y), logits
+
+
+def _quantize(
+    model: nn.Module, q: dict[str, Any], seed: int, hooks: Hooks, base_loss: Callable
+) -> dict[str, Any]:
     cfg = kmeans.QuantizeConfig(
         conv_bits=q["conv_bits"],
         fc_bits=q["fc_bits"],
@@ -248,7 +260,32 @@ def _quantize(model: nn.Module, q: dict[str, Any], seed: int, hooks: Hooks) -> d
     largest = max(weights.items(), key=lambda kv: kv[1].numel())
     w = largest[1].detach().flatten()
     w = w[w != 0].numpy()
-    kmeans.share_weights_(model, cfg)
+    if q["method"] == "soft":
+        soft = softshare.SoftShareConfig(
+            conv_bits=q["conv_bits"],
+            fc_bits=q["fc_bits"],
+            bits=dict(q["bits"]),
+            strength=q["prior_strength"],
+            width=q["prior_width"],
+            zero_width=q["zero_width"],
+            zero_mixing=q["zero_mixing"],
+            epochs=q["prior_epochs"],
+            lr=q["lr"],
+            seed=seed,
+            embeddings=q["embeddings"],
+        )
+        if not hooks.train_samples:
+            raise ValueError("soft weight-sharing needs Hooks.train_samples")
+        record = softshare.soft_share_(model, soft, hooks.retrain, base_loss, hooks.train_samples)
+        hooks.info(
+            "soft weight-sharing: "
+            + ", ".join(
+                f"{n} {r['means_used']} means, {r['kept_before'] - r['kept_after']:,} more zeros"
+                for n, r in record.items()
+            )
+        )
+    else:
+        kmeans.share_weights_(model, cfg)
     counts, edges = np.histogram(w, bins=120)
     histogram = {
         "layer": kmeans.layers(model, cfg.embeddings)[largest[0]].key,
