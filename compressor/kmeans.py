@@ -234,14 +234,20 @@ def share_weights_(model: nn.Module, cfg: QuantizeConfig) -> dict[str, int]:
         centroids, labels = kmeans_1d(w[mask].numpy(), k, seed=cfg.seed)
         index = torch.zeros(w.shape, dtype=torch.int64)
         index[mask] = torch.from_numpy(labels)
-        if parametrize.is_parametrized(module, layer.param):
-            parametrize.remove_parametrizations(module, layer.param, leave_parametrized=True)
-        shared = SharedWeights(torch.from_numpy(centroids), index, mask, cfg.mode)
-        parametrize.register_parametrization(module, layer.param, shared, unsafe=True)
-        original = module.parametrizations[layer.param].original
-        original.requires_grad_(cfg.mode == "weights")
+        install_(
+            module, layer.param, SharedWeights(torch.from_numpy(centroids), index, mask, cfg.mode)
+        )
         used[name] = bits
     return used
+
+
+def install_(module: nn.Module, param: str, shared: SharedWeights) -> None:
+    """Make `shared` the parametrization of `module.param`, in place of any before it (a
+    pruning mask, which `shared` holds itself); the original trains only in weights mode."""
+    if parametrize.is_parametrized(module, param):
+        parametrize.remove_parametrizations(module, param, leave_parametrized=True)
+    parametrize.register_parametrization(module, param, shared, unsafe=True)
+    module.parametrizations[param].original.requires_grad_(shared.mode == "weights")
 
 
 def shared_params(model: nn.Module) -> dict[str, SharedWeights]:
@@ -277,6 +283,7 @@ __all__ = [
     "QuantizeConfig",
     "SharedWeights",
     "distinct_values",
+    "install_",
     "kmeans_1d",
     "layers",
     "linear_init",

@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from compressor import kmeans
 from compressor.prune import masks_of
@@ -245,11 +244,7 @@ def soft_share_(
             new_mask[mask] = keep
             index = torch.zeros(w.shape, dtype=torch.int64)
             index[mask] = index_kept
-        if parametrize.is_parametrized(module, layer.param):
-            parametrize.remove_parametrizations(module, layer.param, leave_parametrized=True)
-        shared = kmeans.SharedWeights(codebook, index, new_mask)
-        parametrize.register_parametrization(module, layer.param, shared, unsafe=True)
-        module.parametrizations[layer.param].original.requires_grad_(False)
+        kmeans.install_(module, layer.param, kmeans.SharedWeights(codebook, index, new_mask))
         record[name] = {
             "kept_before": int(mask.sum()),
             "kept_after": int(new_mask.sum()),
