@@ -190,6 +190,21 @@ def shrink_summary(report: dict) -> None:
                 else ""
             )
         )
+    if "budget" in report:
+        b = report["budget"]
+        won = b["trials"][b["chosen_trial"] - 1]
+        stdout.print(
+            f"budget {b['max_drop']:g} points ({b['allowed_lost']} of {b['validation_samples']:,} "
+            f"validation samples): kept trial {b['chosen_trial']} of {len(b['trials'])}, "
+            f"validation drop {b['val_drop']:+.2f} measured ({won['predicted_drop']:.2f} "
+            "predicted before retraining); "
+            + ", ".join(f"{n} {r['sparsity']:g}/{r['bits']}b" for n, r in b["layers"].items())
+        )
+        if not b["met"]:
+            stderr.print(
+                f"warning: no trial stayed within --max-drop {b['max_drop']:g}; kept the one "
+                "that lost least. Raise budget.trials, or the budget."
+            )
     base = report["baseline"]
     table = Table(title="compress shrink", title_justify="left")
     for col in ("stage", "bytes", "ratio", "test acc", "Δ points", "95% CI (paired)"):

@@ -23,6 +23,7 @@ from models import data as data_mod
 Examples:
   compress shrink lenet300.pt --data digits --out lenet300-shrunk/
   compress shrink lenet5.pt --data mnist:~/mnist --recipe recipe.toml --json
+  compress shrink lenet5.pt --data mnist:~/mnist --max-drop 0.2  # search within 0.2 points
   compress shrink lenet5.pt --dry-run > recipe.toml   # print the resolved recipe, edit, rerun
   compress shrink weights.pt --model mypkg.nets:build_net --model-kwargs '{"width": 64}' \\
       --data npz:train.npz                             # your own state_dict and model code
@@ -47,6 +48,14 @@ Examples:
     type=click.Path(path_type=Path),
     default=None,
     help="Recipe file (.toml or .json); unset keys take defaults.",
+)
+@click.option(
+    "--max-drop",
+    type=float,
+    default=None,
+    metavar="POINTS",
+    help="Search each layer's sparsity and bits for the smallest archive whose validation "
+    "accuracy stays within POINTS of the dense model's [recipe budget.max_drop].",
 )
 @click.option("--dry-run", is_flag=True, help="Print the resolved recipe (TOML) and exit.")
 @click.option(
@@ -113,6 +122,7 @@ def shrink(
     data: str | None,
     out: Path | None,
     recipe_path: Path | None,
+    max_drop: float | None,
     dry_run: bool,
     fixed_batch: int | None,
     student: str | None,
@@ -131,6 +141,7 @@ def shrink(
     # Flags override the recipe file (--teacher replaces its teachers list); the result is
     # validated as a whole, and its errors name the file and the flags.
     flags = {
+        ("budget", "max_drop", "--max-drop"): max_drop,
         ("export", "fixed_batch", "--fixed-batch"): fixed_batch,
         ("distill", "student", "--student"): student,
         ("distill", "student_kwargs", "--student-kwargs"): zoo.parse_kwargs(
@@ -180,6 +191,7 @@ JSON_KEYS = (
     "transfer",
     "channels",
     "layers",
+    "budget",
     "files",
     "seconds",
 )
@@ -230,6 +242,7 @@ def run_shrink(
         retrain=retrain,
         test_accuracy=lambda m: evaluate(m, ds.x_test, ds.y_test)[1],
         val_accuracy=lambda m: evaluate(m, x_val, y_val)[1],
+        val_data=(x_val, y_val),
         test_correct=lambda m: correct(m, ds.x_test, ds.y_test),
         info=progress.info,
         train_samples=len(ds.y_train),

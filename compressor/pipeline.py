@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import archive, channels, distill, envinfo, export
+from compressor import archive, budget, channels, distill, envinfo, export
 from compressor import report as report_mod
 from compressor import shrink as shrink_mod
 from compressor.export import compat, int8, mobile
@@ -153,7 +153,10 @@ def shrink_to_folder(
             with clock.step("channels", "channels: removing whole channels"):
                 spec, thinned = _thin(model, spec, recipe, data, hooks)
         with clock.step("deep_compression"):
-            report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+            if recipe["budget"]["max_drop"] != "off":
+                model, report = budget.search(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+            else:
+                report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
         if data is not None:
             report["data"] = {
                 "spec": data.spec,
@@ -237,6 +240,15 @@ def preflight(
     recipe names a file."""
     e = recipe["export"]
     calib = None
+    max_drop = recipe["budget"]["max_drop"]
+    if max_drop != "off":
+        if data is None:
+            raise InputError("--max-drop needs the data set (a validation split)")
+        if not data.has_val:
+            raise InputError(f"--max-drop needs a validation split: {data.split_note}")
+        budget.check_validation(max_drop, len(data.y_val), data.spec)
+        if model is not None and not recipe["distill"]["student"]:
+            budget.settings(model, recipe, budget.BudgetConfig.from_recipe(recipe["budget"]))
     if data is not None:
         distill.check_transfer(recipe["distill"], data)
         if recipe["distill"]["student"]:
@@ -349,6 +361,7 @@ def _keep_to(hooks: shrink_mod.Hooks, train_on: Dataset) -> shrink_mod.Hooks:
         hooks,
         retrain=retrain_on,
         val_accuracy=val_accuracy,
+        val_data=(x_val, y_val),
         train_samples=len(train_on.y_train),
     )
 

@@ -8,6 +8,7 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
 
     version = 1
     [train]     batch_size, optimizer, seed, distill (alpha), temperature  # retraining
+    [budget]    max_drop = "off" | points, trials, sparsities, bits  # --max-drop: the search
     [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha,
                 hint_student, hint_teacher, hint_epochs, transfer, transfer_size, labels
     [channels]  enabled = false, target_macs = 0.5, importance ("l1" | "l2" | "taylor"), scope,
@@ -44,6 +45,7 @@ from models.limits import MAX_NESTING, nesting_depth
 
 VERSION = 1
 MAX_BITS = 12  # 4,096 shared values per layer; more is no longer weight *sharing*
+BUDGET_DISTILL = 0.7  # train.distill's default when budget.max_drop is set
 MAX_RECIPE_BYTES = 2**20  # a recipe is a few hundred bytes; this bounds the parsers' work
 
 DEFAULTS: dict[str, Any] = {
@@ -51,6 +53,16 @@ DEFAULTS: dict[str, Any] = {
     # distill: alpha of the soft-target loss against the dense model while retraining and
     # fine-tuning (0 = plain cross-entropy, as the paper); temperature: Hinton's T.
     "train": {"batch_size": 32, "optimizer": "adam", "seed": 0, "distill": 0.0, "temperature": 4.0},
+    # An accuracy budget (compressor.budget): max_drop = points of validation accuracy the
+    # result may lose; the search picks each layer's sparsity (of `sparsities`) and bits (of
+    # `bits`) for the smallest archive within it, trying `trials` full shrink runs. "off":
+    # the prune and quantize settings as written.
+    "budget": {
+        "max_drop": "off",
+        "trials": 6,
+        "sparsities": [0.0, 0.5, 0.7, 0.8, 0.9, 0.93, 0.95, 0.97, 0.98],
+        "bits": [2, 3, 4, 5, 6, 8],
+    },
     # Distil the checkpoint (the teacher, with `teachers` as an ensemble) into `student` before
     # Deep Compression; student = "" compresses the checkpoint's own model.
     "distill": {
@@ -301,6 +313,10 @@ def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> dict[s
         out["prune"]["quality"] = None
     if raw.get("prune", {}).get("quality") is not None and "sparsity" not in raw.get("prune", {}):
         out["prune"]["sparsity"] = None
+    if out["budget"]["max_drop"] != "off" and "distill" not in raw.get("train", {}):
+        # A budget's trials retrain against the dense model's outputs unless told otherwise:
+        # plain retraining drifts the model by more than a tight budget (docs/benchmarks.md).
+        out["train"]["distill"] = BUDGET_DISTILL
     _validate(out, source)
     return out
 
@@ -447,6 +463,46 @@ def _validate(r: dict[str, Any], source: str) -> None:
         )
     if r["huffman"]["enabled"] and not qz["enabled"]:
         raise InputError(f"{source}: huffman codes the shared weights; enable quantize too")
+    _validate_budget(r, source)
+
+
+def _validate_budget(r: dict[str, Any], source: str) -> None:
+    b = r["budget"]
+    if b["max_drop"] != "off" and not (_number(b["max_drop"]) and 0 <= b["max_drop"] < 100):
+        raise _bad(
+            source, "budget.max_drop", b["max_drop"], 'points of accuracy in [0, 100), or "off"'
+        )
+    _int(r, source, "budget", "trials", 1, 100)
+    s = b["sparsities"]
+    if not (isinstance(s, list) and s and all(_number(v) and 0 <= v < 1 for v in s)):
+        raise _bad(source, "budget.sparsities", s, "a list of fractions in [0, 1)")
+    bits = b["bits"]
+    if not (
+        isinstance(bits, list)
+        and bits
+        and all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_BITS for v in bits)
+    ):
+        raise _bad(source, "budget.bits", bits, f"a list of whole bits 1..{MAX_BITS}")
+    if b["max_drop"] == "off":
+        return
+    p = r["prune"]
+    if p["enabled"] and (
+        p["quality"] is not None or p["sparsity"] in ("auto",) or _number(p["sparsity"])
+    ):
+        given = (
+            f"prune.quality = {p['quality']!r}"
+            if p["quality"] is not None
+            else (f"prune.sparsity = {p['sparsity']!r}")
+        )
+        raise InputError(
+            f"{source}: budget.max_drop chooses each layer's sparsity, and {given} sets them "
+            "all; drop one of the two (a table {layer = s} fixes only the layers it names)"
+        )
+    if not (r["quantize"]["enabled"] and r["huffman"]["enabled"]):
+        raise InputError(
+            f"{source}: budget.max_drop searches for the smallest archive: it needs quantize "
+            "and huffman enabled"
+        )
 
 
 def _number(v: Any) -> bool:
@@ -475,7 +531,16 @@ def _positive(r, source, section, key) -> None:
 def dumps(recipe: dict[str, Any]) -> str:
     """The recipe as TOML (what --dry-run prints; loads back to the same recipe)."""
     lines = [f"version = {recipe['version']}"]
-    for section in ("train", "distill", "channels", "prune", "quantize", "huffman", "export"):
+    for section in (
+        "train",
+        "budget",
+        "distill",
+        "channels",
+        "prune",
+        "quantize",
+        "huffman",
+        "export",
+    ):
         lines.append(f"\n[{section}]")
         tables = []
         for key, value in recipe[section].items():

@@ -56,6 +56,7 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
                 "",
             ]
     lines += _channel_lines(report)
+    lines += _budget_lines(report)
     lines += [
         "| stage | bytes | compression | test accuracy | Δ accuracy (points) "
         "| paired 95% interval | test samples gained / lost |",
@@ -117,6 +118,52 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _budget_lines(report: dict[str, Any]) -> list[str]:
+    b = report.get("budget")
+    if not b:
+        return []
+    won = b["trials"][b["chosen_trial"] - 1]
+    verdict = (
+        "within the budget"
+        if b["met"]
+        else "**over the budget: no trial met it; the one that lost least is kept**"
+    )
+    lines = [
+        f"## Accuracy budget: at most {b['max_drop']:g} points",
+        "",
+        f"Validation split: {b['validation_samples']:,} samples, so at most "
+        f"{b['allowed_lost']} may be lost. Each layer's curve ({len(b['grid']['sparsities'])} "
+        f"sparsities × {len(b['grid']['bits'])} bit widths, that layer alone, no retraining) "
+        f"fed an exact allocation over {b['frontier_points']} frontier points; "
+        f"{len(b['trials'])} full shrink runs (with retraining) were tried along it. Kept: "
+        f"trial {b['chosen_trial']}, validation drop {b['val_drop']:+.2f} points measured "
+        f"({won['lost']} samples, paired 95% interval [{won['val_drop_interval'][0]:+.2f}, "
+        f"{won['val_drop_interval'][1]:+.2f}]; the curves predicted "
+        f"{b['predicted_drop']:.2f} before retraining), {verdict}. An interval wider than the "
+        "budget says the validation split cannot resolve it: the search then keeps a result "
+        "that happened to land within it. The recipe below re-runs the kept trial without "
+        "the search.",
+        "",
+        "| trial | predicted drop (curves) | validation drop (retrained) | paired 95% interval "
+        "| archive bytes | within |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in b["trials"]:
+        lo, hi = t["val_drop_interval"]
+        lines.append(
+            f"| {t['trial']} | {t['predicted_drop']:.2f} | {t['val_drop']:+.2f} | "
+            f"[{lo:+.2f}, {hi:+.2f}] | {t['archive_bytes']:,} | "
+            f"{'yes' if t['within_budget'] else 'no'} |"
+        )
+    lines += ["", "| layer | sparsity | bits | samples lost alone | record bytes (curve) |"]
+    lines.append("|---|---|---|---|---|")
+    for name, r in b["layers"].items():
+        lines.append(
+            f"| {name} | {r['sparsity']:g} | {r['bits']} | {r['lost_alone']} | {r['bytes']:,} |"
+        )
+    return [*lines, ""]
 
 
 def _channel_lines(report: dict[str, Any]) -> list[str]:

@@ -55,6 +55,9 @@ class Hooks:
     test_correct: Callable[[nn.Module], torch.Tensor] | None = None
     # Samples one retraining epoch sees: soft weight-sharing weighs its prior against them.
     train_samples: int = 0
+    # The validation split's (inputs, labels): what an accuracy budget (`compressor.budget`,
+    # --max-drop) measures its curves and trials on.
+    val_data: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def default_sparsity(model: nn.Module, embeddings: bool = False) -> dict[str, float]:
@@ -376,6 +379,31 @@ def _shared_entry(key: str, s: kmeans.SharedWeights, fixed: int, mode: str) -> a
         positions,
         _choose_gap_bits(positions, mask.numel(), fixed, mode),
     )
+
+
+def record_bytes(layer: prune.Layer, value: torch.Tensor, recipe: dict[str, Any]) -> int:
+    """Bytes the archive would spend on `layer`'s weight if it held `value` (a few distinct
+    values, zeros pruned): the smaller of its shared and dense records, as `_entries` chooses
+    (the dense one as float16 when `quantize.dense` asks for it)."""
+    h, dense16 = recipe["huffman"], recipe["quantize"]["dense"] == "float16"
+    flat = value.detach().flatten().float()
+    mask = flat != 0
+    codebook, index = torch.unique(flat[mask], return_inverse=True)
+    positions = torch.nonzero(mask).flatten().numpy()
+    gap = _choose_gap_bits(positions, flat.numel(), _fixed_gap_bits(layer, h), h["gap_bits"])
+    shared = archive.Shared(
+        layer.key,
+        tuple(value.shape),
+        codebook.numpy().astype(np.float32),
+        index.numpy(),
+        positions,
+        gap,
+    )
+    as_dense = value.detach().float()
+    if dense16 and (not flat.numel() or bool(flat.abs().max() <= _FP16_MAX)):
+        as_dense = as_dense.half().float()
+    dense = archive.Dense(layer.key, as_dense, store_fp16=dense16)
+    return min(archive.record_size(shared), archive.record_size(dense))
 
 
 def _entries(model: nn.Module, recipe: dict[str, Any]):

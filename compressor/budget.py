@@ -1,0 +1,495 @@
+"""The smallest archive within an accuracy budget: `compress shrink --max-drop P`.
+
+Deep Compression (Han, Mao & Dally, ICLR 2016) leaves each layer's sparsity and bit width to
+the user; the paper's own were found by hand from per-layer sensitivity curves (Han et al.,
+NIPS 2015, section 4). This module makes that search a function of one number: the points of
+validation accuracy the user will give up.
+
+1. Curves. Each layer alone is pruned to each sparsity of a grid and k-means quantized to each
+   bit width (no retraining). Per setting: the validation samples it loses, how far its
+   outputs move from the dense model's (mean KL divergence of the softmax outputs), and the
+   bytes its archive record would take (shared or dense, whichever is smaller: the choice the
+   archive makes).
+2. Allocation. Choosing one option per layer to minimise total bytes with the summed costs
+   within a budget is a multiple-choice knapsack; on whole-number costs a dynamic programme
+   solves it exactly (`allocate`), where a greedy or Lagrangian pass (bytes saved per point
+   lost) reaches only the convex hull's corners. One pass gives the optimum at every budget
+   (`frontier`): allocations from the cautious to the aggressive, each smaller than the last.
+   The cost is the KL divergence, in 2^16 steps of the curves' range, not the samples lost:
+   most settings lose no sample alone (400 of 800 on LeNet-300-100) yet lose several
+   together, and the divergence tells them apart where a count of samples cannot.
+3. Verification. The curves model no retraining, and retraining recovers much of what they
+   predict lost, so the budget the curves are given is not the user's: full shrink runs
+   (pruning rounds with retraining, sharing, fine-tuning) are tried along the frontier,
+   bisecting on archive bytes, each measured on the validation split; the smallest archive
+   whose measured drop stays within the budget is kept. The report gives, per trial, the
+   predicted (curves) and the measured (retrained) drop.
+
+The test split is never looked at: it is reported once, for the model that was chosen.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor import kmeans, prune, stats
+from compressor import shrink as shrink_mod
+from models.errors import InputError
+
+MIN_VAL_SAMPLES = 100  # fewer: one validation sample is more than a point of accuracy
+SAMPLE = 1 << 15  # kept weights a curve's k-means is fitted on (all are then assigned)
+COST_STEPS = 1 << 16  # the dynamic programme's width: the curves' summed worst KL in steps
+
+
+# --- pure maths -----------------------------------------------------------------------------
+
+
+def allowed_loss(max_drop: float, n_val: int) -> int:
+    """Validation samples that may be lost within `max_drop` points (rounded down)."""
+    return math.floor(max_drop * n_val / 100 + 1e-9)
+
+
+def check_validation(max_drop: float, n_val: int, where: str) -> None:
+    """Refuse a validation split too small to tell `max_drop` points apart from nothing."""
+    if n_val < MIN_VAL_SAMPLES:
+        raise InputError(
+            f"--max-drop needs at least {MIN_VAL_SAMPLES} validation samples; {where} has "
+            f"{n_val} (every 10th training sample is held out: give {10 * MIN_VAL_SAMPLES} or "
+            "more training samples, or an npz with x_val/y_val)"
+        )
+    if max_drop > 0 and allowed_loss(max_drop, n_val) < 1:
+        need = math.ceil(100 / max_drop)
+        raise InputError(
+            f"--max-drop {max_drop:g} allows less than one of the {n_val} validation samples "
+            f"of {where}: it needs {need} validation samples, or --max-drop "
+            f"{100 / n_val:.2f} or more (or 0: lose none)"
+        )
+
+
+def _table(sizes: list[list[int]], costs: list[list[int]], limit: int):
+    """f[c]: fewest bytes with summed cost <= c, for c = 0..limit; and per layer, the option
+    that reaches it (-1: none)."""
+    f = np.zeros(limit + 1)
+    picks = np.empty((len(sizes), limit + 1), dtype=np.int32)
+    for i, (size, cost) in enumerate(zip(sizes, costs, strict=True)):
+        g = np.full(limit + 1, np.inf)
+        pick = np.full(limit + 1, -1, dtype=np.int32)
+        for k, (s, c) in enumerate(zip(size, cost, strict=True)):
+            if c > limit:
+                continue
+            cand = np.full(limit + 1, np.inf)
+            cand[c:] = f[: limit + 1 - c] + s
+            better = cand < g  # strict: among equal totals the earlier option stays
+            g[better] = cand[better]
+            pick[better] = k
+        f, picks[i] = g, pick
+    return f, picks
+
+
+def _back(picks: np.ndarray, costs: list[list[int]], budget: int) -> list[int]:
+    out = []
+    for i in range(len(costs) - 1, -1, -1):
+        k = int(picks[i, budget])
+        out.append(k)
+        budget -= costs[i][k]
+    return out[::-1]
+
+
+def _check(sizes: list[list[int]], costs: list[list[int]]) -> None:
+    if len(sizes) != len(costs) or any(
+        len(s) != len(c) or not s for s, c in zip(sizes, costs, strict=True)
+    ):
+        raise ValueError("every layer needs one cost per size, and at least one option")
+    if any(c < 0 for cost in costs for c in cost):
+        raise ValueError("costs are samples lost: 0 or more")
+
+
+def allocate(sizes: list[list[int]], costs: list[list[int]], budget: int) -> list[int] | None:
+    """One option per layer (its index) with the fewest total bytes whose summed cost is at
+    most `budget`; None when even the cheapest options exceed it. Costs are whole numbers."""
+    _check(sizes, costs)
+    if budget < 0:
+        return None
+    f, picks = _table(sizes, costs, budget)
+    return None if not np.isfinite(f[budget]) else _back(picks, costs, budget)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One allocation on the frontier: its summed cost, total bytes and option per layer."""
+
+    cost: int
+    bytes: int
+    picks: tuple[int, ...]
+
+
+def frontier(sizes: list[list[int]], costs: list[list[int]]) -> list[Point]:
+    """Every budget's optimal allocation, from the least cost to the fewest bytes: each point
+    is `allocate` at its own cost, and strictly smaller than the point before it."""
+    _check(sizes, costs)
+    limit = sum(max(c) for c in costs)
+    f, picks = _table(sizes, costs, limit)
+    finite = np.isfinite(f)
+    first = int(np.argmax(finite))  # the least cost any allocation has
+    steps = np.flatnonzero(finite[1:] & (f[1:] < f[:-1])) + 1
+    out: list[Point] = []
+    for b in [first, *steps[steps > first].tolist()]:
+        chosen = _back(picks, costs, b)
+        cost = sum(costs[i][k] for i, k in enumerate(chosen))
+        out.append(Point(cost, int(f[b]), tuple(chosen)))
+    return out
+
+
+def next_trial(front: list[Point], passed: int | None, failed: int | None) -> int | None:
+    """The frontier point to try next, bisecting on log-bytes between the smallest point that
+    passed and the largest that failed (the most aggressive point when none failed yet);
+    None when none is left between them."""
+    lo = passed if passed is not None else -1
+    hi = failed if failed is not None else len(front)
+    pool = range(lo + 1, hi)
+    if not pool:
+        return None
+    top = front[passed].bytes if passed is not None else front[0].bytes
+    bottom = front[failed].bytes if failed is not None else front[-1].bytes
+    target = math.sqrt(top * bottom)
+    return min(pool, key=lambda i: (abs(math.log(front[i].bytes / target)), i))
+
+
+# --- config ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """max_drop   points of validation accuracy the result may lose against the dense model
+    trials      full shrink runs (with retraining) tried along the frontier
+    sparsities  per-layer sparsities the curves measure (0: not pruned)
+    bits        per-layer bit widths the curves measure"""
+
+    max_drop: float
+    trials: int = 6
+    sparsities: tuple[float, ...] = (0.0, 0.5, 0.7, 0.8, 0.9, 0.93, 0.95, 0.97, 0.98)
+    bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+
+    @classmethod
+    def from_recipe(cls, b: dict[str, Any]) -> BudgetConfig:
+        return cls(
+            max_drop=float(b["max_drop"]),
+            trials=b["trials"],
+            sparsities=tuple(sorted(set(b["sparsities"]))),
+            bits=tuple(sorted(set(b["bits"]))),
+        )
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of one layer, measured alone: validation samples lost (negative: gained),
+    mean KL divergence from the dense model's outputs (nats), and record bytes."""
+
+    sparsity: float
+    bits: int
+    lost: int
+    kl: float
+    bytes: int
+
+
+def settings(model: nn.Module, recipe: dict[str, Any], cfg: BudgetConfig):
+    """Per shared layer, the (sparsity, bits) pairs to measure: the grid, except where the
+    recipe fixes a layer's sparsity (prune.sparsity = {layer = s}) or bits (quantize.bits)."""
+    p, q = recipe["prune"], recipe["quantize"]
+    prunable = prune.weight_layers(model, p["embeddings"]) if p["enabled"] else {}
+    given = p["sparsity"] if isinstance(p["sparsity"], dict) else {}
+    fixed_s = {(k if k in prunable else prune.layer_name(k)): v for k, v in given.items()}
+    out = {}
+    for name, layer in kmeans.layers(model, q["embeddings"]).items():
+        if name not in prunable:
+            ss: tuple[float, ...] = (0.0,)
+        elif name in fixed_s:
+            ss = (float(fixed_s[name]),)
+        else:
+            ss = cfg.sparsities
+        bs = (q["bits"][name],) if name in q["bits"] else cfg.bits
+        out[name] = (layer, [(s, b) for s in ss for b in bs])
+    if out and all(len(v[1]) == 1 for v in out.values()):
+        raise InputError(
+            "recipe: budget.max_drop searches per-layer sparsity and bits, but prune.sparsity "
+            "and quantize.bits fix both for every layer; drop budget.max_drop, or leave some "
+            "layers to the search"
+        )
+    return out
+
+
+# --- curves ---------------------------------------------------------------------------------
+
+
+def _quantized(kept: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """`kept` replaced by its nearest of k k-means centroids, fitted on at most SAMPLE of them
+    (a curve point estimates; the shrink run clusters every weight)."""
+    w = kept.detach().double()
+    fit = w
+    if w.numel() > SAMPLE:
+        g = torch.Generator().manual_seed(seed)
+        fit = w[torch.randperm(w.numel(), generator=g)[:SAMPLE]]
+    centroids, _ = kmeans.kmeans_1d(fit.numpy(), k, seed=seed, max_iter=50)
+    c = torch.from_numpy(centroids).double()
+    return c[kmeans.nearest(w, c)].to(kept.dtype)
+
+
+@torch.no_grad()
+def outputs(model: nn.Module, x: torch.Tensor, batch: int = 1024) -> torch.Tensor:
+    """The model's log-softmax outputs on `x` (eval mode, restored after)."""
+    was = model.training
+    model.eval()
+    try:
+        parts = [model(x[i : i + batch]).float().log_softmax(-1) for i in range(0, len(x), batch)]
+    finally:
+        model.train(was)
+    return torch.cat(parts)
+
+
+def divergence(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean KL(ref || got) over samples, both log-probabilities."""
+    return float((ref.exp() * (ref - got)).sum(-1).mean().clamp_min(0))
+
+
+def measure(
+    model: nn.Module,
+    grid: dict[str, tuple[prune.Layer, list[tuple[float, int]]]],
+    val: tuple[torch.Tensor, torch.Tensor],
+    record_bytes: Callable[[prune.Layer, torch.Tensor], int],
+    seed: int = 0,
+    info: Callable[[str], None] = lambda message: None,
+) -> dict[str, list[Option]]:
+    """Each layer alone set to each of its (sparsity, bits), on `model` (restored after):
+    validation samples lost and KL divergence against the model as given, record bytes."""
+    x, y = val
+    ref = outputs(model, x)
+    base = int((ref.argmax(-1) == y).sum())
+    out: dict[str, list[Option]] = {}
+    for n, (name, (layer, pairs)) in enumerate(grid.items(), 1):
+        target = prune._raw(model, layer.key)
+        original = target.detach().clone()
+        options = []
+        try:
+            for s in dict.fromkeys(s for s, _ in pairs):
+                mask = prune.magnitude_mask(original, s)
+                kept = original[mask]
+                for b in [b for s2, b in pairs if s2 == s]:
+                    k = 2**b if bool(mask.all()) else 2**b - 1  # as kmeans.share_weights_
+                    w = torch.zeros_like(original)
+                    w[mask] = _quantized(kept, k, seed)
+                    with torch.no_grad():
+                        target.copy_(w)
+                    got = outputs(model, x)
+                    lost = base - int((got.argmax(-1) == y).sum())
+                    kl = divergence(ref, got)
+                    options.append(Option(s, b, lost, kl, record_bytes(layer, w)))
+        finally:
+            with torch.no_grad():
+                target.copy_(original)
+        out[name] = options
+        info(f"budget: curves {n}/{len(grid)}, {name}: {len(options)} settings measured")
+    return out
+
+
+# --- the search -----------------------------------------------------------------------------
+
+
+def trial_recipe(
+    recipe: dict[str, Any], chosen: dict[str, Option], prunable: set[str]
+) -> dict[str, Any]:
+    """The recipe a trial runs: the chosen per-layer sparsities (of the layers pruning may
+    touch; entries the recipe gave, such as a bias's, kept) and bits, no search."""
+    r = copy.deepcopy(recipe)
+    if r["prune"]["enabled"]:
+        given = r["prune"]["sparsity"] if isinstance(r["prune"]["sparsity"], dict) else {}
+        r["prune"]["sparsity"] = {
+            **given,
+            **{n: o.sparsity for n, o in chosen.items() if n in prunable},
+        }
+        r["prune"]["quality"] = None
+    r["quantize"]["bits"] = {n: o.bits for n, o in chosen.items()}
+    r["budget"]["max_drop"] = "off"
+    return r
+
+
+def search(
+    model: nn.Module,
+    spec: dict[str, Any],
+    recipe: dict[str, Any],
+    hooks: shrink_mod.Hooks,
+    out_dir: Path,
+    metadata: dict[str, Any] | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Shrink `model` to the smallest archive found within `budget.max_drop`: returns the
+    chosen trial's model and report (its `recipe` the one to re-run without a search, and a
+    `budget` record of the curves' prediction and every trial), its archive in `out_dir`."""
+    cfg = BudgetConfig.from_recipe(recipe["budget"])
+    if hooks.val_data is None:
+        raise InputError("--max-drop needs a validation split (Hooks.val_data)")
+    x, y = hooks.val_data
+
+    def right(m: nn.Module) -> np.ndarray:
+        return (outputs(m, x).argmax(-1) == y).numpy()
+
+    n_val = len(y)
+    check_validation(cfg.max_drop, n_val, "the data")
+    allowed = allowed_loss(cfg.max_drop, n_val)
+    grid = settings(model, recipe, cfg)
+    shrink_mod.check_fits_recipe(model, recipe)
+    p = recipe["prune"]
+    prunable = set(prune.weight_layers(model, p["embeddings"])) if p["enabled"] else set()
+    base_right = right(model)
+    base = int(base_right.sum())
+    options = measure(
+        model,
+        grid,
+        (x, y),
+        lambda layer, w: shrink_mod.record_bytes(layer, w, recipe),
+        seed=recipe["train"]["seed"],
+        info=hooks.info,
+    )
+    names = list(options)
+    sizes = [[o.bytes for o in options[n]] for n in names]
+    worst = sum(max(o.kl for o in options[n]) for n in names)
+    unit = worst / COST_STEPS if worst > 0 else 1.0
+    costs = [[math.ceil(o.kl / unit) for o in options[n]] for n in names]
+    front = frontier(sizes, costs)
+
+    def predicted(point: Point) -> int:
+        """Samples the curves say the point loses before retraining: the layers' sum (a
+        layer that gains alone is counted as losing none)."""
+        return sum(max(options[n][k].lost, 0) for n, k in zip(names, point.picks, strict=True))
+
+    hooks.info(
+        f"budget: {len(front)} allocations on the frontier, {front[0].bytes:,} to "
+        f"{front[-1].bytes:,} bytes of weights; {allowed} of {n_val} validation samples may go"
+    )
+
+    def chosen(point: Point) -> dict[str, Option]:
+        return {n: options[n][k] for n, k in zip(names, point.picks, strict=True)}
+
+    trials: list[dict[str, Any]] = []
+    kept: dict[int, tuple[nn.Module, dict[str, Any], Path]] = {}
+    # Start where the curves alone say the budget holds: retraining only recovers from there.
+    start = max((i for i, pt in enumerate(front) if predicted(pt) <= allowed), default=0)
+    passed = failed = None
+    i: int | None = start
+    while i is not None and len(trials) < cfg.trials:
+        t = len(trials) + 1
+        pick = chosen(front[i])
+        r = trial_recipe(recipe, pick, prunable)
+        m = copy.deepcopy(model)
+        d = out_dir / f".trial-{t}"
+        d.mkdir()
+        info = hooks.info
+
+        def tell(message: str, t: int = t, info: Callable[[str], None] = info) -> None:
+            info(f"budget trial {t}/{cfg.trials}: {message}")
+
+        tell(
+            f"curves predict {front[i].bytes:,} bytes of weights, "
+            f"{_points(predicted(front[i]), n_val):.2f} points lost before retraining"
+        )
+        rep = shrink_mod.shrink(m, spec, r, _quiet(hooks, tell), d, metadata)
+        got = right(m)
+        lost = base - int(got.sum())
+        ok = lost <= allowed
+        # The drop's paired interval: at a few hundred samples, a budget of 0.2 points is
+        # often inside the noise of retraining itself, and the user should see so.
+        change = stats.paired_accuracy_change(base_right, got)
+        trials.append(
+            {
+                "trial": t,
+                "frontier_point": i,
+                "settings": {n: [o.sparsity, o.bits] for n, o in pick.items()},
+                "predicted_lost": predicted(front[i]),
+                "predicted_drop": _points(predicted(front[i]), n_val),
+                "predicted_kl": sum(
+                    options[n][k].kl for n, k in zip(names, front[i].picks, strict=True)
+                ),
+                "predicted_weight_bytes": front[i].bytes,
+                "lost": lost,
+                "val_drop": _points(lost, n_val),
+                "val_drop_interval": [-change["ci_points"][1], -change["ci_points"][0]],
+                "val_gained_lost": [change["gained"], change["lost"]],
+                "archive_bytes": rep["archive"]["bytes"],
+                "within_budget": ok,
+            }
+        )
+        tell(
+            f"archive {rep['archive']['bytes']:,} bytes, validation drop "
+            f"{_points(lost, n_val):+.2f} points: {'within' if ok else 'over'} the budget"
+        )
+        kept[t] = (m, rep, d)
+        best = _best(trials)
+        for other in [k for k in kept if k != best]:  # hold one model and archive at a time
+            shutil.rmtree(kept.pop(other)[2], ignore_errors=True)
+        if ok:
+            passed = i if passed is None or i > passed else passed
+        else:
+            failed = i if failed is None or i < failed else failed
+        i = next_trial(front, passed, failed)
+        if i is not None and any(tr["frontier_point"] == i for tr in trials):
+            i = None
+    best = _best(trials)
+    m, rep, d = kept[best]
+    (d / "student.dcz").replace(out_dir / "student.dcz")
+    shutil.rmtree(d, ignore_errors=True)
+    if "archive" in rep:
+        rep["archive"]["path"] = str(out_dir / "student.dcz")
+    won = trials[best - 1]
+    rep["budget"] = {
+        "max_drop": cfg.max_drop,
+        "validation_samples": n_val,
+        "allowed_lost": allowed,
+        "baseline_val_correct": base,
+        "met": won["within_budget"],
+        "chosen_trial": best,
+        "predicted_drop": won["predicted_drop"],
+        "val_drop": won["val_drop"],
+        "val_drop_interval": won["val_drop_interval"],
+        "frontier_points": len(front),
+        "grid": {"sparsities": list(cfg.sparsities), "bits": list(cfg.bits)},
+        "layers": {
+            n: {
+                "sparsity": o.sparsity,
+                "bits": o.bits,
+                "lost_alone": o.lost,
+                "kl_alone": o.kl,
+                "bytes": o.bytes,
+            }
+            for n, o in chosen(front[won["frontier_point"]]).items()
+        },
+        "trials": trials,
+        "curves": {n: [[o.sparsity, o.bits, o.lost, o.bytes] for o in options[n]] for n in names},
+        "asked_recipe": recipe,
+    }
+    return m, rep
+
+
+def _points(lost: int, n: int) -> float:
+    return 100 * lost / n
+
+
+def _best(trials: list[dict[str, Any]]) -> int:
+    """The trial kept: the smallest archive within the budget; with none within it, the one
+    that lost least (then the smaller)."""
+    ok = [t for t in trials if t["within_budget"]]
+    if ok:
+        return min(ok, key=lambda t: (t["archive_bytes"], t["trial"]))["trial"]
+    return min(trials, key=lambda t: (t["lost"], t["archive_bytes"], t["trial"]))["trial"]
+
+
+def _quiet(hooks: shrink_mod.Hooks, tell: Callable[[str], None]) -> shrink_mod.Hooks:
+    return dataclasses.replace(hooks, info=tell)

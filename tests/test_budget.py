@@ -1,0 +1,366 @@
+"""The accuracy budget (compressor.budget, `compress shrink --max-drop`): the allocation against
+a brute-force optimum, the frontier, the curves' bytes against the archive's, the search on a
+small model, and the CLI's bad input."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from compressor import budget, kmeans, shrink
+from compressor import recipe as recipe_mod
+from models.errors import InputError
+
+
+def _brute(sizes, costs, limit):
+    best = None
+    for picks in itertools.product(*[range(len(s)) for s in sizes]):
+        cost = sum(costs[i][k] for i, k in enumerate(picks))
+        size = sum(sizes[i][k] for i, k in enumerate(picks))
+        if cost <= limit and (best is None or size < best):
+            best = size
+    return best
+
+
+def _instance(rng):
+    layers = rng.randint(1, 4)
+    sizes = [[rng.randint(1, 60) for _ in range(rng.randint(1, 5))] for _ in range(layers)]
+    costs = [[rng.randint(0, 9) for _ in s] for s in sizes]
+    return sizes, costs
+
+
+def test_allocation_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes, costs = _instance(rng)
+        for limit in range(0, sum(max(c) for c in costs) + 2):
+            got = budget.allocate(sizes, costs, limit)
+            want = _brute(sizes, costs, limit)
+            if want is None:
+                assert got is None
+                continue
+            assert sum(costs[i][k] for i, k in enumerate(got)) <= limit
+            assert sum(sizes[i][k] for i, k in enumerate(got)) == want
+
+
+def test_a_budget_of_zero_only_takes_options_that_cost_nothing():
+    sizes = [[100, 40, 10], [50, 20], [9, 3]]
+    costs = [[0, 0, 4], [0, 1], [2, 0]]
+    picks = budget.allocate(sizes, costs, 0)
+    assert picks == [1, 0, 1]  # the smallest of the free options, per layer
+    assert budget.allocate([[5, 1]], [[1, 2]], 0) is None  # nothing is free: infeasible
+
+
+def test_frontier_is_every_budgets_optimum():
+    rng = random.Random(1)
+    for _ in range(100):
+        sizes, costs = _instance(rng)
+        front = budget.frontier(sizes, costs)
+        assert front, "some allocation always exists"
+        for a, b in itertools.pairwise(front):
+            assert b.bytes < a.bytes and b.cost > a.cost
+        for point in front:
+            assert _brute(sizes, costs, point.cost) == point.bytes
+            assert sum(sizes[i][k] for i, k in enumerate(point.picks)) == point.bytes
+        # the last point is the smallest allocation of all
+        assert front[-1].bytes == _brute(sizes, costs, 10**6)
+
+
+def _points(bytes_):
+    return [budget.Point(i, b, ()) for i, b in enumerate(bytes_)]
+
+
+def test_next_trial_bisects_on_bytes():
+    front = _points([1000, 800, 500, 300, 200, 120, 100])
+    # nothing tried yet beyond the start: between it and the smallest point
+    assert budget.next_trial(front, passed=0, failed=None) == 3  # sqrt(1000*100) ~ 316
+    assert budget.next_trial(front, passed=3, failed=None) == 4  # sqrt(300*100) ~ 173
+    assert budget.next_trial(front, passed=4, failed=None) == 5  # sqrt(200*100) ~ 141
+    assert budget.next_trial(front, passed=3, failed=5) == 4
+    assert budget.next_trial(front, passed=3, failed=4) is None
+    # the start failed: step back toward the cautious end
+    assert budget.next_trial(front, passed=None, failed=3) in (1, 2)
+    assert budget.next_trial(front, passed=None, failed=0) is None
+
+
+def test_allowed_loss_and_the_validation_split_it_needs():
+    assert budget.allowed_loss(0.2, 800) == 1
+    assert budget.allowed_loss(0.2, 2000) == 4
+    assert budget.allowed_loss(0.0, 800) == 0
+    budget.check_validation(0.2, 500, "data")
+    budget.check_validation(0.0, 100, "data")
+    with pytest.raises(InputError, match="it needs 500 validation samples"):
+        budget.check_validation(0.2, 143, "digits")
+    with pytest.raises(InputError, match="at least 100 validation samples; digits has 40"):
+        budget.check_validation(1.0, 40, "digits")
+
+
+# --- on a model ------------------------------------------------------------------------------
+
+
+def _data(n=600, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    y = (x[:, :4].argmax(1)).long()
+    return x, y
+
+
+def _model(x, y, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU())
+    model.append(nn.Linear(32, 4))
+    _fit(model, x, y, epochs=30, lr=1e-2)
+    return model
+
+
+def _fit(model, x, y, epochs, lr, loss_fn=None):
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    for _ in range(epochs):
+        order = torch.randperm(len(y), generator=g)
+        for i in range(0, len(y), 64):
+            j = order[i : i + 64]
+            if loss_fn is None:
+                loss = F.cross_entropy(model(x[j]), y[j])
+            else:
+                loss, _ = loss_fn(model, x[j], y[j])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+SPEC = {"name": "mlp", "kwargs": {}}
+
+
+def _hooks(x, y, xv, yv):
+    def acc(m, xs, ys):
+        with torch.no_grad():
+            return float((m.eval()(xs).argmax(1) == ys).float().mean())
+
+    return shrink.Hooks(
+        retrain=lambda m, e, lr, fn=None, data=None: _fit(m, x, y, e, lr, fn),
+        test_accuracy=lambda m: acc(m, xv, yv),
+        val_accuracy=lambda m: acc(m, xv, yv),
+        val_data=(xv, yv),
+        train_samples=len(y),
+    )
+
+
+def test_curves_restore_the_model_and_price_records_as_the_archive_does(tmp_path):
+    x, y = _data()
+    model = _model(x, y)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r = recipe_mod.resolve({"budget": {"max_drop": 1.0}})
+    cfg = budget.BudgetConfig(max_drop=1.0, sparsities=(0.0, 0.8), bits=(2, 8))
+    grid = budget.settings(model, r, cfg)
+    options = budget.measure(
+        model, grid, (x[:200], y[:200]), lambda layer, w: shrink.record_bytes(layer, w, r)
+    )
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # every layer put back
+    assert list(options) == ["0", "2", "4"]
+    for opts in options.values():
+        assert [(o.sparsity, o.bits) for o in opts] == [(0.0, 2), (0.0, 8), (0.8, 2), (0.8, 8)]
+        by = {(o.sparsity, o.bits): o for o in opts}
+        # 8 bits unpruned barely moves the outputs; 2 bits at 80% sparsity moves them most.
+        assert by[0.0, 8].kl < by[0.8, 2].kl and by[0.0, 8].kl < 1e-3
+        assert by[0.8, 2].bytes < by[0.0, 2].bytes < by[0.0, 8].bytes
+        assert by[0.0, 8].lost <= 2
+    # The bytes the curves price a layer at are the bytes its archive record takes.
+    rep = shrink.shrink(
+        model,
+        SPEC,
+        recipe_mod.resolve(
+            {
+                "prune": {"sparsity": {"0": 0.8, "2": 0.5}, "rounds": 1, "retrain_epochs": 0},
+                "quantize": {"bits": {"0": 3, "2": 4, "4": 8}, "finetune_epochs": 0},
+                "export": {"enabled": False},
+            }
+        ),
+        _hooks(x, y, x[:200], y[:200]),
+        tmp_path,
+    )
+    rows = {row["layer"]: row for row in rep["layers"]}
+    assert rows["4"]["encoding"].startswith("dense")  # 128 weights: dense is smaller
+    for name, layer in kmeans.layers(model).items():
+        w = model.get_submodule(layer.module).weight
+        assert shrink.record_bytes(layer, w, r) == rows[name]["bytes"], name
+
+
+def _search(tmp_path, max_drop, **budget_keys):
+    x, y = _data()
+    xv, yv = _data(300, seed=1)
+    model = _model(x, y)
+    r = recipe_mod.resolve(
+        {
+            "budget": {
+                "max_drop": max_drop,
+                "trials": 3,
+                "sparsities": [0.0, 0.5, 0.9],
+                "bits": [2, 4, 8],
+                **budget_keys,
+            },
+            "prune": {"rounds": 1, "retrain_epochs": 2},
+            "quantize": {"finetune_epochs": 1},
+            "export": {"enabled": False},
+        }
+    )
+    base = int((model(xv).argmax(1) == yv).sum())
+    m, rep = budget.search(model, SPEC, r, _hooks(x, y, xv, yv), tmp_path)
+    return base, m, rep, xv, yv
+
+
+@pytest.mark.parametrize("max_drop", [0.0, 2.0])
+def test_search_keeps_the_smallest_archive_within_the_budget(tmp_path, max_drop):
+    base, m, rep, xv, yv = _search(tmp_path, max_drop)
+    b = rep["budget"]
+    assert b["allowed_lost"] == budget.allowed_loss(max_drop, 300)
+    assert 1 <= len(b["trials"]) <= 3
+    won = b["trials"][b["chosen_trial"] - 1]
+    # What the report says the kept model lost is what it loses, measured again here.
+    lost = base - int((m(xv).argmax(1) == yv).sum())
+    assert won["lost"] == lost
+    within = [t for t in b["trials"] if t["within_budget"]]
+    assert b["met"] == bool(within)
+    for t in b["trials"]:
+        assert t["within_budget"] == (t["lost"] <= b["allowed_lost"])
+    if within:  # the smallest archive of those within the budget; with 0, nothing lost
+        assert won["archive_bytes"] == min(t["archive_bytes"] for t in within)
+        assert lost <= b["allowed_lost"]
+    # The archive left in the folder is the kept trial's, and no trial folder is left over.
+    assert (tmp_path / "student.dcz").stat().st_size == won["archive_bytes"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["student.dcz"]
+    # The kept model obeys the settings the report gives, and the recipe re-runs them.
+    for name, s in b["layers"].items():
+        w = m.get_submodule(name).weight.detach()
+        assert torch.unique(w[w != 0]).numel() <= 2 ** s["bits"]
+        assert rep["recipe"]["quantize"]["bits"][name] == s["bits"]
+        assert rep["recipe"]["prune"]["sparsity"][name] == s["sparsity"]
+    assert rep["recipe"]["budget"]["max_drop"] == "off"
+    assert b["asked_recipe"]["budget"]["max_drop"] == max_drop
+
+
+def test_search_respects_layers_the_recipe_fixes(tmp_path):
+    x, y = _data()
+    model = _model(x, y)
+    r = recipe_mod.resolve(
+        {
+            "budget": {"max_drop": 5.0},
+            "prune": {"sparsity": {"0": 0.6}},
+            "quantize": {"bits": {"4": 6}},
+        }
+    )
+    grid = budget.settings(model, r, budget.BudgetConfig.from_recipe(r["budget"]))
+    assert {s for s, _ in grid["0"][1]} == {0.6}
+    assert {b for _, b in grid["4"][1]} == {6}
+    assert len(grid["2"][1]) == 9 * 6
+    fixed = recipe_mod.resolve(
+        {
+            "budget": {"max_drop": 5.0},
+            "prune": {"sparsity": {"0": 0.6, "2": 0.5, "4": 0.1}},
+            "quantize": {"bits": {"0": 4, "2": 4, "4": 6}},
+        }
+    )
+    with pytest.raises(InputError, match="fix both for every layer"):
+        budget.settings(model, fixed, budget.BudgetConfig.from_recipe(fixed["budget"]))
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"budget": {"max_drop": -1}}, "budget.max_drop = -1 is impossible"),
+        ({"budget": {"max_drop": 100}}, "budget.max_drop = 100 is impossible"),
+        ({"budget": {"max_drop": "0.2"}}, "budget.max_drop = '0.2' is impossible"),
+        ({"budget": {"sparsities": [0.5, 1.0]}}, "budget.sparsities"),
+        ({"budget": {"bits": [0]}}, "budget.bits"),
+        ({"budget": {"max_drop": 1, "trials": 0}}, "budget.trials"),
+        (
+            {"budget": {"max_drop": 1}, "prune": {"sparsity": 0.9}},
+            "prune.sparsity = 0.9 sets them all",
+        ),
+        ({"budget": {"max_drop": 1}, "prune": {"quality": 1.0}}, "prune.quality = 1.0"),
+        ({"budget": {"max_drop": 1}, "huffman": {"enabled": False}}, "needs quantize and huffman"),
+    ],
+)
+def test_recipe_refuses_an_impossible_budget(raw, message):
+    with pytest.raises(InputError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        recipe_mod.resolve(raw)
+
+
+def test_a_budget_retrains_with_distillation_unless_told():
+    assert recipe_mod.resolve({})["train"]["distill"] == 0.0
+    assert recipe_mod.resolve({"budget": {"max_drop": 1}})["train"]["distill"] == 0.7
+    told = recipe_mod.resolve({"budget": {"max_drop": 1}, "train": {"distill": 0.0}})
+    assert told["train"]["distill"] == 0.0
+    # dry-run's TOML reads back to the same recipe
+    r = recipe_mod.resolve({"budget": {"max_drop": 0.5, "bits": [3, 5]}})
+    import tomllib
+
+    assert recipe_mod.resolve(tomllib.loads(recipe_mod.dumps(r))) == r
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+FAST = """
+[budget]
+trials = 2
+sparsities = [0.0, 0.8, 0.9]
+bits = [3, 5]
+[prune]
+rounds = 1
+retrain_epochs = 1
+[quantize]
+finetune_epochs = 1
+[export]
+enabled = false
+"""
+
+
+def test_shrink_max_drop_end_to_end(run, tmp_path):
+    ck = tmp_path / "lenet300.pt"
+    assert run("train", "--model", "lenet300", "--epochs", "3", "--out", ck, "-q").exit_code == 0
+    (tmp_path / "fast.toml").write_text(FAST)
+    out = tmp_path / "shrunk"
+    args = ["--recipe", tmp_path / "fast.toml", "--max-drop", "1", "--out", out, "-q"]
+    result = run("shrink", ck, *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    b = result.json()["budget"]
+    assert b["validation_samples"] == 143 and b["allowed_lost"] == 1
+    assert len(b["trials"]) <= 2 and set(b["layers"]) == {"fc1", "fc2", "fc3"}
+    report = json.loads((out / "report.json").read_text())
+    assert report["recipe"]["budget"]["max_drop"] == "off"
+    md = (out / "report.md").read_text()
+    assert "## Accuracy budget: at most 1 points" in md
+    # The kept recipe re-runs without the search, from the report.
+    (tmp_path / "kept.toml").write_text(
+        md.split("## Recipe")[1].split("```toml\n")[1].split("```")[0]
+    )
+    again = run("shrink", ck, "--recipe", tmp_path / "kept.toml", "--out", tmp_path / "b", "-q")
+    assert again.exit_code == 0, again.stderr
+    assert (tmp_path / "b" / "student.dcz").read_bytes() == (out / "student.dcz").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-drop", "-1"], "budget.max_drop = -1.0 is impossible"),
+        (["--max-drop", "100"], "budget.max_drop = 100.0 is impossible"),
+        (["--max-drop", "0.2"], "it needs 500 validation samples"),
+        (["--max-drop", "1", "--data", "npz"], "at least 100 validation samples; npz:"),
+    ],
+)
+def test_shrink_max_drop_bad_input(run, tmp_path, npz_file, args, message):
+    args = [f"npz:{npz_file}" if a == "npz" else a for a in args]
+    data = args[args.index("--data") + 1] if "--data" in args else "digits"
+    ck = tmp_path / "lenet300.pt"
+    trained = run("train", "--model", "lenet300", "--data", data, "--epochs", "1", "--out", ck)
+    assert trained.exit_code == 0, trained.stderr
+    result = run("shrink", ck, *args, "--out", tmp_path / "o", "-q")
+    assert result.exit_code == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()
