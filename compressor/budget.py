@@ -22,8 +22,10 @@ validation accuracy the user will give up.
    predict lost, so the budget the curves are given is not the user's: full shrink runs
    (pruning rounds with retraining, sharing, fine-tuning) are tried along the frontier,
    bisecting on archive bytes, each measured on the validation split; the smallest archive
-   whose measured drop stays within the budget is kept. The report gives, per trial, the
-   predicted (curves) and the measured (retrained) drop.
+   within the budget is kept. Within means top-1 accuracy within it, as asked, and the mean
+   probability of the right class too: top-1 on a few hundred samples lets a trial through by
+   luck, and a search that keeps the smallest survivor finds that luck (measured in `search`).
+   The report gives, per trial, the predicted (curves) and the measured (retrained) drop.
 
 The test split is never looked at: it is reported once, for the model that was chosen.
 """
@@ -339,8 +341,12 @@ def search(
         raise InputError("--max-drop needs a validation split (Hooks.val_data)")
     x, y = hooks.val_data
 
-    def right(m: nn.Module) -> np.ndarray:
-        return (outputs(m, x).argmax(-1) == y).numpy()
+    def judge(m: nn.Module) -> tuple[np.ndarray, float]:
+        """Per sample whether top-1 is right, and the mean probability of the right class in
+        points (top-1 accuracy's smooth counterpart, far less noisy on few samples)."""
+        logp = outputs(m, x)
+        p_true = logp.exp().gather(1, y.view(-1, 1)).mean()
+        return (logp.argmax(-1) == y).numpy(), 100 * float(p_true)
 
     n_val = len(y)
     check_validation(cfg.max_drop, n_val, "the data")
@@ -349,7 +355,7 @@ def search(
     shrink_mod.check_fits_recipe(model, recipe)
     p = recipe["prune"]
     prunable = set(prune.weight_layers(model, p["embeddings"])) if p["enabled"] else set()
-    base_right = right(model)
+    base_right, base_soft = judge(model)
     base = int(base_right.sum())
     options = measure(
         model,
@@ -402,9 +408,16 @@ def search(
             f"{_points(predicted(front[i]), n_val):.2f} points lost before retraining"
         )
         rep = shrink_mod.shrink(m, spec, r, _quiet(hooks, tell), d, metadata)
-        got = right(m)
+        got, soft = judge(m)
         lost = base - int(got.sum())
-        ok = lost <= allowed
+        # Within the budget: top-1 accuracy, as asked, and the mean probability of the right
+        # class too. Top-1 on a few hundred samples lets a trial through by luck, and the
+        # search keeps the smallest that got through: on MNIST LeNet-300-100 (800 validation
+        # samples) two kept trials lost 0.00 and 0.13 points of validation top-1 but 1.75
+        # and 1.05 on the test split; their mean probability had dropped 0.58 and 0.42
+        # points on validation (1.71 and 1.09 on test).
+        soft_drop = base_soft - soft
+        ok = lost <= allowed and soft_drop <= cfg.max_drop
         # The drop's paired interval: at a few hundred samples, a budget of 0.2 points is
         # often inside the noise of retraining itself, and the user should see so.
         change = stats.paired_accuracy_change(base_right, got)
@@ -423,13 +436,15 @@ def search(
                 "val_drop": _points(lost, n_val),
                 "val_drop_interval": [-change["ci_points"][1], -change["ci_points"][0]],
                 "val_gained_lost": [change["gained"], change["lost"]],
+                "val_soft_drop": soft_drop,
                 "archive_bytes": rep["archive"]["bytes"],
                 "within_budget": ok,
             }
         )
         tell(
             f"archive {rep['archive']['bytes']:,} bytes, validation drop "
-            f"{_points(lost, n_val):+.2f} points: {'within' if ok else 'over'} the budget"
+            f"{_points(lost, n_val):+.2f} points (mean probability of the right class "
+            f"{soft_drop:+.2f}): {'within' if ok else 'over'} the budget"
         )
         kept[t] = (m, rep, d)
         best = _best(trials)
@@ -459,6 +474,7 @@ def search(
         "predicted_drop": won["predicted_drop"],
         "val_drop": won["val_drop"],
         "val_drop_interval": won["val_drop_interval"],
+        "val_soft_drop": won["val_soft_drop"],
         "frontier_points": len(front),
         "grid": {"sparsities": list(cfg.sparsities), "bits": list(cfg.bits)},
         "layers": {
@@ -484,11 +500,13 @@ def _points(lost: int, n: int) -> float:
 
 def _best(trials: list[dict[str, Any]]) -> int:
     """The trial kept: the smallest archive within the budget; with none within it, the one
-    that lost least (then the smaller)."""
+    whose mean probability of the right class dropped least (then top-1, then the smaller)."""
     ok = [t for t in trials if t["within_budget"]]
     if ok:
         return min(ok, key=lambda t: (t["archive_bytes"], t["trial"]))["trial"]
-    return min(trials, key=lambda t: (t["lost"], t["archive_bytes"], t["trial"]))["trial"]
+    return min(
+        trials, key=lambda t: (t["val_soft_drop"], t["lost"], t["archive_bytes"], t["trial"])
+    )["trial"]
 
 
 def _quiet(hooks: shrink_mod.Hooks, tell: Callable[[str], None]) -> shrink_mod.Hooks:

@@ -141,20 +141,21 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
         f"trial {b['chosen_trial']}, validation drop {b['val_drop']:+.2f} points measured "
         f"({won['lost']} samples, paired 95% interval [{won['val_drop_interval'][0]:+.2f}, "
         f"{won['val_drop_interval'][1]:+.2f}]; the curves predicted "
-        f"{b['predicted_drop']:.2f} before retraining), {verdict}. An interval wider than the "
-        "budget says the validation split cannot resolve it: the search then keeps a result "
-        "that happened to land within it. The recipe below re-runs the kept trial without "
-        "the search.",
+        f"{b['predicted_drop']:.2f} before retraining; the mean probability of the right class "
+        f"dropped {b['val_soft_drop']:+.2f} points), {verdict}. A trial is within the budget "
+        "when both drops are: top-1 on few samples can pass by luck, its smooth counterpart "
+        "far less often. An interval wider than the budget says the validation split cannot "
+        "resolve it. The recipe below re-runs the kept trial without the search.",
         "",
         "| trial | predicted drop (curves) | validation drop (retrained) | paired 95% interval "
-        "| archive bytes | within |",
-        "|---|---|---|---|---|---|",
+        "| mean p(right class) drop | archive bytes | within |",
+        "|---|---|---|---|---|---|---|",
     ]
     for t in b["trials"]:
         lo, hi = t["val_drop_interval"]
         lines.append(
             f"| {t['trial']} | {t['predicted_drop']:.2f} | {t['val_drop']:+.2f} | "
-            f"[{lo:+.2f}, {hi:+.2f}] | {t['archive_bytes']:,} | "
+            f"[{lo:+.2f}, {hi:+.2f}] | {t['val_soft_drop']:+.2f} | {t['archive_bytes']:,} | "
             f"{'yes' if t['within_budget'] else 'no'} |"
         )
     lines += ["", "| layer | sparsity | bits | samples lost alone | record bytes (curve) |"]

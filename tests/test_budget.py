@@ -227,7 +227,9 @@ def test_search_keeps_the_smallest_archive_within_the_budget(tmp_path, max_drop)
     within = [t for t in b["trials"] if t["within_budget"]]
     assert b["met"] == bool(within)
     for t in b["trials"]:
-        assert t["within_budget"] == (t["lost"] <= b["allowed_lost"])
+        assert t["within_budget"] == (
+            t["lost"] <= b["allowed_lost"] and t["val_soft_drop"] <= max_drop
+        )
     if within:  # the smallest archive of those within the budget; with 0, nothing lost
         assert won["archive_bytes"] == min(t["archive_bytes"] for t in within)
         assert lost <= b["allowed_lost"]
