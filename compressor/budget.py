@@ -325,6 +325,75 @@ def trial_recipe(
     return r
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The curves and their frontier: what each frontier point sets per layer, and what the
+    curves predict of it."""
+
+    options: dict[str, list[Option]]
+    front: list[Point]
+
+    @classmethod
+    def of(cls, options: dict[str, list[Option]]) -> Plan:
+        sizes = [[o.bytes for o in opts] for opts in options.values()]
+        # The cost is the KL divergence in COST_STEPS steps of the curves' summed worst.
+        worst = sum(max(o.kl for o in opts) for opts in options.values())
+        unit = worst / COST_STEPS if worst > 0 else 1.0
+        costs = [[math.ceil(o.kl / unit) for o in opts] for opts in options.values()]
+        return cls(options, frontier(sizes, costs))
+
+    def chosen(self, i: int) -> dict[str, Option]:
+        return {
+            n: opts[k]
+            for (n, opts), k in zip(self.options.items(), self.front[i].picks, strict=True)
+        }
+
+    def predicted_lost(self, i: int) -> int:
+        """Samples the curves say point i loses before retraining: the layers' sum (a layer
+        that gains alone counts as losing none)."""
+        return sum(max(o.lost, 0) for o in self.chosen(i).values())
+
+
+class Judge:
+    """A trial's verdict on the validation split against the dense model.
+
+    Within the budget: top-1 accuracy, as asked, and the mean probability of the right class
+    too. Top-1 on a few hundred samples lets a trial through by luck, and the search keeps the
+    smallest that got through: on MNIST LeNet-300-100 (800 validation samples) two kept trials
+    lost 0.00 and 0.13 points of validation top-1 but 1.75 and 1.05 on the test split; their
+    mean probability of the right class had dropped 0.58 and 0.42 points on validation (1.71
+    and 1.09 on test)."""
+
+    def __init__(self, dense: nn.Module, val: tuple[torch.Tensor, torch.Tensor], max_drop: float):
+        self.x, self.y = val
+        self.max_drop = max_drop
+        self.n = len(self.y)
+        self.allowed = allowed_loss(max_drop, self.n)
+        self.right, self.soft = self._look(dense)
+        self.correct = int(self.right.sum())
+
+    def _look(self, m: nn.Module) -> tuple[np.ndarray, float]:
+        logp = outputs(m, self.x)
+        p_right = logp.exp().gather(1, self.y.view(-1, 1)).mean()
+        return (logp.argmax(-1) == self.y).numpy(), 100 * float(p_right)
+
+    def __call__(self, m: nn.Module) -> dict[str, Any]:
+        right, soft = self._look(m)
+        lost = self.correct - int(right.sum())
+        soft_drop = self.soft - soft
+        # The drop's paired interval: at a few hundred samples a budget of 0.2 points often
+        # lies inside the noise of retraining itself, and the user should see so.
+        change = stats.paired_accuracy_change(self.right, right)
+        return {
+            "lost": lost,
+            "val_drop": _points(lost, self.n),
+            "val_drop_interval": [-change["ci_points"][1], -change["ci_points"][0]],
+            "val_gained_lost": [change["gained"], change["lost"]],
+            "val_soft_drop": soft_drop,
+            "within_budget": lost <= self.allowed and soft_drop <= self.max_drop,
+        }
+
+
 def search(
     model: nn.Module,
     spec: dict[str, Any],
@@ -339,112 +408,69 @@ def search(
     cfg = BudgetConfig.from_recipe(recipe["budget"])
     if hooks.val_data is None:
         raise InputError("--max-drop needs a validation split (Hooks.val_data)")
-    x, y = hooks.val_data
-
-    def judge(m: nn.Module) -> tuple[np.ndarray, float]:
-        """Per sample whether top-1 is right, and the mean probability of the right class in
-        points (top-1 accuracy's smooth counterpart, far less noisy on few samples)."""
-        logp = outputs(m, x)
-        p_true = logp.exp().gather(1, y.view(-1, 1)).mean()
-        return (logp.argmax(-1) == y).numpy(), 100 * float(p_true)
-
-    n_val = len(y)
-    check_validation(cfg.max_drop, n_val, "the data")
-    allowed = allowed_loss(cfg.max_drop, n_val)
+    check_validation(cfg.max_drop, len(hooks.val_data[1]), "the data")
     grid = settings(model, recipe, cfg)
     shrink_mod.check_fits_recipe(model, recipe)
     p = recipe["prune"]
     prunable = set(prune.weight_layers(model, p["embeddings"])) if p["enabled"] else set()
-    base_right, base_soft = judge(model)
-    base = int(base_right.sum())
-    options = measure(
-        model,
-        grid,
-        (x, y),
-        lambda layer, w: shrink_mod.record_bytes(layer, w, recipe),
-        seed=recipe["train"]["seed"],
-        info=hooks.info,
+    judge = Judge(model, hooks.val_data, cfg.max_drop)
+    plan = Plan.of(
+        measure(
+            model,
+            grid,
+            hooks.val_data,
+            lambda layer, w: shrink_mod.record_bytes(layer, w, recipe),
+            seed=recipe["train"]["seed"],
+            info=hooks.info,
+        )
     )
-    names = list(options)
-    sizes = [[o.bytes for o in options[n]] for n in names]
-    worst = sum(max(o.kl for o in options[n]) for n in names)
-    unit = worst / COST_STEPS if worst > 0 else 1.0
-    costs = [[math.ceil(o.kl / unit) for o in options[n]] for n in names]
-    front = frontier(sizes, costs)
-
-    def predicted(point: Point) -> int:
-        """Samples the curves say the point loses before retraining: the layers' sum (a
-        layer that gains alone is counted as losing none)."""
-        return sum(max(options[n][k].lost, 0) for n, k in zip(names, point.picks, strict=True))
-
+    front = plan.front
     hooks.info(
         f"budget: {len(front)} allocations on the frontier, {front[0].bytes:,} to "
-        f"{front[-1].bytes:,} bytes of weights; {allowed} of {n_val} validation samples may go"
+        f"{front[-1].bytes:,} bytes of weights; {judge.allowed} of {judge.n} validation "
+        "samples may go"
     )
-
-    def chosen(point: Point) -> dict[str, Option]:
-        return {n: options[n][k] for n, k in zip(names, point.picks, strict=True)}
-
     trials: list[dict[str, Any]] = []
     kept: dict[int, tuple[nn.Module, dict[str, Any], Path]] = {}
     # Start where the curves alone say the budget holds: retraining only recovers from there.
-    start = max((i for i, pt in enumerate(front) if predicted(pt) <= allowed), default=0)
+    i: int | None = max(
+        (i for i in range(len(front)) if plan.predicted_lost(i) <= judge.allowed), default=0
+    )
     passed = failed = None
-    i: int | None = start
     while i is not None and len(trials) < cfg.trials:
         t = len(trials) + 1
-        pick = chosen(front[i])
-        r = trial_recipe(recipe, pick, prunable)
-        m = copy.deepcopy(model)
-        d = out_dir / f".trial-{t}"
-        d.mkdir()
-        info = hooks.info
 
-        def tell(message: str, t: int = t, info: Callable[[str], None] = info) -> None:
+        def tell(message: str, t: int = t, info: Callable[[str], None] = hooks.info) -> None:
             info(f"budget trial {t}/{cfg.trials}: {message}")
 
+        predicted = plan.predicted_lost(i)
         tell(
             f"curves predict {front[i].bytes:,} bytes of weights, "
-            f"{_points(predicted(front[i]), n_val):.2f} points lost before retraining"
+            f"{_points(predicted, judge.n):.2f} points lost before retraining"
         )
-        rep = shrink_mod.shrink(m, spec, r, _quiet(hooks, tell), d, metadata)
-        got, soft = judge(m)
-        lost = base - int(got.sum())
-        # Within the budget: top-1 accuracy, as asked, and the mean probability of the right
-        # class too. Top-1 on a few hundred samples lets a trial through by luck, and the
-        # search keeps the smallest that got through: on MNIST LeNet-300-100 (800 validation
-        # samples) two kept trials lost 0.00 and 0.13 points of validation top-1 but 1.75
-        # and 1.05 on the test split; their mean probability had dropped 0.58 and 0.42
-        # points on validation (1.71 and 1.09 on test).
-        soft_drop = base_soft - soft
-        ok = lost <= allowed and soft_drop <= cfg.max_drop
-        # The drop's paired interval: at a few hundred samples, a budget of 0.2 points is
-        # often inside the noise of retraining itself, and the user should see so.
-        change = stats.paired_accuracy_change(base_right, got)
+        m, d = copy.deepcopy(model), out_dir / f".trial-{t}"
+        d.mkdir()
+        r = trial_recipe(recipe, plan.chosen(i), prunable)
+        rep = shrink_mod.shrink(m, spec, r, dataclasses.replace(hooks, info=tell), d, metadata)
+        verdict = judge(m)
         trials.append(
             {
                 "trial": t,
                 "frontier_point": i,
-                "settings": {n: [o.sparsity, o.bits] for n, o in pick.items()},
-                "predicted_lost": predicted(front[i]),
-                "predicted_drop": _points(predicted(front[i]), n_val),
-                "predicted_kl": sum(
-                    options[n][k].kl for n, k in zip(names, front[i].picks, strict=True)
-                ),
+                "settings": {n: [o.sparsity, o.bits] for n, o in plan.chosen(i).items()},
+                "predicted_lost": predicted,
+                "predicted_drop": _points(predicted, judge.n),
+                "predicted_kl": sum(o.kl for o in plan.chosen(i).values()),
                 "predicted_weight_bytes": front[i].bytes,
-                "lost": lost,
-                "val_drop": _points(lost, n_val),
-                "val_drop_interval": [-change["ci_points"][1], -change["ci_points"][0]],
-                "val_gained_lost": [change["gained"], change["lost"]],
-                "val_soft_drop": soft_drop,
                 "archive_bytes": rep["archive"]["bytes"],
-                "within_budget": ok,
+                **verdict,
             }
         )
+        ok = verdict["within_budget"]
         tell(
             f"archive {rep['archive']['bytes']:,} bytes, validation drop "
-            f"{_points(lost, n_val):+.2f} points (mean probability of the right class "
-            f"{soft_drop:+.2f}): {'within' if ok else 'over'} the budget"
+            f"{verdict['val_drop']:+.2f} points (mean probability of the right class "
+            f"{verdict['val_soft_drop']:+.2f}): {'within' if ok else 'over'} the budget"
         )
         kept[t] = (m, rep, d)
         best = _best(trials)
@@ -457,25 +483,28 @@ def search(
         i = next_trial(front, passed, failed)
         if i is not None and any(tr["frontier_point"] == i for tr in trials):
             i = None
-    best = _best(trials)
-    m, rep, d = kept[best]
+    m, rep, d = kept[_best(trials)]
     (d / "student.dcz").replace(out_dir / "student.dcz")
     shutil.rmtree(d, ignore_errors=True)
-    if "archive" in rep:
-        rep["archive"]["path"] = str(out_dir / "student.dcz")
-    won = trials[best - 1]
-    rep["budget"] = {
+    rep["archive"]["path"] = str(out_dir / "student.dcz")
+    rep["budget"] = _record(cfg, judge, plan, trials, recipe)
+    return m, rep
+
+
+def _record(cfg, judge: Judge, plan: Plan, trials, recipe) -> dict[str, Any]:
+    won = trials[_best(trials) - 1]
+    return {
         "max_drop": cfg.max_drop,
-        "validation_samples": n_val,
-        "allowed_lost": allowed,
-        "baseline_val_correct": base,
+        "validation_samples": judge.n,
+        "allowed_lost": judge.allowed,
+        "baseline_val_correct": judge.correct,
         "met": won["within_budget"],
-        "chosen_trial": best,
+        "chosen_trial": won["trial"],
         "predicted_drop": won["predicted_drop"],
         "val_drop": won["val_drop"],
         "val_drop_interval": won["val_drop_interval"],
         "val_soft_drop": won["val_soft_drop"],
-        "frontier_points": len(front),
+        "frontier_points": len(plan.front),
         "grid": {"sparsities": list(cfg.sparsities), "bits": list(cfg.bits)},
         "layers": {
             n: {
@@ -485,13 +514,15 @@ def search(
                 "kl_alone": o.kl,
                 "bytes": o.bytes,
             }
-            for n, o in chosen(front[won["frontier_point"]]).items()
+            for n, o in plan.chosen(won["frontier_point"]).items()
         },
         "trials": trials,
-        "curves": {n: [[o.sparsity, o.bits, o.lost, o.bytes] for o in options[n]] for n in names},
+        "curves": {
+            n: [[o.sparsity, o.bits, o.lost, o.kl, o.bytes] for o in opts]
+            for n, opts in plan.options.items()
+        },
         "asked_recipe": recipe,
     }
-    return m, rep
 
 
 def _points(lost: int, n: int) -> float:
@@ -507,7 +538,3 @@ def _best(trials: list[dict[str, Any]]) -> int:
     return min(
         trials, key=lambda t: (t["val_soft_drop"], t["lost"], t["archive_bytes"], t["trial"])
     )["trial"]
-
-
-def _quiet(hooks: shrink_mod.Hooks, tell: Callable[[str], None]) -> shrink_mod.Hooks:
-    return dataclasses.replace(hooks, info=tell)
