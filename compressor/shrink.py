@@ -369,15 +369,22 @@ def _fixed_gap_bits(layer: prune.Layer, h: dict[str, Any]) -> int:
 
 
 def _shared_entry(key: str, s: kmeans.SharedWeights, fixed: int, mode: str) -> archive.Shared:
-    mask = s.mask.flatten()
-    positions = torch.nonzero(mask).flatten().numpy()
+    return _shared_record(key, s.mask, s.codebook.detach(), s.index, fixed, mode)
+
+
+def _shared_record(
+    key: str, mask: torch.Tensor, codebook: torch.Tensor, index: torch.Tensor, fixed: int, mode: str
+) -> archive.Shared:
+    """The archive's shared record of a weight: `codebook[index]` where `mask`, zeros elsewhere."""
+    flat = mask.flatten()
+    positions = torch.nonzero(flat).flatten().numpy()
     return archive.Shared(
         key,
-        tuple(s.mask.shape),
-        s.codebook.detach().numpy().astype(np.float32),
-        s.index.flatten()[mask].numpy(),
+        tuple(mask.shape),
+        codebook.numpy().astype(np.float32),
+        index.flatten()[flat].numpy(),
         positions,
-        _choose_gap_bits(positions, mask.numel(), fixed, mode),
+        _choose_gap_bits(positions, flat.numel(), fixed, mode),
     )
 
 
@@ -386,23 +393,16 @@ def record_bytes(layer: prune.Layer, value: torch.Tensor, recipe: dict[str, Any]
     values, zeros pruned): the smaller of its shared and dense records, as `_entries` chooses
     (the dense one as float16 when `quantize.dense` asks for it)."""
     h, dense16 = recipe["huffman"], recipe["quantize"]["dense"] == "float16"
-    flat = value.detach().flatten().float()
-    mask = flat != 0
-    codebook, index = torch.unique(flat[mask], return_inverse=True)
-    positions = torch.nonzero(mask).flatten().numpy()
-    gap = _choose_gap_bits(positions, flat.numel(), _fixed_gap_bits(layer, h), h["gap_bits"])
-    shared = archive.Shared(
-        layer.key,
-        tuple(value.shape),
-        codebook.numpy().astype(np.float32),
-        index.numpy(),
-        positions,
-        gap,
-    )
-    as_dense = value.detach().float()
-    if dense16 and (not flat.numel() or bool(flat.abs().max() <= _FP16_MAX)):
-        as_dense = as_dense.half().float()
-    dense = archive.Dense(layer.key, as_dense, store_fp16=dense16)
+    value = value.detach().float()
+    mask = value != 0
+    codebook, kept_index = torch.unique(value[mask], return_inverse=True)
+    index = torch.zeros(value.shape, dtype=torch.int64)
+    index[mask] = kept_index
+    fixed = _fixed_gap_bits(layer, h)
+    shared = _shared_record(layer.key, mask, codebook, index, fixed, h["gap_bits"])
+    if dense16 and (not value.numel() or bool(value.abs().max() <= _FP16_MAX)):
+        value = value.half().float()
+    dense = archive.Dense(layer.key, value, store_fp16=dense16)
     return min(archive.record_size(shared), archive.record_size(dense))
 
 
