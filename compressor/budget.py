@@ -154,9 +154,9 @@ def frontier(sizes: list[list[int]], costs: list[list[int]]) -> list[Point]:
 
 
 def next_trial(front: list[Point], passed: int | None, failed: int | None) -> int | None:
-    """The frontier point to try next, bisecting on log-bytes between the smallest point that
-    passed and the largest that failed (the most aggressive point when none failed yet);
-    None when none is left between them."""
+    """The frontier point to try next, bisecting on log-bytes between the most aggressive point
+    that passed (the most cautious point when none has) and the most cautious that failed (the
+    most aggressive point when none has); None when no untried point lies between them."""
     lo = passed if passed is not None else -1
     hi = failed if failed is not None else len(front)
     pool = range(lo + 1, hi)

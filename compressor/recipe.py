@@ -487,7 +487,7 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
         return
     p = r["prune"]
     if p["enabled"] and (
-        p["quality"] is not None or p["sparsity"] in ("auto",) or _number(p["sparsity"])
+        p["quality"] is not None or p["sparsity"] == "auto" or _number(p["sparsity"])
     ):
         given = (
             f"prune.quality = {p['quality']!r}"
