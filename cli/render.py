@@ -203,7 +203,8 @@ def shrink_summary(report: dict) -> None:
         if not b["met"]:
             stderr.print(
                 f"warning: no trial stayed within --max-drop {b['max_drop']:g}; kept the one "
-                "that lost least. Raise budget.trials, or the budget."
+                "whose mean probability of the right class dropped least. Raise budget.trials, "
+                "or the budget."
             )
     base = report["baseline"]
     table = Table(title="compress shrink", title_justify="left")

@@ -492,7 +492,7 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
         given = (
             f"prune.quality = {p['quality']!r}"
             if p["quality"] is not None
-            else (f"prune.sparsity = {p['sparsity']!r}")
+            else f"prune.sparsity = {p['sparsity']!r}"
         )
         raise InputError(
             f"{source}: budget.max_drop chooses each layer's sparsity, and {given} sets them "
@@ -531,16 +531,7 @@ def _positive(r, source, section, key) -> None:
 def dumps(recipe: dict[str, Any]) -> str:
     """The recipe as TOML (what --dry-run prints; loads back to the same recipe)."""
     lines = [f"version = {recipe['version']}"]
-    for section in (
-        "train",
-        "budget",
-        "distill",
-        "channels",
-        "prune",
-        "quantize",
-        "huffman",
-        "export",
-    ):
+    for section in list(DEFAULTS)[1:]:  # the sections, in DEFAULTS' order
         lines.append(f"\n[{section}]")
         tables = []
         for key, value in recipe[section].items():

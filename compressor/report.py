@@ -128,7 +128,8 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
     verdict = (
         "within the budget"
         if b["met"]
-        else "**over the budget: no trial met it; the one that lost least is kept**"
+        else "**over the budget: no trial met it; the one whose mean probability of the right "
+        "class dropped least is kept**"
     )
     lines = [
         f"## Accuracy budget: at most {b['max_drop']:g} points",
