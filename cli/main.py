@@ -128,7 +128,7 @@ class CompressGroup(click.Group):
             )
         if entry.INTERRUPTED:  # a library swallowed the Ctrl-C and the command went on
             _fail("interrupted", EXIT_INTERRUPTED)
-        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+        _exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
 def _fail(message: str, code: int) -> None:
@@ -136,6 +136,22 @@ def _fail(message: str, code: int) -> None:
     click.echo(f"error: {message}", err=True)
     if _State.json:
         emit_json({"error": message, "exit_code": code})
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """Leave with `code`. A rank that torchrun started leaves without the interpreter's
+    teardown, as the ranks `distrib.launch` spawns do: gloo's C++ threads destroyed there
+    abort a finished process now and then (SIGABRT, "terminate called without an active
+    exception"), and torchrun then counts a rank that finished its work as failed while the
+    other machines' agents wait out their 300 s exit barrier for it. Everything this command
+    writes is written (atomically) and flushed by now."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
     sys.exit(code)
 
 

@@ -250,20 +250,27 @@ def _yaml(text: str, path: Path) -> Any:
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     depth = 0
-    for event in yaml.parse(text, Loader=loader):
-        if isinstance(event, yaml.AliasEvent):
-            line = event.start_mark.line + 1 if event.start_mark else "?"
-            raise InputError(
-                f"--recipe {path}: YAML alias *{event.anchor} (line {line}); compress refuses "
-                "aliases, which can expand a small file without bound: write the value out "
-                "in full instead of &anchor / *alias"
-            )
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_NESTING:
-                raise _too_deep(path)
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
+    try:
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.AliasEvent):
+                line = event.start_mark.line + 1 if event.start_mark else "?"
+                raise InputError(
+                    f"--recipe {path}: YAML alias *{event.anchor} (line {line}); compress "
+                    "refuses aliases, which can expand a small file without bound: write the "
+                    "value out in full instead of &anchor / *alias"
+                )
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_NESTING:
+                    raise _too_deep(path)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError as e:
+        # PyYAML >= 6.0.4 has a nesting limit of its own, met while it scans ahead of the
+        # events counted above: the same refusal, in our words.
+        if "nesting depth" in str(e):
+            raise _too_deep(path) from None
+        raise
     return yaml.load(text, Loader=loader)  # a SafeLoader: plain data only
 
 

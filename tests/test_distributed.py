@@ -296,12 +296,14 @@ def test_torchrun_two_nodes_on_localhost_train_and_write_one_checkpoint(tmp_path
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for _ in range(2)
     ]
+    deadline = time.monotonic() + 180
     try:
-        outs = [n.communicate(timeout=180) for n in nodes]
-    finally:
+        outs = [n.communicate(timeout=max(1.0, deadline - time.monotonic())) for n in nodes]
+    except subprocess.TimeoutExpired:
         for n in nodes:
-            if n.poll() is None:
-                n.kill()
+            n.kill()
+        tails = [(n.returncode, n.communicate()[1][-1500:]) for n in nodes]
+        pytest.fail(f"torchrun nodes still running after 180 s; (exit code, stderr): {tails}")
     assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
     import json
 
