@@ -78,8 +78,8 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
     _, out, report = shrunk
     assert [s["name"] for s in report["stages"]] == ["prune", "quantize", "huffman"]
     # The archive decodes to the shipped weights bit for bit (the pipeline checked it too).
-    decoded = archive.read(out / "student.dcz").state_dict
-    state = checkpoint.load(out / "student.pt").state_dict
+    decoded = archive.read(out / "model.dcz").state_dict
+    state = checkpoint.load(out / "model.pt").state_dict
     assert decoded.keys() == state.keys()
     assert all(bits_equal(decoded[k], state[k]) for k in state)
     # Every shared layer is read back from each ONNX file, MultiheadAttention's in_proj_weight
@@ -130,18 +130,18 @@ def test_bench_runs_the_token_models(shrunk, run):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     rows = {r["model"]: r for r in result.json()["results"]}
-    assert {"student.pt", "student.fp32.onnx"} <= rows.keys()
+    assert {"model.pt", "model.fp32.onnx"} <= rows.keys()
     for r in rows.values():
         assert r["test_accuracy"] is not None and r["p50_ms"] > 0
     # MACs of the PyTorch model (MultiheadAttention included) match the exported graph's.
-    assert rows["student.pt"]["macs"] == rows["student.fp32.onnx"]["macs"] > 0
-    assert rows["student.fp32.onnx"]["top1_agreement"] == 1.0
+    assert rows["model.pt"]["macs"] == rows["model.fp32.onnx"]["macs"] > 0
+    assert rows["model.fp32.onnx"]["top1_agreement"] == 1.0
 
 
 def test_bench_inputs_without_data_are_ids_the_model_embeds(shrunk):
     _, out, _ = shrunk
     rng = np.random.default_rng(0)
-    for name in ("student.pt", "student.fp32.onnx"):
+    for name in ("model.pt", "model.fp32.onnx"):
         m = variants.load(out / name)
         assert m.tokens and m.vocab == 64 and m.in_shape == (16,)
         x = benchmark.inputs(m, 500, None, rng)
@@ -173,8 +173,10 @@ def test_npz_named_after_the_forward_argument_reaches_shrink_and_bench(shrunk, r
         "--min-runs", "2", "--min-seconds", "0", "--providers", "torch", "--json", "-q",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    (row,) = result.json()["results"]
-    assert row["test_accuracy"] > 0.25
+    # fp32 (and bf16 autocast where the CPU has native bf16: this one may)
+    rows = result.json()["results"]
+    assert [r["precision"] for r in rows][:1] == ["fp32"] and len(rows) <= 2
+    assert all(r["test_accuracy"] > 0.25 for r in rows)
 
 
 # --- refusals: one line each ------------------------------------------------------------------
