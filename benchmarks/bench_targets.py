@@ -83,10 +83,10 @@ def main() -> None:
         runs.append(
             compress(
                 "bench",
-                vgg / "student.fp32.onnx",
-                vgg / "student.int8.onnx",
-                lenet / "student.fp32.onnx",
-                lenet / "student.int8.onnx",
+                vgg / "model.fp32.onnx",
+                vgg / "model.int8.onnx",
+                lenet / "model.fp32.onnx",
+                lenet / "model.int8.onnx",
                 "--batch",
                 "1,64",
                 *args,
@@ -101,12 +101,12 @@ def main() -> None:
             f = next(
                 r
                 for r in rows
-                if r["path"].endswith(f"{folder}/student.fp32.onnx") and r["batch"] == batch
+                if r["path"].endswith(f"{folder}/model.fp32.onnx") and r["batch"] == batch
             )
             i = next(
                 r
                 for r in rows
-                if r["path"].endswith(f"{folder}/student.int8.onnx") and r["batch"] == batch
+                if r["path"].endswith(f"{folder}/model.int8.onnx") and r["batch"] == batch
             )
             print(
                 f"| {folder} | {batch} | {f['p50_ms']:.3f} | {i['p50_ms']:.3f} | "
@@ -119,7 +119,7 @@ def main() -> None:
     print("\n## 2. Harness overhead per call (lenet5-classic FP32, batch 1, 1 thread)\n")
     from compressor import benchmark
 
-    path = lenet / "student.fp32.onnx"
+    path = lenet / "model.fp32.onnx"
     x = np.random.default_rng(0).random((1, 1, 28, 28), dtype=np.float32)
     session = benchmark._session(path, ["CPUExecutionProvider"], 1)
     feed = {session.get_inputs()[0].name: x}

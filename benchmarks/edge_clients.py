@@ -179,15 +179,21 @@ def shrink_folders(work: Path) -> dict[str, Path]:
     folders["user residual/depthwise net (IR 9)"] = user
     for folder in folders.values():  # the demo writes no fixed-batch copy: make it as shrink does
         for kind in ("int8", "fp32"):
-            src, fixed = folder / f"student.{kind}.onnx", folder / f"student.{kind}.fixed.onnx"
+            name = stem(folder)
+            src, fixed = folder / f"{name}.{kind}.onnx", folder / f"{name}.{kind}.fixed.onnx"
             if kind == "int8" and src.is_file() and not fixed.is_file():
                 mobile.fixed_batch(src, fixed, 1)
     return folders
 
 
+def stem(folder: Path) -> str:
+    """What a shrink folder's files are called: student.* after distillation, else model.*."""
+    return json.loads((folder / "report.json").read_text()).get("name", "student")
+
+
 def model_files(folder: Path) -> list[tuple[Path, int]]:
-    names = ["student.fp32.onnx", "student.int8.onnx", "student.int8.fixed.onnx"]
-    names += ["student.fp32.fixed.onnx", "student.int8.ort", "student.fp32.ort"]
+    kinds = ["fp32.onnx", "int8.onnx", "int8.fixed.onnx", "fp32.fixed.onnx", "int8.ort", "fp32.ort"]
+    names = [f"{stem(folder)}.{k}" for k in kinds]
     return [(folder / n, 1 if ".fixed." in n else 0) for n in names if (folder / n).is_file()]
 
 
@@ -249,7 +255,7 @@ def client_table(work: Path, folders: dict[str, Path]) -> list[dict]:
         }
         spec_path = folder / "clients.json"
         spec_path.write_text(json.dumps(spec))
-        ref = int8.outputs(int8.session(folder / "student.fp32.onnx", True), x)
+        ref = int8.outputs(int8.session(folder / f"{stem(folder)}.fp32.onnx", True), x)
         import onnxruntime as ort
 
         here = {"version": ort.__version__, "results": {}}
@@ -326,11 +332,11 @@ def quantizer_table(work: Path, mnist: Path | None) -> list[dict]:
     rows = []
     for title, (folder, spec) in cases.items():
         ds = data_mod.load(spec)
-        fp32 = folder / "student.fp32.onnx"
+        fp32 = folder / f"{stem(folder)}.fp32.onnx"
         pick = torch.randperm(len(ds.y_train), generator=torch.Generator().manual_seed(0))
         calib = ds.x_train[pick[:256]].numpy()  # the samples our file was calibrated on
         _, ort_default = export.ort_baselines(fp32, work, calib)
-        files = {"compress student.int8.onnx": folder / "student.int8.onnx"}
+        files = {"compress INT8 file": folder / f"{stem(folder)}.int8.onnx"}
         files["ORT quantize_static defaults (S8S8 per-tensor)"] = ort_default
         nncf_note = nncf_file(fp32, calib, work / f"{folder.name}.nncf.onnx")
         if isinstance(nncf_note, Path):

@@ -129,21 +129,19 @@ def compress_measured(args: list[str]) -> tuple[dict, float, int]:
 
 
 def fp32_parity(folder: Path, data_x: np.ndarray) -> tuple[float, float]:
-    """max |dlogit| between student.pt (PyTorch) and student.fp32.onnx, and that over the
+    """max |dlogit| between model.pt (PyTorch) and model.fp32.onnx, and that over the
     largest |logit| (the relative figure the target is stated in)."""
     import onnxruntime as ort
     import torch
 
     from models import checkpoint
 
-    ck = checkpoint.load(folder / "student.pt")
+    ck = checkpoint.load(folder / "model.pt")
     model = ck.build_model(allow_import=True).eval()
     x = data_x[:64]
     with torch.no_grad():
         ref = model(torch.from_numpy(x)).numpy()
-    sess = ort.InferenceSession(
-        str(folder / "student.fp32.onnx"), providers=["CPUExecutionProvider"]
-    )
+    sess = ort.InferenceSession(str(folder / "model.fp32.onnx"), providers=["CPUExecutionProvider"])
     got = sess.run(None, {sess.get_inputs()[0].name: x})[0]
     diff = float(np.abs(got - ref).max())
     return diff, diff / max(float(np.abs(ref).max()), 1e-12)
@@ -237,7 +235,7 @@ def one(case: Case, data: str, work: Path, recipe: Path, base_rss: int, epochs: 
     onnx = rep.get("onnx", {})
     int8 = onnx.get("int8") or rep.get("int8_not_written") or {}
     test_x = _test_inputs(data, work)
-    diff, rel = fp32_parity(out, test_x) if (out / "student.fp32.onnx").exists() else (None, None)
+    diff, rel = fp32_parity(out, test_x) if (out / "model.fp32.onnx").exists() else (None, None)
     row = {
         "name": case.name,
         "parameters": params,

@@ -121,11 +121,11 @@ def one(name: str, work: Path, opts) -> None:
         out = work / f"{name}-{label}"
         compress("shrink", ck, "--data", data, "--recipe", rec, "--out", out, *extra)
         reports[label] = json.loads((out / "report.json").read_text())
-    files = [work / f"{name}-{lab}" / "student.int8.onnx" for lab in ("dense", "thin")]
+    files = [work / f"{name}-{lab}" / "model.int8.onnx" for lab in ("dense", "thin")]
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise SystemExit(f"no INT8 file written: {', '.join(missing)} (see report.json)")
-    fp32 = [f.with_name("student.fp32.onnx") for f in files]
+    fp32 = [f.with_name("model.fp32.onnx") for f in files]
     bench = compress(
         "bench", *files, *fp32, "--data", data, "--batch", "1,64", "--threads", "1",
         "--providers", "cpu", "--min-seconds", "2",

@@ -8,12 +8,14 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import emit_json, input_name, json_option
+from cli.main import emit_json, input_name, json_option, log_option
 from compressor import benchmark, benchreport, envinfo, variants
 from compressor import export as export_mod
 from models import data as data_mod
 from models import safeload, zoo
 from models.errors import InputError
+
+DEFAULT_PROVIDERS = "torch,cpu,cuda,tensorrt"
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -48,9 +50,9 @@ Examples:
 )
 @click.option(
     "--providers",
-    default="torch,cpu,cuda,tensorrt",
-    show_default=True,
-    help="Runtimes: torch (PyTorch eager), cpu, cuda, tensorrt (ONNX Runtime providers).",
+    default=None,
+    help="Runtimes: torch (PyTorch eager), cpu, cuda, tensorrt (ONNX Runtime providers). "
+    f"[default: those of {DEFAULT_PROVIDERS} installed here; the others named in one line]",
 )
 @click.option("--min-runs", type=int, default=50, show_default=True, help="Timed runs per cell.")
 @click.option(
@@ -79,8 +81,12 @@ Examples:
 @click.option(
     "--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG figure."
 )
+@click.option(
+    "--wide", is_flag=True, help="Every column, however wide; else those the terminal fits."
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option
+@log_option
 def bench(
     models: tuple[Path, ...],
     data: str | None,
@@ -95,6 +101,7 @@ def bench(
     model_kwargs: str | None,
     report_path: Path | None,
     plot_path: Path | None,
+    wide: bool,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -105,7 +112,9 @@ def bench(
         min_runs=min_runs,
         min_seconds=min_seconds,
     )
-    runtimes = variants.parse_providers(providers)
+    # Without --providers every runtime is asked for: the absent ones come back as skips
+    # without being tried, kept in the JSON, and the table names them in one line.
+    runtimes = variants.parse_providers(providers or DEFAULT_PROVIDERS)
     for path, flag in ((report_path, "--report"), (plot_path, "--plot")):
         if path is not None:
             from models.fileio import check_writable
@@ -129,18 +138,23 @@ def bench(
     result = {
         "environment": envinfo.environment(),
         **extra,
+        "runtimes": {
+            "requested": runtimes,
+            "default": providers is None,
+            "absent": benchmark.absent_runtimes(),
+        },
         "results": results,
         "skipped": skipped + more,
         "profiles": profiles,
     }
     if report_path:
-        benchreport.write_markdown(result, report_path)
+        benchreport.write_markdown(result, report_path, plot=plot_path)
     if plot_path:
         benchreport.plot(result, plot_path)
     if as_json:
         emit_json(result)
     else:
-        render.bench_table(result)
+        render.bench_table(result, wide=wide)
 
 
 def _baselines(described, ds, tmp: Path, info) -> list:

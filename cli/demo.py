@@ -13,13 +13,14 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import OutPath, emit_json, json_option
+from cli.main import OutPath, emit_json, json_option, log_option
 from cli.shrink import json_view, run_shrink
 from compressor import benchmark, envinfo, pipeline, variants
 from compressor import recipe as recipe_mod
 from distrib.job import TrainJob, run
 from distrib.trainer import TrainConfig
 from models import data as data_mod
+from models.errors import InputError
 
 TEACHER = {"model": "vgg", "epochs": 3}
 # Chosen by measurement (docs/benchmarks.md): LeNet-5 distilled for 20 epochs at T=4, alpha=0.7
@@ -41,13 +42,20 @@ Example:
     show_default=True,
     help="Folder for teacher.pt and the student/ outputs.",
 )
+@click.option("--force", is_flag=True, help="Replace the outputs of an earlier demo in --out.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option
-def demo(out: Path, quiet: bool, as_json: bool) -> None:
+@log_option
+def demo(out: Path, force: bool, quiet: bool, as_json: bool) -> None:
     """Train a teacher on digits, shrink it to an INT8 ONNX student, compare them."""
     pipeline.check_out_dir(out)  # before any training: a folder we can create or fill
+    if (out / "teacher.pt").exists() and not force:
+        raise InputError(
+            f"--out {out}: already holds an earlier demo (teacher.pt); pass --force to replace "
+            "it, or give another folder"
+        )
     out.mkdir(exist_ok=True)
-    pipeline.check_out_dir(out / "student")
+    pipeline.check_out_dir(out / "student", force)
     teacher_path = out / "teacher.pt"
     progress = render.TrainProgress(quiet=quiet)
     try:
@@ -64,7 +72,12 @@ def demo(out: Path, quiet: bool, as_json: bool) -> None:
     if not quiet:
         render.stderr.print("2/3 distilling into LeNet-5, then Deep Compression and INT8 export")
     report = run_shrink(
-        teacher_path, "digits", out / "student", recipe_mod.resolve(RECIPE), quiet=quiet
+        teacher_path,
+        "digits",
+        out / "student",
+        recipe_mod.resolve(RECIPE),
+        quiet=quiet,
+        force=force,
     )
     if not quiet:
         render.stderr.print(

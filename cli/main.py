@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
+import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 import click
@@ -43,6 +46,86 @@ class OutPath(click.Path):
 
 class _State:
     json = False
+    log: _Log | None = None
+    argv: list[str] = []  # noqa: RUF012  (the command line, for the log's first line)
+
+
+# Colour and cursor codes, and the redraws of a live progress bar: on the terminal, not in a log.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_REDRAW = ("\r", "\x1b[2K", "\x1b[1A", "\x1b[?25")
+
+
+class _Log:
+    """--log-file: stands in for sys.stderr, so everything a command says there (rich's
+    console, click's errors) also goes to the file, without colour codes or progress-bar
+    redraws; plus what only a debug run shows: library warnings and a failure's traceback."""
+
+    def __init__(self, path: str, stream) -> None:
+        self.stream = stream
+        self.file = open(path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115
+
+    def write(self, text: str) -> int:
+        n = self.stream.write(text)
+        if not any(code in text for code in _REDRAW):
+            self.file.write(_ANSI.sub("", text))
+        return n
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.stream, "encoding", "utf-8")
+
+    def debug(self, text: str) -> None:
+        self.file.write(f"debug: {text.rstrip()}\n")
+
+    def warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        self.debug(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def _close_log() -> None:
+    log, _State.log = _State.log, None
+    if log is not None:
+        if sys.stderr is log:
+            sys.stderr = log.stream
+        log.file.close()
+
+
+def log_option(f):
+    """--log-file PATH: a copy of everything stderr shows, plus warnings and tracebacks."""
+
+    def start(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+        if value is not None and _State.log is None:
+            if value.exists() and not value.is_file():
+                raise click.BadParameter(f"{value} is not a regular file", ctx, param)
+            try:
+                _State.log = _Log(os.fsdecode(value), sys.stderr)
+            except OSError as e:
+                raise click.BadParameter(f"{value}: cannot write it ({e.strerror})") from None
+            sys.stderr = _State.log
+            _State.log.debug(f"compress {' '.join(_State.argv)}")
+            if not os.environ.get("COMPRESS_DEBUG"):  # warnings: to the log, not the terminal
+                warnings.simplefilter("default")
+                warnings.showwarning = _State.log.warning
+        return value
+
+    return click.option(
+        "--log-file",
+        type=OutPath(dir_okay=False, path_type=Path),
+        default=None,
+        is_eager=True,
+        expose_value=False,
+        callback=start,
+        help="Also write everything shown on stderr, plus warnings and tracebacks, to this file.",
+    )(f)
 
 
 def json_option(f):
@@ -90,19 +173,41 @@ def _finite(v: Any) -> Any:
 
 
 class CompressGroup(click.Group):
-    """A click group whose errors are one line and whose exit codes are documented."""
+    """A click group whose errors are one line and whose exit codes are documented.
 
-    def main(self, args=None, prog_name=None, **extra):  # type: ignore[override]
+    `main(args, standalone_mode=False)` is the way to call a command from Python: it returns
+    the command's exit code (0) and lets errors propagate as exceptions (`CompressError` with
+    its `exit_code`, click's usage errors) instead of printing them and exiting.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, **extra):  # type: ignore[override]
         argv = list(sys.argv[1:] if args is None else args)
+        _State.argv = argv
+        prog_name = prog_name or "compress"
+        standalone = extra.pop("standalone_mode", True)
+        # Shell completion (_COMPRESS_COMPLETE=bash_source compress): click answers and exits.
+        self._main_shell_completion(extra, prog_name, complete_var)
+        try:
+            return self._run(argv, prog_name, standalone, **extra)
+        finally:
+            _close_log()
+
+    def _run(self, argv, prog_name, standalone, **extra):
+        if not standalone:
+            with warnings.catch_warnings():
+                if not os.environ.get("COMPRESS_DEBUG"):
+                    warnings.simplefilter("ignore")
+                rv = super().main(argv, prog_name, standalone_mode=False, **extra)
+            return rv if isinstance(rv, int) else EXIT_OK
         # Known before parsing, so a parse error also comes back as JSON.
         _State.json = "--json" in argv
-        extra.pop("standalone_mode", None)
         if not argv:  # bare `compress`: the help, not an error
-            click.echo(self.get_help(click.Context(self, info_name=prog_name or "compress")))
+            click.echo(self.get_help(click.Context(self, info_name=prog_name)))
             sys.exit(EXIT_OK)
         try:
             with warnings.catch_warnings():
-                # Library warnings (torch's among them) would break the one-line contract.
+                # Library warnings (torch's among them) would break the one-line contract
+                # (--log-file, parsed inside, keeps them in its file: see log_option).
                 if not os.environ.get("COMPRESS_DEBUG"):
                     warnings.simplefilter("ignore")
                 rv = super().main(argv, prog_name, standalone_mode=False, **extra)
@@ -133,6 +238,8 @@ class CompressGroup(click.Group):
 
 def _fail(message: str, code: int) -> None:
     message = " ".join(message.split())  # one line, whatever the library wrapped
+    if _State.log is not None and sys.exc_info()[0] is not None:
+        _State.log.debug(traceback.format_exc())  # the log keeps what COMPRESS_DEBUG shows
     click.echo(f"error: {message}", err=True)
     if _State.json:
         emit_json({"error": message, "exit_code": code})
@@ -182,5 +289,7 @@ def _register() -> None:
 _register()
 
 
-def main() -> None:
-    cli.main(prog_name="compress")
+def main(args: list[str] | None = None, standalone_mode: bool = True) -> int | None:
+    """The console script; from Python, `main([...], standalone_mode=False)` returns the exit
+    code and raises errors instead of printing them and exiting."""
+    return cli.main(args, prog_name="compress", standalone_mode=standalone_mode)

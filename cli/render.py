@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -151,29 +155,86 @@ def int8_warning(report: dict) -> None:
     miss = report.get("int8_not_written")
     if miss:
         stderr.print(
-            f"warning: no INT8 file written: {miss['reason']}; "
-            f"ship student.fp32.onnx (it is what an INT8 file here would compute)",
+            f"warning: no INT8 file written: {miss['reason']}; ship "
+            f"{report.get('name', 'model')}.fp32.onnx (it is what an INT8 file here would compute)",
             style="bold yellow",
         )
 
 
-def shrink_summary(report: dict) -> None:
+def guard_warnings(report: dict) -> None:
+    """Each guardrail the run crossed, one loud line each on stderr (even under --json). The
+    missing INT8 file has its own line (`int8_warning`)."""
+    for f in report.get("guard", {}).get("findings", []):
+        if f["kind"] == "int8_floor" and "int8_not_written" in report:
+            continue
+        stderr.print(f"warning: {f['message']}", style="bold red")
+
+
+def plan_comment(model_path: Path, rows: list[dict]) -> str:
+    """--dry-run's per-layer plan, as TOML comments under the recipe (it stays a recipe)."""
+    width = max([len(r["layer"]) for r in rows] + [5])
+    lines = [f"\n# plan for {model_path}: what the recipe does to each layer", "#"]
+    lines.append(f"#   {'layer':<{width}}  {'kind':<9}  {'weights':>10}  {'bits':>4}  sparsity")
+    for r in rows:
+        bits = "-" if r["bits"] is None else str(r["bits"])
+        sparsity = r["sparsity"] if isinstance(r["sparsity"], str) else f"{r['sparsity']:g}"
+        lines.append(
+            f"#   {r['layer']:<{width}}  {r['kind']:<9}  {r['weights']:>10,}  {bits:>4}  {sparsity}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# The shrink tables: a header rule and two spaces between columns, as bench's, so that a
+# LeNet's stage and layer tables fit 80 columns without folding a name.
+_LIGHT = {"title_justify": "left", "box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False}
+
+DELIVERABLE_NOTES = {
+    "archive": "storage (compress decode)",
+    "fixed-batch onnx": "fixed batch, for NNAPI",
+}
+
+
+def deliverables(report: dict, out: Console) -> None:
+    """The summary's first lines: each file written, its bytes against the dense FP32
+    weights, and which one to ship."""
+    d = report.get("deliverables")
+    if not d or not d["files"]:
+        return
+    base = report["baseline"]
+    out.print(
+        f"deliverables against {d['dense_fp32_bytes']:,} B of dense FP32 weights "
+        f"({base.get('parameters', 0):,} parameters):"
+    )
+    width = max(len(Path(f["path"]).name) for f in d["files"])
+    for f in d["files"]:
+        note = DELIVERABLE_NOTES.get(f["kind"], "")
+        if Path(f["path"]).name == d["ship"]:
+            note = "ship this (ONNX Runtime)"
+        elif Path(f["path"]).name == d["ship_mobile"]:
+            note = "ship this on mobile (ORT Mobile)"
+        line = f"  {Path(f['path']).name:<{width}}  {f['bytes']:>11,} B  {f['ratio']:>6.1f}×"
+        out.print(f"{line}  {note}" if note else line)
+
+
+def shrink_summary(report: dict, width: int | None = None) -> None:
+    out = out_console(width)
+    deliverables(report, out)
     if report.get("student", {}).get("distilled"):
         t, st = report["teacher"], report["student"]
-        stdout.print(
+        out.print(
             f"distilled {t['parameters']:,}-parameter teacher {t['name']} "
             f"({t['test_accuracy']:.2%}) into {st['name']} with {st['parameters']:,} "
             f"parameters ({st['dense_test_accuracy']:.2%} before Deep Compression)"
         )
         if "hint" in report:
             h = report["hint"]
-            stdout.print(
+            out.print(
                 f"FitNets hint {h['student_layer']} -> teacher {h['teacher_layer']}: "
                 f"loss {h['loss_before']:.4f} -> {h['loss_after']:.4f}"
             )
         if "transfer" in report:
             tr = report["transfer"]
-            stdout.print(
+            out.print(
                 f"transfer set ({tr['kind']}): {tr['examples']:,} examples, "
                 f"{tr['labelled']:,} with their labels, {tr['teacher_labelled']:,} labelled by "
                 "the teacher"
@@ -181,7 +242,7 @@ def shrink_summary(report: dict) -> None:
     if "channels" in report:
         c = report["channels"]
         (m0, m1), (p0, p1), (a0, a1) = c["macs"], c["parameters"], c["test_accuracy"]
-        stdout.print(
+        out.print(
             f"channels: MACs {m0:,} -> {m1:,} ({m1 / m0:.0%}), parameters {p0:,} -> {p1:,}, "
             f"test accuracy {a0:.2%} -> {a1:.2%}; the table starts from the thinned model"
             + (
@@ -193,7 +254,7 @@ def shrink_summary(report: dict) -> None:
     if "budget" in report:
         b = report["budget"]
         won = b["trials"][b["chosen_trial"] - 1]
-        stdout.print(
+        out.print(
             f"budget {b['max_drop']:g} points ({b['allowed_lost']} of {b['validation_samples']:,} "
             f"validation samples): kept trial {b['chosen_trial']} of {len(b['trials'])}, "
             f"validation drop {b['val_drop']:+.2f} measured ({won['predicted_drop']:.2f} "
@@ -207,9 +268,9 @@ def shrink_summary(report: dict) -> None:
                 "or the budget."
             )
     base = report["baseline"]
-    table = Table(title="compress shrink", title_justify="left")
+    table = Table(title="compress shrink", **_LIGHT)
     for col in ("stage", "bytes", "ratio", "test acc", "Δ points", "95% CI (paired)"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True)
     table.add_row(
         "FP32 dense", f"{base['bytes']:,}", "1.0×", f"{base['test_accuracy']:.2%}", "", ""
     )
@@ -224,10 +285,16 @@ def shrink_summary(report: dict) -> None:
             f"{delta:+.2f}",
             f"{c['ci_points'][0]:+.2f} to {c['ci_points'][1]:+.2f}" if c else "",
         )
-    stdout.print(table)
-    layers = Table(title="per layer", title_justify="left")
-    for col in ("layer", "weights", "kept", "w bits", "w bits H", "idx bits", "idx bits H", "size"):
-        layers.add_column(col, justify="right")
+    out.print(table)
+    layers = Table(
+        title="per layer: bits per kept weight and per index, before and after Huffman (H)",
+        **_LIGHT,
+    )
+    for col in ("layer", "weights", "kept", "bits", "bits H", "idx bits", "idx bits H", "size"):
+        if col == "layer":  # a long name folds; numbers never do
+            layers.add_column(col, overflow="fold", min_width=12)
+        else:
+            layers.add_column(col, justify="right", no_wrap=True)
     for r in report["layers"]:
         h = r.get("weight_bits_huffman")
         layers.add_row(
@@ -240,31 +307,37 @@ def shrink_summary(report: dict) -> None:
             f"{r['index_bits_huffman']:.2f}" if h is not None else "–",
             f"{r['size_fraction']:.2%}" if h is not None else "–",
         )
-    stdout.print(layers)
+    out.print(layers)
     if "archive" in report:
         a = report["archive"]
-        stdout.print(
-            f"archive {a['path']}: {a['bytes']:,} bytes, {a['ratio']:.1f}× smaller; "
-            f"{a['vs_entropy_bound']:.3f}× the order-0 entropy bound ({a['entropy_bound_bytes']:,} bytes)"
+        out.print(
+            f"archive {Path(a['path']).name}: {a['bytes']:,} bytes, {a['ratio']:.1f}× smaller; "
+            f"{a['vs_entropy_bound']:.3f}× the order-0 entropy bound "
+            f"({a['entropy_bound_bytes']:,} bytes)"
         )
+        over = a.get("over_pq")
+        if over:
+            out.print(
+                f"  larger than its P+Q figure ({over['pq_bytes']:,} bytes): the archive's fixed "
+                f"bytes (header, code tables, framing: {over['fixed_bytes']:,}) outweigh what "
+                "Huffman coding saves on a model this small"
+            )
     for kind, o in report.get("onnx", {}).items():
-        extra = ""
+        out.print(
+            f"onnx {kind}: {o['bytes']:,} bytes, test acc {o['test_accuracy']:.2%}, top-1 "
+            f"agreement {o['top1_agreement']:.2%}, max |Δ| {o['max_abs_diff']:.3g}; opset "
+            f"{o['opsets'].get('ai.onnx')}, IR {o['ir_version']}, ONNX Runtime ≥ {o['min_ort']}"
+        )
         if kind == "int8":
             lat = o.get("latency_ms_batch1")
-            timed = f", batch-1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms" if lat else ""
-            extra = (
-                f"{timed}, {o['int8_nodes']} of {o['quantizable_nodes']} nodes in INT8, "
-                f"{o['scheme']}, target {o['target']}"
+            timed = f"; batch 1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms" if lat else ""
+            out.print(
+                f"  {o['int8_nodes']} of {o['quantizable_nodes']} nodes in INT8, {o['scheme']}, "
+                f"target {o['target']}; agreement with FP32 {o['top1_agreement_fp32']:.2%} "
+                f"(floor {o['min_agreement']:.2%}){timed}"
             )
-        stdout.print(
-            f"onnx {kind}: {o['bytes']:,} bytes, test acc {o['test_accuracy']:.2%}, "
-            f"top-1 agreement {o['top1_agreement']:.2%}, max |Δ| {o['max_abs_diff']:.3g}{extra}; "
-            f"opset {o['opsets'].get('ai.onnx')}, IR {o['ir_version']}, "
-            f"ONNX Runtime ≥ {o['min_ort']}"
-        )
-        if kind == "int8":
             h = o["host_kernels"]
-            stdout.print(
+            out.print(
                 f"  on this CPU's optimized kernels: top-1 agreement with FP32 "
                 f"{h['top1_agreement_fp32']:.2%}, max |Δ| {h['max_abs_diff_fp32']:.3g}"
                 + (
@@ -274,62 +347,253 @@ def shrink_summary(report: dict) -> None:
                 )
             )
     if "mobile" in report:
-        stdout.print(
-            f"mobile: NNAPI {report['mobile']['nnapi']}, CoreML {report['mobile']['coreml']}"
-        )
+        out.print("mobile: " + mobile_verdicts(report["mobile"]))
     if "mobile_fixed_batch" in report:
         f = report["mobile_fixed_batch"]
-        stdout.print(
-            f"mobile, batch fixed to {f['batch']}: NNAPI {f['nnapi']}, CoreML {f['coreml']}"
+        out.print(f"mobile, batch fixed to {f['batch']}: " + mobile_verdicts(f))
+    if report.get("files"):
+        out.print("wrote " + ", ".join(Path(f).name for f in report["files"]))
+
+
+def mobile_verdicts(m: dict) -> str:
+    """ "NNAPI no (yes with fixed shapes: --fixed-batch 1), CoreML no (unsupported ops ...)":
+    each verdict with its reason and the fix, from the usability checker's details."""
+    from compressor.report import mobile_reasons
+
+    eps = mobile_reasons(m.get("details", ""))
+    out = []
+    for key, name, names in (
+        ("nnapi", "NNAPI", ("NNAPI",)),
+        ("coreml", "CoreML", ("CoreML NeuralNetwork", "CoreML MLProgram")),
+    ):
+        why = []
+        infos = [eps[n] for n in names if n in eps]
+        if m[key] != "yes" and any(i.get("fixed") == "yes" for i in infos):
+            why.append("yes with fixed shapes: --fixed-batch 1" if "batch" not in m else "")
+        unsupported = sorted(
+            {op for i in infos for op in i.get("unsupported", "").split(",") if op}
         )
-    stdout.print("wrote " + ", ".join(Path(f).name for f in report.get("files", [])))
+        if m[key] != "yes" and unsupported:
+            why.append(f"unsupported ops {', '.join(unsupported)}")
+        why = [w for w in why if w]
+        out.append(f"{name} {m[key]}" + (f" ({'; '.join(why)})" if why else ""))
+    return ", ".join(out)
 
 
-def bench_table(bench: dict) -> None:
+# --- compress bench -------------------------------------------------------------------------
+
+WIDTH_OFF_TERMINAL = 200  # columns when stdout is not a terminal and $COLUMNS is unset
+MODEL_MIN = 20  # a longer model name folds onto a second line before a column is dropped
+GAP = 2  # columns between two table columns (one of padding, one of the box's divider)
+RUNTIME_LABELS = {
+    "pytorch-cpu": "torch-cpu",
+    "pytorch-cuda": "torch-cuda",
+    "CPUExecutionProvider": "ORT-CPU",
+    "CUDAExecutionProvider": "ORT-CUDA",
+    "TensorrtExecutionProvider": "TensorRT",
+}
+
+
+def out_console(width: int | None = None) -> Console:
+    """A console on stdout `width` columns wide: the given width, else $COLUMNS, else the
+    terminal's, else (off a terminal: a pipe, a log) WIDTH_OFF_TERMINAL. Made per call, so the
+    width is the one at the time of printing; text longer than it folds at spaces."""
+    if width is None:
+        columns = os.environ.get("COLUMNS", "").strip()
+        if columns.isdigit() and int(columns) > 0:
+            width = int(columns)
+        elif not (hasattr(sys.stdout, "isatty") and sys.stdout.isatty()):
+            width = WIDTH_OFF_TERMINAL
+    return Console(file=sys.stdout, width=width, highlight=False, markup=False, emoji=False)
+
+
+def runtime_label(provider: str) -> str:
+    return RUNTIME_LABELS.get(provider, provider.replace("ExecutionProvider", ""))
+
+
+@dataclass
+class _Column:
+    header: str
+    cells: list[str]
+    priority: int  # 0: always shown; the others by rank while the width lasts
+    left: bool = False  # text, left-aligned; else a number, right-aligned and never cut
+
+    @property
+    def full(self) -> int:  # header on one line
+        return max([cell_len(self.header), *(cell_len(c) for c in self.cells)])
+
+    @property
+    def least(self) -> int:  # headers and model names wrapped at their spaces
+        header = max(cell_len(w) for w in self.header.split())
+        if self.header == "model":  # a word longer than MODEL_MIN folds inside
+            words = [cell_len(w) for c in self.cells for w in c.split()]
+            return max(header, min(max([0, *words]), MODEL_MIN))
+        return max([header, *(cell_len(c) for c in self.cells)])
+
+    @property
+    def empty(self) -> bool:
+        return all(c == "–" for c in self.cells)
+
+
+def _bench_columns(rows: list[dict]) -> list[_Column]:
+    """Every column of the bench table, in display order, with its rank: the key columns (0),
+    then file size, accuracy, speed-up, agreement, throughput, and the details last."""
+
+    def col(header, priority, cell, left=False) -> _Column:
+        return _Column(header, [cell(r) for r in rows], priority, left)
+
+    def opt(fmt, key):
+        return lambda r: fmt.format(r[key]) if r.get(key) is not None else "–"
+
+    threads = {r["threads"] for r in rows}
+    return [
+        col("model", 0, lambda r: r["model"], left=True),
+        col("prec", 0, lambda r: r["precision"]),
+        col("runtime", 0, lambda r: runtime_label(r["provider"]), left=True),
+        col("batch", 0, lambda r: str(r["batch"])),
+        # one thread count for every row: a detail (said in the hidden-columns line)
+        col("thr", 0 if len(threads) > 1 else 8, lambda r: str(r["threads"] or "all")),
+        col("p50 ms", 0, lambda r: f"{r['p50_ms']:.3f}"),
+        col("95% CI", 6, lambda r: "{:.3f}-{:.3f}".format(*r["p50_ci_ms"])),
+        col("p99 ms", 7, lambda r: f"{r['p99_ms']:.3f}"),
+        col("items/s", 5, lambda r: f"{r['throughput_per_s']:,.0f}"),
+        col("speed-up", 3, lambda r: f"{r['speedup_vs_first']:.1f}×"),
+        col("cold ms", 9, lambda r: f"{r['cold_start_ms']:.0f}"),
+        col("file bytes", 1, lambda r: f"{r['bytes']:,}"),
+        col("G(FL)OP/s", 10, opt("{:.1f}", "gflops")),
+        col("% peak", 11, opt("{:.0%}", "peak_fraction")),
+        col("acc", 2, opt("{:.2%}", "test_accuracy")),
+        col("agree", 4, opt("{:.2%}", "top1_agreement")),
+    ]
+
+
+def _fit(columns: list[_Column], width: int, wide: bool) -> tuple[list[_Column], list[int]]:
+    """The columns shown and their widths. --wide: all, headers on one line. Else the key
+    columns, then the others by rank until the next one does not fit in `width` (a column of
+    only "–" is left out), and the room left widens a folded model name, then headers. Numbers
+    are never narrower than their widest cell: when even the key columns do not fit, the
+    table is wider than `width` rather than cut."""
+    if wide:
+        return columns, [c.full for c in columns]
+    shown = {id(c) for c in columns if c.priority == 0}
+    used = sum(c.least for c in columns if id(c) in shown) + GAP * (len(shown) - 1)
+    for c in sorted(columns, key=lambda c: c.priority):
+        if id(c) in shown or c.empty:
+            continue
+        if used + GAP + c.least > width:
+            break  # the next in rank does not fit: none after it is shown in its place
+        shown.add(id(c))
+        used += GAP + c.least
+    chosen = [c for c in columns if id(c) in shown]
+    widths = [c.least for c in chosen]
+    spare = width - used
+    for i in sorted(range(len(chosen)), key=lambda i: (chosen[i].header != "model", i)):
+        grow = min(max(spare, 0), chosen[i].full - widths[i])
+        widths[i] += grow
+        spare -= grow
+    return chosen, widths
+
+
+def _fold(parts: list[str], sep: str, width: int, indent: str = "") -> str:
+    """`parts` joined by `sep`, with a line break (and `indent`) instead wherever the next part
+    would pass `width`: a long line folds between its parts, not inside one (rich folds a part
+    that is longer than the width by itself)."""
+    mark = sep.rstrip()  # what ends a line that goes on below
+    lines = [parts[0]]
+    for i, part in enumerate(parts[1:], 2):
+        end = mark if i < len(parts) else ""
+        if cell_len(lines[-1] + sep + part + end) <= width:
+            lines[-1] += sep + part
+        else:
+            lines[-1] += mark
+            lines.append(indent + part)
+    return "\n".join(lines)
+
+
+def _skip_lines(bench: dict, width: int) -> list[str]:
+    """Skipped variants, one line per runtime and reason (not one per model and cell). Without
+    --providers, the runtimes not installed here are one line; the JSON keeps every skip."""
+    runtimes = bench.get("runtimes", {})
+    absent = runtimes.get("absent", {}) if runtimes.get("default") else {}
+    groups: dict[tuple[str, str], list[str]] = {}
+    missing: dict[str, list[str]] = {}  # what would bring them -> runtimes
+    for s in bench.get("skipped", []):
+        provider = s["provider"]
+        if provider in absent:
+            names = missing.setdefault(absent[provider], [])
+            if runtime_label(provider) not in names:
+                names.append(runtime_label(provider))
+            continue
+        models = groups.setdefault((provider, s["reason"]), [])
+        if s["model"] not in models:
+            models.append(s["model"])
+    lines = []
+    if missing:
+        parts = [f"{', '.join(names)} ({why})" for why, names in missing.items()]
+        lines.append(_fold(["not installed: " + parts[0], *parts[1:]], "; ", width, "  "))
+    for (provider, reason), models in groups.items():
+        named = ", ".join(models[:3]) + (f" and {len(models) - 3} more" if len(models) > 3 else "")
+        lines.append(f"skipped on {runtime_label(provider)} ({named}): {reason}")
+    return lines
+
+
+def bench_table(bench: dict, *, width: int | None = None, wide: bool = False) -> None:
+    """The bench result as a table that fits `width` columns (see `out_console`): the key
+    columns and as many others as fit, by priority, the rest named in one line; `wide`: all
+    sixteen. Numbers are never cut; a long model name folds. The JSON keeps everything."""
+    out = out_console(width)
+    width = out.width
     env = bench["environment"]
     versions = env.get("versions", {})
-    stdout.print(
-        f"{env.get('cpu_model')}, {env.get('logical_cores')} logical cores; torch "
-        f"{versions.get('torch')}, onnxruntime {versions.get('onnxruntime')}; {env.get('date')}"
-    )
-    table = Table(title="compress bench: p50 with its 95% bootstrap CI", title_justify="left")
-    cols = ("model", "prec", "runtime", "batch", "thr", "p50 ms", "95% CI", "p99 ms", "items/s")
-    cols += ("speed-up", "cold ms", "file bytes", "G(FL)OP/s", "% peak", "acc", "agree")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("model", "runtime") else "right")
-    for r in bench["results"]:
-        lo, hi = r["p50_ci_ms"]
-        acc, agr = r.get("test_accuracy"), r.get("top1_agreement")
-        table.add_row(
-            r["model"],
-            r["precision"],
-            r["provider"].replace("ExecutionProvider", "").replace("CPU", "ORT-CPU"),
-            str(r["batch"]),
-            str(r["threads"] or "all"),
-            f"{r['p50_ms']:.3f}",
-            f"{lo:.3f}-{hi:.3f}",
-            f"{r['p99_ms']:.3f}",
-            f"{r['throughput_per_s']:,.0f}",
-            f"{r['speedup_vs_first']:.1f}×",
-            f"{r['cold_start_ms']:.0f}",
-            f"{r['bytes']:,}",
-            f"{r['gflops']:.1f}" if r.get("gflops") is not None else "–",
-            f"{r['peak_fraction']:.0%}" if r.get("peak_fraction") is not None else "–",
-            f"{acc:.2%}" if acc is not None else "–",
-            f"{agr:.2%}" if agr is not None else "–",
+    machine = f"{env.get('cpu_model')}, {env.get('logical_cores')} logical cores"
+    software = f"torch {versions.get('torch')}, onnxruntime {versions.get('onnxruntime')}"
+    out.print(_fold([machine, software, str(env.get("date"))], "; ", width))
+    rows = bench["results"]
+    columns = _bench_columns(rows)
+    shown, widths = _fit(columns, width, wide) if rows else ([], [])
+    headers = {c.header for c in shown}
+    if rows:
+        ci = "95% CI" in headers
+        table = Table(
+            title="compress bench" + (": p50 with its 95% bootstrap CI" if ci else ""),
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+            padding=(0, 1, 0, 0),
         )
-    stdout.print(table)
-    stdout.print("speed-up: against the first row of the same batch and threads")
-    peaks = bench.get("peaks", {})
-    for t, p in peaks.items():
-        stdout.print(
-            f"peak, {t} thread(s): FP32 matmul {p['fp32_gflops']:.0f} GFLOP/s, INT8 matmul "
-            f"{p['int8_gops']:.0f} GOP/s (% peak: INT8 rows against INT8, others FP32)"
-        )
-    for r in bench["results"]:
+        for c, w in zip(shown, widths, strict=True):
+            justify = "left" if c.left else "right"
+            table.add_column(c.header, justify=justify, width=w, overflow="fold")
+        for i in range(len(rows)):
+            table.add_row(*(c.cells[i] for c in shown))
+        needed = sum(widths) + GAP * (len(widths) - 1)
+        # a table wider than the terminal (--wide, or key columns that do not fit) is printed
+        # whole, never squeezed into cut numbers
+        wider = out_console(needed) if needed > width else out
+        wider.print(table)
+    else:
+        out.print("compress bench: nothing was measured")
+    if "speed-up" in headers:
+        out.print("speed-up: against the first row of the same batch and threads")
+    if headers & {"G(FL)OP/s", "% peak"}:
+        for t, p in bench.get("peaks", {}).items():
+            out.print(
+                f"peak, {t} thread(s): FP32 matmul {p['fp32_gflops']:.0f} GFLOP/s, INT8 matmul "
+                f"{p['int8_gops']:.0f} GOP/s (% peak: INT8 rows against INT8, others FP32)"
+            )
+    hidden = [
+        c.header + (f" ({c.cells[0]} in every row)" if c.header == "thr" else "")
+        for c in columns
+        if c.header not in headers and not c.empty
+    ]
+    if hidden:
+        lead = f"not shown at {width} columns (--wide shows all):"
+        out.print(_fold([lead + " " + hidden[0], *hidden[1:]], ", ", width, "  "))
+    for r in rows:
         for note in r["notes"]:
-            stdout.print(f"note: {r['model']} batch {r['batch']}: {note}")
+            out.print(f"note: {r['model']} batch {r['batch']}: {note}")
     for name, p in bench.get("profiles", {}).items():
-        stdout.print(f"profile {name}: " + ", ".join(p["top"]))
-    for s in bench.get("skipped", []):
-        stdout.print(f"skipped: {s['model']} [{s['precision']}] on {s['provider']}: {s['reason']}")
+        out.print(f"profile {name}: " + ", ".join(p["top"]))
+    for line in _skip_lines(bench, width):
+        out.print(line)

@@ -9,10 +9,11 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import OutPath, emit_json, input_name, json_option
+from cli.main import OutPath, emit_json, input_name, json_option, log_option
 from compressor import pipeline
 from compressor import recipe as recipe_mod
 from compressor.shrink import Hooks
+from compressor.shrink import plan as shrink_plan
 from distrib.trainer import TrainConfig, correct, cross_entropy_loss, evaluate, fit
 from models import checkpoint, zoo
 from models import data as data_mod
@@ -115,8 +116,39 @@ Examples:
     help="Constructor kwargs for --model with a bare state_dict (in_shape and num_classes "
     "come from --data where the constructor takes them).",
 )
+@click.option(
+    "--sparsity",
+    default=None,
+    metavar="F|default|auto",
+    help="Fraction of each layer's weights to prune (e.g. 0.9), 'default' (by layer role) or "
+    "'auto' (sensitivity analysis) [recipe prune.sparsity].",
+)
+@click.option(
+    "--bits",
+    default=None,
+    metavar="N|CONV,FC",
+    help="Bits per shared weight: N for every layer, or CONV,FC (e.g. 8,5) "
+    "[recipe quantize.conv_bits, fc_bits].",
+)
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="Training epochs of every stage that trains (distill, channels, prune retraining, "
+    "centroid fine-tuning, soft sharing's prior) [recipe *.epochs].",
+)
+@click.option(
+    "--strict",
+    is_flag=True,
+    default=None,
+    help="Fail (exit 1, nothing written) when a guardrail fires: a stage over "
+    "guard.max_stage_drop, INT8 under its floor, a student bigger than its teacher.",
+)
+@click.option("--force", is_flag=True, help="Replace the outputs of an earlier run in --out.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option
+@log_option
 def shrink(
     model_path: Path,
     data: str | None,
@@ -133,14 +165,30 @@ def shrink(
     target: str | None,
     model: str | None,
     model_kwargs: str | None,
+    sparsity: str | None,
+    bits: str | None,
+    epochs: int | None,
+    strict: bool | None,
+    force: bool,
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Teacher -> distilled student -> Deep Compression -> INT8 ONNX and .ort for mobile."""
+    """Teacher -> distilled student -> Deep Compression -> INT8 ONNX and .ort for mobile.
+
+    Outputs are named for what they hold: model.* (the checkpoint's model, compressed), or
+    student.* with --student. Exit codes: 0 ok, 1 a stage failed (or a guardrail, with
+    --strict), 2 bad usage or input.
+    """
     raw = recipe_mod.read(recipe_path) if recipe_path else {}
     # Flags override the recipe file (--teacher replaces its teachers list); the result is
     # validated as a whole, and its errors name the file and the flags.
+    conv_bits, fc_bits = _bits(bits)
     flags = {
+        **{(section, key, "--epochs"): epochs for section, key in EPOCH_KEYS},
+        ("prune", "sparsity", "--sparsity"): _sparsity(sparsity),
+        ("quantize", "conv_bits", "--bits"): conv_bits,
+        ("quantize", "fc_bits", "--bits"): fc_bits,
+        ("guard", "strict", "--strict"): strict,
         ("budget", "max_drop", "--max-drop"): max_drop,
         ("export", "fixed_batch", "--fixed-batch"): fixed_batch,
         ("distill", "student", "--student"): student,
@@ -155,28 +203,109 @@ def shrink(
         ("export", "target", "--target"): target,
     }
     given = []
+    mine = list(raw)
     for (section, key, flag), value in flags.items():
         if value is not None and isinstance(raw.setdefault(section, {}), dict):
             raw[section][key] = value
             given.append(flag)
+    raw = _in_pipeline_order(raw, mine)
+    if sparsity is not None and isinstance(raw.get("prune"), dict):
+        raw["prune"].pop("quality", None)  # --sparsity replaces a recipe's quality threshold
     source = str(recipe_path) if recipe_path else "recipe"
+    given = list(dict.fromkeys(given))
     recipe = recipe_mod.resolve(raw, source=source + (f" with {', '.join(given)}" if given else ""))
     if dry_run:
+        # With the checkpoint at hand, also what the recipe does to each of its layers.
+        layers = _plan(model_path, data, recipe, model, model_kwargs)
         if as_json:
-            emit_json({"recipe": recipe})
+            emit_json({"recipe": recipe, **({"plan": layers} if layers is not None else {})})
         else:
             click.echo(recipe_mod.dumps(recipe), nl=False)
+            if layers is not None:
+                click.echo(render.plan_comment(model_path, layers), nl=False)
         return
     out = out or model_path.with_name(model_path.stem + "-shrunk")
-    report = run_shrink(model_path, data, out, recipe, model, model_kwargs, quiet)
+    report = run_shrink(model_path, data, out, recipe, model, model_kwargs, quiet, force)
     render.int8_warning(report)
+    render.guard_warnings(report)
     if as_json:
         emit_json(json_view(report))
     else:
         render.shrink_summary(report)
 
 
+# What --epochs sets: the epochs of every stage that trains.
+EPOCH_KEYS = (
+    ("distill", "epochs"),
+    ("channels", "retrain_epochs"),
+    ("prune", "retrain_epochs"),
+    ("quantize", "finetune_epochs"),
+    ("quantize", "prior_epochs"),
+)
+
+
+def _in_pipeline_order(raw: dict, mine: list[str]) -> dict:
+    """`raw` with the sections only flags added placed where the pipeline runs them, and the
+    file's own sections in the file's order (whose order the recipe check judges)."""
+    order = list(recipe_mod.DEFAULTS)
+    added = sorted((k for k in raw if k not in mine), key=order.index)
+    out: dict = {}
+    for k in mine:
+        while added and order.index(added[0]) < order.index(k):
+            first = added.pop(0)
+            out[first] = raw[first]
+        out[k] = raw[k]
+    for k in added:
+        out[k] = raw[k]
+    return out
+
+
+def _sparsity(text: str | None) -> str | float | None:
+    if text is None or text in ("default", "auto"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: give a fraction such as 0.9, 'default' or 'auto'", param_hint="--sparsity"
+        ) from None
+
+
+def _bits(text: str | None) -> tuple[int | None, int | None]:
+    if text is None:
+        return None, None
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        return values[0], values[0]
+    if len(values) == 2:
+        return values[0], values[1]
+    raise click.BadParameter(
+        f"{text!r}: give whole bits N, or CONV,FC such as 8,5", param_hint="--bits"
+    )
+
+
+def _plan(
+    model_path: Path, data: str | None, recipe: dict, model: str | None, kwargs: str | None
+) -> list[dict] | None:
+    """The per-layer plan for --dry-run, or None without a checkpoint to read it from."""
+    if not model_path.is_file():
+        return None
+    ck = checkpoint.load(model_path)
+    if recipe["distill"]["student"] or recipe["channels"]["enabled"]:
+        return None  # the layers Deep Compression sees do not exist yet
+    named = model or (ck.spec.name if ck.spec is not None else None)
+    ds = data_mod.load(data or ck.metadata.get("data") or "digits", input_name(named, model))
+    spec = ck.spec_for(model, zoo.parse_kwargs(kwargs), ds.in_shape, ds.num_classes)
+    return shrink_plan(ck.build_model(spec, allow_import=model == spec.name), recipe)
+
+
 JSON_KEYS = (
+    "name",
+    "deliverables",
+    "guard",
     "baseline",
     "stages",
     "archive",
@@ -210,10 +339,11 @@ def run_shrink(
     model: str | None = None,
     model_kwargs: str | None = None,
     quiet: bool = False,
+    force: bool = False,
 ) -> dict:
     """Load the checkpoint and data, hand `distrib`'s training loop to the pipeline as hooks,
     run it with progress on stderr; return the report."""
-    pipeline.check_out_dir(out)
+    pipeline.check_out_dir(out, force)
     ck = checkpoint.load(model_path)
     named = model or (ck.spec.name if ck.spec is not None else None)
     ds = data_mod.load(data or ck.metadata.get("data") or "digits", input_name(named, model))
@@ -249,7 +379,7 @@ def run_shrink(
     )
     meta = {"data": ds.spec, "source": str(model_path)}
     try:
-        return pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta, ds)
+        return pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta, ds, force=force)
     finally:
         progress.close()
 
@@ -270,7 +400,8 @@ Example:
 @click.option(
     "--model",
     default=None,
-    help="Allow importing the pkg.module:Class the archive names (your own model).",
+    help="Also import the pkg.module:Class the archive names (your own model) and check the "
+    "tensors build it; without it, the tensors are decoded and the code is not imported.",
 )
 @click.option(
     "--max-elements",
@@ -287,6 +418,7 @@ Example:
     help="Refuse the archive unless its SHA-256 is this (the sha256 in report.json).",
 )
 @json_option
+@log_option
 def decode(
     archive_path: Path,
     out: Path | None,
@@ -311,4 +443,9 @@ def decode(
         click.echo(
             f"decoded {result['archive']} ({result['archive_bytes']:,} bytes) -> "
             f"{result['checkpoint']}: {result['model']}, {result['parameters']:,} parameters"
+            + (
+                ""
+                if result["rebuilt"]
+                else f" (tensors only: pass --model {result['model']} to check they build it)"
+            )
         )

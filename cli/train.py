@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from cli import render
-from cli.main import Interrupted, OutPath, emit_json, json_option
+from cli.main import Interrupted, OutPath, emit_json, json_option, log_option
 from distrib import launch
 from distrib.job import TrainJob, run, run_ensemble
 from distrib.paramserver import PSConfig
@@ -194,6 +194,7 @@ Examples:
 )
 @click.option("-q", "--quiet", is_flag=True, help="No per-epoch lines on stderr.")
 @json_option
+@log_option
 @click.pass_context
 def train(
     ctx: click.Context,

@@ -45,7 +45,7 @@ an `InputError` naming the file: a damaged archive never decodes to a wrong mode
 Integrity: the CRC32 catches damage (a flipped bit, a cut download), not tampering. Anyone can
 write an archive with a valid checksum, and it decodes to the weights its author chose. To know
 that an archive is the one you were sent, compare its SHA-256 (`sha256` in `report.json`, the
-same as `sha256sum student.dcz`) through a channel you trust: `compress decode --expect SHA`.
+same as `sha256sum model.dcz`) through a channel you trust: `compress decode --expect SHA`.
 
 Crafted files: the reader trusts no count in the file. Every length, shape and count is checked
 against what the remaining bytes can hold before anything is allocated (a stream of B bytes

@@ -137,6 +137,25 @@ class Skip(Exception):
     """A variant that cannot run here (e.g. CUDA fell back to CPU); the message says why."""
 
 
+def absent_runtimes() -> dict[str, str]:
+    """The GPU runtimes this machine lacks, by provider name ("pytorch-cuda",
+    "CUDAExecutionProvider", "TensorrtExecutionProvider"), each with what is missing, in a few
+    words. `compressor.variants.variants` skips them without trying; a provider ONNX Runtime
+    lists but cannot start (no GPU) is not absent here: it is tried, and skipped with ORT's
+    reason."""
+    import onnxruntime as ort
+
+    out: dict[str, str] = {}
+    if not torch.cuda.is_available():
+        cpu_build = torch.version.cuda is None
+        out["pytorch-cuda"] = "a CPU-only torch build" if cpu_build else "no CUDA device"
+    available = set(ort.get_available_providers())
+    for provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+        if provider not in available:
+            out[provider] = "pip install onnxruntime-gpu"
+    return out
+
+
 @dataclass
 class Prepared:
     run: Callable[[], float]  # one timed inference at the cell's batch

@@ -401,6 +401,7 @@ def search(
     hooks: shrink_mod.Hooks,
     out_dir: Path,
     metadata: dict[str, Any] | None = None,
+    archive_name: str = "model.dcz",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Shrink `model` to the smallest archive found within `budget.max_drop`: returns the
     chosen trial's model and report (its `recipe` the one to re-run without a search, and a
@@ -451,7 +452,9 @@ def search(
         m, d = copy.deepcopy(model), out_dir / f".trial-{t}"
         d.mkdir()
         r = trial_recipe(recipe, plan.chosen(i), prunable)
-        rep = shrink_mod.shrink(m, spec, r, dataclasses.replace(hooks, info=tell), d, metadata)
+        rep = shrink_mod.shrink(
+            m, spec, r, dataclasses.replace(hooks, info=tell), d, metadata, archive_name
+        )
         verdict = judge(m)
         trials.append(
             {
@@ -484,9 +487,9 @@ def search(
         if i is not None and any(tr["frontier_point"] == i for tr in trials):
             i = None
     m, rep, d = kept[_best(trials)]
-    (d / "student.dcz").replace(out_dir / "student.dcz")
+    (d / archive_name).replace(out_dir / archive_name)
     shutil.rmtree(d, ignore_errors=True)
-    rep["archive"]["path"] = str(out_dir / "student.dcz")
+    rep["archive"]["path"] = str(out_dir / archive_name)
     rep["budget"] = _record(cfg, judge, plan, trials, recipe)
     return m, rep
 

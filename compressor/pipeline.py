@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import archive, budget, channels, distill, envinfo, export
+from compressor import archive, budget, channels, distill, envinfo, export, guard
 from compressor import report as report_mod
 from compressor import shrink as shrink_mod
 from compressor.export import compat, int8, mobile
@@ -31,24 +31,35 @@ from models.zoo import ModelSpec, build, state_shapes
 
 TAYLOR_SAMPLES = 256  # training samples whose gradients rank channels (Taylor importance)
 CHECK_SAMPLES = 1000  # validation inputs the INT8 agreement floor is checked on
-OUTPUTS = (
-    "student.fp32.onnx",
-    "student.int8.onnx",
-    "student.int8.ort",
-    "student.int8.required_operators.config",
-    "student.int8.fixed.onnx",
+# Outputs are named for what they hold: MODEL.* compressed from the checkpoint's own model,
+# student.* when distillation made a new one (see `stem`).
+STEMS = ("model", "student")
+MODEL_FILES = (
+    "fp32.onnx",
+    "int8.onnx",
+    "int8.ort",
+    "int8.required_operators.config",
+    "int8.fixed.onnx",
     # where no INT8 compute is worth shipping, the mobile files are made from the FP32 graph
-    "student.fp32.ort",
-    "student.fp32.required_operators.config",
-    "student.fp32.fixed.onnx",
-    "student.dcz",
-    "student.pt",
+    "fp32.ort",
+    "fp32.required_operators.config",
+    "fp32.fixed.onnx",
+    "dcz",
+    "pt",
+)
+OUTPUTS = (
+    *(f"{stem}.{f}" for stem in STEMS for f in MODEL_FILES),
     "report.json",
     "report.md",
     "weights_histogram.png",
     "kept_per_layer.png",
     "channels_per_layer.png",
 )
+
+
+def stem(recipe: dict[str, Any]) -> str:
+    """The outputs' name: "student" when the recipe distils into a new model, else "model"."""
+    return "student" if recipe["distill"]["student"] else "model"
 
 
 class _Clock:
@@ -94,8 +105,9 @@ class _Clock:
         }
 
 
-def check_out_dir(out: Path) -> Path:
-    """--out must be a folder we can create or fill; fail before any work."""
+def check_out_dir(out: Path, force: bool = False) -> Path:
+    """--out must be a folder we can create or fill; fail before any work. A folder that
+    already holds outputs of an earlier run is refused unless `force` (they would be replaced)."""
     refuse_link(out, "--out")
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder; give a folder path")
@@ -108,6 +120,13 @@ def check_out_dir(out: Path) -> Path:
             refuse_link(out / name, f"--out {out}:")
             if (out / name).exists() and not (out / name).is_file():
                 raise InputError(f"--out {out}: {name} there is not a regular file; remove it")
+        held = [name for name in OUTPUTS if (out / name).is_file()]
+        if held and not force:
+            raise InputError(
+                f"--out {out}: already holds an earlier run's outputs ({', '.join(held[:3])}"
+                f"{', ...' if len(held) > 3 else ''}); pass --force to replace them, or give "
+                "another folder"
+            )
     return out
 
 
@@ -119,9 +138,16 @@ def shrink_to_folder(
     out: Path,
     metadata: dict[str, Any],
     data: Dataset | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Run the pipeline and write student.dcz, student.pt, report.json/.md and plots into `out`."""
-    check_out_dir(out)
+    """Run the pipeline and write NAME.dcz, NAME.pt, the ONNX files, report.json/.md and plots
+    into `out` (NAME: `stem(recipe)`). `force` replaces an earlier run's outputs there.
+
+    The guardrails (`compressor.guard`) are checked on the finished report: their findings go
+    in `report["guard"]`, and under `guard.strict` any finding fails the run (StageError)
+    before anything is written."""
+    check_out_dir(out, force)
+    name = stem(recipe)
     clock = _Clock(hooks.info)
     hooks = clock.timed_retrain(hooks)
     calib = preflight(recipe, data, model)
@@ -154,9 +180,14 @@ def shrink_to_folder(
                 spec, thinned = _thin(model, spec, recipe, data, hooks)
         with clock.step("deep_compression"):
             if recipe["budget"]["max_drop"] != "off":
-                model, report = budget.search(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+                model, report = budget.search(
+                    model, spec.to_dict(), recipe, hooks, tmp, metadata, archive_name=f"{name}.dcz"
+                )
             else:
-                report = shrink_mod.shrink(model, spec.to_dict(), recipe, hooks, tmp, metadata)
+                report = shrink_mod.shrink(
+                    model, spec.to_dict(), recipe, hooks, tmp, metadata, archive_name=f"{name}.dcz"
+                )
+        _explain_archive(report)
         if data is not None:
             report["data"] = {
                 "spec": data.spec,
@@ -179,24 +210,24 @@ def shrink_to_folder(
         if recipe["export"]["enabled"]:
             if data is None:
                 raise InputError("export needs the data set (calibration and parity)")
-            report["onnx"] = _export(model, recipe["export"], report, data, calib, tmp, out, clock)
+            report["onnx"] = _export(
+                model, recipe["export"], report, data, calib, tmp, out, clock, name
+            )
             # What an app ships: the INT8 file, or the FP32 one where no INT8 file is written.
             kind = "int8" if "int8" in report["onnx"] else "fp32"
-            shipped = tmp / f"student.{kind}.onnx"
+            shipped = tmp / f"{name}.{kind}.onnx"
             if recipe["export"]["ort"]:
-                with clock.step(
-                    "ort", f"mobile: writing student.{kind}.ort, checking NNAPI/CoreML"
-                ):
-                    ort_file = mobile.to_ort(shipped, tmp / f"student.{kind}.ort")
+                with clock.step("ort", f"mobile: writing {name}.{kind}.ort, checking NNAPI/CoreML"):
+                    ort_file = mobile.to_ort(shipped, tmp / f"{name}.{kind}.ort")
                     report["ort"] = {
                         **ort_file,
-                        "path": str(out / f"student.{kind}.ort"),
+                        "path": str(out / f"{name}.{kind}.ort"),
                         "config": str(out / Path(ort_file["config"]).name),
                     }
                     report["mobile"] = mobile.usability(shipped)
             n = recipe["export"]["fixed_batch"]
             if n:
-                fixed = mobile.fixed_batch(shipped, tmp / f"student.{kind}.fixed.onnx", n)
+                fixed = mobile.fixed_batch(shipped, tmp / f"{name}.{kind}.fixed.onnx", n)
                 report["mobile_fixed_batch"] = {
                     "path": str(out / fixed.name),
                     "batch": n,
@@ -209,13 +240,25 @@ def shrink_to_folder(
         plain = build(spec)
         plain.load_state_dict(model.state_dict())
         checkpoint.save(
-            tmp / "student.pt",
+            tmp / f"{name}.pt",
             plain,
             spec,
             {**metadata, "test_accuracy": final_acc, "compressed": True},
         )
         if "archive" in report:
-            report["archive"]["path"] = str(out / "student.dcz")
+            report["archive"]["path"] = str(out / f"{name}.dcz")
+        report["name"] = name
+        report["deliverables"] = deliverables(report)
+        cfg = guard.GuardConfig.from_recipe(recipe["guard"])
+        report["guard"] = {"max_stage_drop": cfg.max_stage_drop, "strict": cfg.strict}
+        report["guard"]["findings"] = guard.findings(report, cfg)
+        if cfg.strict and report["guard"]["findings"]:
+            first = report["guard"]["findings"]
+            raise StageError(
+                f"guardrail: {first[0]['message']}"
+                + (f" (and {len(first) - 1} more)" if len(first) > 1 else "")
+                + f"; --strict: nothing written to {out}"
+            )
         with clock.step("report"):
             report_mod.plots(report, tmp)
         report["timings"] = clock.record()
@@ -395,8 +438,54 @@ def _teacher_student(report, distilled, teacher_name, student_name, model, final
         )
 
 
+def _explain_archive(report: dict[str, Any]) -> None:
+    """An archive larger than its own P+Q figure (fixed-width codes, no tables) says why: on a
+    small model, what the file holds besides its coded streams (header, codebooks, code
+    tables, dense tensors, framing) outweighs what Huffman coding saves."""
+    a = report.get("archive")
+    pq = next((st.get("bytes") for st in report["stages"] if st["name"] == "quantize"), None)
+    if a and pq and a["bytes"] > pq:
+        a["over_pq"] = {"pq_bytes": pq, "fixed_bytes": a["bytes"] - a["stream_bytes"]}
+
+
+def deliverables(report: dict[str, Any]) -> dict[str, Any]:
+    """Each file an app or a user ships, with its bytes against the dense FP32 weights of the
+    model compressed (`baseline.bytes`), and which of them a runtime runs: the INT8 file, else
+    the FP32 one (the archive is storage, decoded back to a checkpoint, not run)."""
+    dense = report["baseline"]["bytes"]
+    files = []
+
+    def add(kind: str, record: dict[str, Any] | None) -> None:
+        if record and "bytes" in record:
+            b = record["bytes"]
+            files.append({"kind": kind, "path": record["path"], "bytes": b, "ratio": dense / b})
+
+    add("archive", report.get("archive"))
+    onnx = report.get("onnx", {})
+    add("fp32 onnx", onnx.get("fp32"))
+    add("int8 onnx", onnx.get("int8"))
+    add("ort", report.get("ort"))
+    add("fixed-batch onnx", report.get("mobile_fixed_batch"))
+    runs = onnx.get("int8") or onnx.get("fp32")
+    return {
+        "dense_fp32_bytes": dense,
+        "files": files,
+        # file names in the output folder (paths are in `files`)
+        "ship": Path(runs["path"]).name if runs else None,
+        "ship_mobile": Path(report["ort"]["path"]).name if "ort" in report else None,
+    }
+
+
 def _export(
-    model, e: dict[str, Any], report, data: Dataset, calib, tmp: Path, out: Path, clock: _Clock
+    model,
+    e: dict[str, Any],
+    report,
+    data: Dataset,
+    calib,
+    tmp: Path,
+    out: Path,
+    clock: _Clock,
+    name: str,
 ) -> dict:
     """FP32 ONNX, then INT8 ONNX chosen for `export.target`; parity, invariants and the
     versions read back from each file written."""
@@ -404,7 +493,7 @@ def _export(
 
     cfg = export_config(e)
     with clock.step("export_fp32", f"export: FP32 ONNX (opset {cfg.opset})"):
-        fp32 = export.export_onnx(model, data.x_train[:2], tmp / "student.fp32.onnx", cfg)
+        fp32 = export.export_onnx(model, data.x_train[:2], tmp / f"{name}.fp32.onnx", cfg)
     bits = {r["layer"]: r["weight_bits"] for r in report["layers"] if r.get("codebook")}
     fp32_names: dict[str, str] = {}  # state key -> the FP32 file's initializer, for INT8's
 
@@ -503,7 +592,7 @@ def _export(
         # No INT8 compute survives: that file would be the FP32 graph under an INT8 name.
         report["int8_not_written"] = {**record, "reason": choice.reason}
         return result
-    path = tmp / "student.int8.onnx"
+    path = tmp / f"{name}.int8.onnx"
     with atomic_path(path) as dst:
         onnx.save(choice.model, str(dst))
         export.check(dst)
@@ -565,22 +654,26 @@ def decode_to_checkpoint(
     max_elements: int | None = None,
     sha256: str | None = None,
 ) -> dict[str, Any]:
-    """Rebuild a checkpoint from a .dcz archive; the model spec inside must build and fit.
+    """Rebuild a checkpoint from a .dcz archive, bit for bit.
 
-    The model the header names is first built on the meta device (which allocates nothing);
-    every record must have one of its names and shapes before the record is decoded, and the
-    real model is built only after all records check out: a small file cannot make us build a
-    huge model or a huge tensor.
+    A zoo model, or a user's model whose code `allow_import` names, is first built on the meta
+    device (which allocates nothing); every record must have one of its names and shapes
+    before the record is decoded, and the real model is built (and loads the tensors) only
+    after all records check out: a small file cannot make us build a huge model or a huge
+    tensor. A user's model without `allow_import` is not imported (a file never picks the
+    code): its tensors are decoded within the archive's own bounds (`max_elements`, sizes
+    checked against the file) and written as a checkpoint naming the same code, which builds
+    when it is loaded with consent (`rebuilt` False in the result).
     """
     check_writable(out)
+    rebuilt = True
 
     def expect(header_spec: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+        nonlocal rebuilt
         spec = ModelSpec.from_dict(header_spec)
-        if spec.is_import_path and allow_import != spec.name:  # a file never picks the code
-            raise InputError(
-                f"{path}: names model code {spec.name}; pass --model {spec.name} "
-                "to allow importing it"
-            )
+        if spec.is_import_path and allow_import != spec.name:
+            rebuilt = False
+            return None
         try:
             return state_shapes(spec)
         except InputError as e:
@@ -588,15 +681,22 @@ def decode_to_checkpoint(
 
     decoded = archive.read(path, max_elements=max_elements, expect=expect, sha256=sha256)
     spec = ModelSpec.from_dict(decoded.spec)
-    ck = checkpoint.Checkpoint(spec, decoded.state_dict, decoded.metadata, path=path)
-    model = ck.build_model(allow_import=allow_import == spec.name)
-    checkpoint.save(out, model, spec, {**decoded.metadata, "decoded_from": str(path)})
+    meta = {**decoded.metadata, "decoded_from": str(path)}
+    if rebuilt:
+        ck = checkpoint.Checkpoint(spec, decoded.state_dict, decoded.metadata, path=path)
+        model = ck.build_model(allow_import=allow_import == spec.name)
+        checkpoint.save(out, model, spec, meta)
+        parameters = sum(p.numel() for p in model.parameters())
+    else:
+        checkpoint.save_state(out, decoded.state_dict, spec, meta)
+        parameters = sum(t.numel() for t in decoded.state_dict.values() if t.is_floating_point())
     return {
         "checkpoint": str(out),
         "archive": str(path),
         "model": spec.name,
+        "rebuilt": rebuilt,
         "tensors": len(decoded.state_dict),
         "archive_bytes": path.stat().st_size,
         "sha256": decoded.sha256,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
     }

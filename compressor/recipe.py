@@ -23,6 +23,7 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
     [export]    enabled, opset = 18, ir_version, int8, method, calibration, calibration_data,
                 target = "mobile" | "host", scheme = "u8s8" | "u8u8", reduce_range,
                 min_agreement, ort, fixed_batch                     # ONNX FP32, INT8, .ort
+    [guard]     max_stage_drop = 2.0 (points a stage may cost), strict = false
 
 Layers are named as `compressor.prune.weight_layers` names them: a Linear or Conv by its module
 ("fc1", "blocks.0.block.3"), MultiheadAttention's packed q/k/v projection as
@@ -40,6 +41,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from compressor.guard import GuardConfig
 from models.errors import InputError
 from models.limits import MAX_NESTING, nesting_depth
 
@@ -164,8 +166,12 @@ DEFAULTS: dict[str, Any] = {
         "reduce_range": "auto",
         "min_agreement": 0.995,
         "ort": True,  # also the .ort file for mobile ORT builds, and the NNAPI/CoreML verdicts
-        "fixed_batch": 0,  # N > 0: also student.int8.fixed.onnx with batch N (NNAPI needs it)
+        "fixed_batch": 0,  # N > 0: also MODEL.int8.fixed.onnx with batch N (NNAPI needs it)
     },
+    # Guardrails (compressor.guard): a stage that costs more than max_stage_drop points of
+    # test accuracy, an INT8 file under its agreement floor, a student bigger than its
+    # teacher are said on stderr; strict = true (or --strict) fails the run, nothing written.
+    "guard": {"max_stage_drop": 2.0, "strict": False},
 }
 
 _CHOICES = {
@@ -471,6 +477,10 @@ def _validate(r: dict[str, Any], source: str) -> None:
     if r["huffman"]["enabled"] and not qz["enabled"]:
         raise InputError(f"{source}: huffman codes the shared weights; enable quantize too")
     _validate_budget(r, source)
+    try:
+        GuardConfig.from_recipe(r["guard"])
+    except InputError as e:
+        raise InputError(f"{source}: {e}") from None
 
 
 def _validate_budget(r: dict[str, Any], source: str) -> None:

@@ -6,6 +6,8 @@ so `report.json` alone can reproduce the figures."""
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +15,20 @@ from compressor import recipe as recipe_mod
 from models.fileio import atomic_path
 
 STAGE_NAMES = {"prune": "P", "quantize": "P+Q", "huffman": "P+Q+H"}
+_RANK = {"no": 0, "partial": 1, "yes": 2}
 
 
 def _kb(n: int) -> str:
     return f"{n / 1000:.1f} KB"
 
 
-def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
+def markdown(
+    report: dict[str, Any],
+    title: str = "compress shrink",
+    plots: Iterable[str | Path] | None = None,
+) -> str:
+    """The report as Markdown. `plots`: the plot files to link, relative to report.md's
+    folder; by default the ones `plots()` writes for this report (`plot_names`)."""
     base = report["baseline"]
     lines = [f"# {title}", ""]
     if "data" in report:
@@ -94,6 +103,7 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
             "the bound. It decodes to the compressed model bit for bit (checked).",
         ]
     lines += _onnx_lines(report)
+    lines += _mobile_lines(report)
     lines += [
         "",
         "## Per layer",
@@ -110,6 +120,7 @@ def markdown(report: dict[str, Any], title: str = "compress shrink") -> str:
         "included. Size is the layer's archive record against its FP32 dense bytes. A shared "
         "layer is stored dense where that record is smaller (both are encoded and measured).",
         "",
+        *_plot_lines(report, plots),
         "## Recipe",
         "",
         "```toml",
@@ -257,8 +268,9 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
         else:
             lines.append("Every quantizable node runs in INT8.")
         if "reason" in int8:
+            fp32 = report["onnx"].get("fp32", {}).get("path", "student.fp32.onnx")
             lines.append(
-                f"**No INT8 file was written** ({int8['reason']}): ship `student.fp32.onnx`."
+                f"**No INT8 file was written** ({int8['reason']}): ship `{Path(fp32).name}`."
             )
         else:
             h = int8["host_kernels"]
@@ -274,69 +286,250 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
                     else "."
                 )
             )
-    if "mobile" in report:
-        m, o = report["mobile"], report["ort"]
+    return lines
+
+
+def _plot_lines(report: dict[str, Any], plots: Iterable[str | Path] | None) -> list[str]:
+    names = plot_names(report) if plots is None else [Path(p).as_posix() for p in plots]
+    if not names:
+        return []
+    lines = ["## Plots", ""]
+    for name in names:
+        caption = PLOT_CAPTIONS.get(Path(name).name, Path(name).stem.replace("_", " "))
+        lines += [f"![{caption}]({name})", ""]
+    return lines
+
+
+_EP_NAMES = ("NNAPI", "CoreML NeuralNetwork", "CoreML MLProgram")
+_EP_VERDICT = {"YES": "yes", "MAYBE": "partial", "NO": "no"}
+
+
+def mobile_reasons(details: str) -> dict[str, dict[str, str]]:
+    """`usability`'s `details` string, per execution provider: {"verdict", "nodes",
+    "fixed" (the verdict with fixed input shapes), "unsupported" (ops)}, each when given.
+    Parts this does not recognise are kept whole under "other"."""
+    out: dict[str, dict[str, str]] = {}
+    pattern = r"(" + "|".join(_EP_NAMES) + r") (YES|MAYBE|NO) \(((?:[^()]|\([^()]*\))*)\)"
+    for m in re.finditer(pattern, details):
+        info = {"verdict": _EP_VERDICT[m[2]]}
+        for part in filter(None, (x.strip() for x in m[3].split("; "))):
+            if f := re.fullmatch(r"(YES|MAYBE|NO) with fixed shapes", part):
+                info["fixed"] = _EP_VERDICT[f[1]]
+            elif part.startswith("unsupported ops "):
+                info["unsupported"] = part.removeprefix("unsupported ops ")
+            elif "nodes" in part and "nodes" not in info:
+                info["nodes"] = part
+            else:
+                info["other"] = f"{info['other']}; {part}" if "other" in info else part
+        out[m[1]] = info
+    return out
+
+
+def _why(info: dict[str, str]) -> str:
+    parts = []
+    if "nodes" in info:
+        parts.append(f"{info['nodes']} can run on it")
+    if "unsupported" in info:
+        parts.append(f"unsupported ops {info['unsupported']}")
+    if "fixed" in info:
+        parts.append(f"{info['fixed']} with fixed shapes")
+    if "other" in info:
+        parts.append(info["other"])
+    return "; ".join(parts)
+
+
+def _verdict_lines(m: dict[str, Any]) -> list[str]:
+    """One bullet per platform: the verdict, then the checker's reason for it."""
+    eps = mobile_reasons(m.get("details", ""))
+    if not eps:  # nothing parsable: the checker's own words
+        details = f" ({m['details']})" if m.get("details") else ""
+        return [f"- NNAPI **{m['nnapi']}**, CoreML **{m['coreml']}**{details}"]
+    nnapi = _why(eps.get("NNAPI", {}))
+    coreml = "; ".join(
+        f"{ep.removeprefix('CoreML ')} {eps[ep]['verdict']}"
+        + (f" ({_why(eps[ep])})" if _why(eps[ep]) else "")
+        for ep in _EP_NAMES[1:]
+        if ep in eps
+    )
+    return [
+        f"- NNAPI (Android): **{m['nnapi']}**" + (f": {nnapi}." if nnapi else "."),
+        f"- CoreML (iOS): **{m['coreml']}**" + (f": {coreml}." if coreml else "."),
+    ]
+
+
+def _mobile_lines(report: dict[str, Any]) -> list[str]:
+    m, fixed = report.get("mobile"), report.get("mobile_fixed_batch")
+    if not m and not fixed:
+        return []
+    lines = ["", "## Mobile", ""]
+    o = report.get("ort")
+    if o:
+        config = (
+            f"; operators for a reduced ONNX Runtime build: `{Path(o['config']).name}`"
+            if o.get("config")
+            else ""
+        )
+        lines += [
+            f"`{Path(o['path']).name}`: {o['bytes']:,} bytes, answers like the .onnx (max abs "
+            f"Δ {o['max_abs_diff']:.2g}){config}.",
+            "",
+        ]
+    # What the pipeline ships (and checked): the INT8 file, else the FP32 one.
+    onnx = report.get("onnx", {})
+    kind = "int8" if "int8" in onnx else "fp32"
+    shipped = Path(onnx[kind]["path"]).name if kind in onnx else f"student.{kind}.onnx"
+    if m:
+        lines += [
+            f"ONNX Runtime's `check_onnx_model_mobile_usability` on `{shipped}` "
+            "(as exported, dynamic batch):",
+            "",
+            *_verdict_lines(m),
+        ]
+        eps = mobile_reasons(m.get("details", ""))
+        helped = [
+            name
+            for name, verdict, keys in (
+                ("NNAPI", m["nnapi"], _EP_NAMES[:1]),
+                ("CoreML", m["coreml"], _EP_NAMES[1:]),
+            )
+            if verdict != "yes"
+            and any(
+                _RANK.get(eps.get(k, {}).get("fixed"), -1) > _RANK.get(verdict, 0) for k in keys
+            )
+        ]
+        if helped and fixed:
+            lines.append(
+                f"- Fix: {' and '.join(helped)} {'needs' if len(helped) == 1 else 'need'} "
+                "fixed input shapes: ship "
+                f"`{Path(fixed['path']).name}` (batch fixed to {fixed['batch']}), checked below."
+            )
+        elif helped:
+            lines.append(
+                f"- Fix: {' and '.join(helped)} would do better with fixed input shapes: run "
+                f"again with `--fixed-batch 1` (recipe `[export] fixed_batch = 1`), which also "
+                f"writes `{shipped.removesuffix('.onnx')}.fixed.onnx` with the batch fixed to 1."
+            )
+    if fixed:
         lines += [
             "",
-            f"Mobile (`check_onnx_model_mobile_usability`): NNAPI {m['nnapi']}, CoreML "
-            f"{m['coreml']}. `{Path(o['path']).name}`: {o['bytes']:,} bytes, answers like "
-            f"the .onnx (max abs Δ {o['max_abs_diff']:.2g}).",
+            f"Batch fixed to {fixed['batch']}: `{Path(fixed['path']).name}`, "
+            f"{fixed['bytes']:,} bytes:",
+            "",
+            *_verdict_lines(fixed),
         ]
     return lines
+
+
+MAX_MARKS = 32  # centroid lines drawn per layer: an 8-bit layer's 256 would be a wall
+
+PLOT_CAPTIONS = {
+    "weights_histogram.png": "weights histogram",
+    "channels_per_layer.png": "channels kept per layer",
+    "kept_per_layer.png": "weights kept per layer",
+}
+
+
+def _figure_plan(report: dict[str, Any]) -> list[tuple[str, Callable[[], Any]]]:
+    """The plots this report gets, in order, as (file name, function drawing the Figure):
+    the one place that decides which files `plots` writes and `markdown` links."""
+    plan: list[tuple[str, Callable[[], Any]]] = []
+    if report.get("histogram"):
+        plan.append(("weights_histogram.png", lambda: _histogram_figure(report["histogram"])))
+    if report.get("channels"):
+        plan.append(("channels_per_layer.png", lambda: _channels_figure(report["channels"])))
+    if report["layers"]:
+        plan.append(("kept_per_layer.png", lambda: _kept_figure(report["layers"])))
+    return plan
+
+
+def plot_names(report: dict[str, Any]) -> list[str]:
+    """The file names `plots` writes for this report (what `markdown` links by default)."""
+    return [name for name, _ in _figure_plan(report)]
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's figures as matplotlib Figures, by the file name `plots` gives each."""
+    return {name: draw() for name, draw in _figure_plan(report)}
 
 
 def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write weights_histogram.png, kept_per_layer.png and (after the channels stage)
     channels_per_layer.png; return their paths."""
+    return [save_figure(draw(), Path(out_dir) / name) for name, draw in _figure_plan(report)]
+
+
+def new_figure(figsize: tuple[float, float]) -> Any:
+    """A matplotlib Figure on the Agg backend. Not pyplot's: nothing global to close or leak.
+    matplotlib is imported here, on first use, so `import compressor` stays light."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
-    written = []
-    h = report.get("histogram")
-    if h:
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        edges, counts = h["edges"], h["counts"]
-        ax.stairs(counts, edges, fill=True, alpha=0.6, label="non-zero weights before sharing")
-        top = max(counts) if counts else 1
-        ax.vlines(h["centroids_init"], 0, top * 0.15, colors="grey", label="linear init")
-        ax.vlines(h["centroids"], 0, top * 0.3, colors="crimson", label="fine-tuned centroids")
-        ax.set(title=f"{h['layer']}: weights and shared values", xlabel="weight", ylabel="count")
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, out_dir / "weights_histogram.png"))
-        plt.close(fig)
-    c = report.get("channels")
-    if c:
-        rows = c["layers"]
-        fig, ax = plt.subplots(figsize=(7, 0.5 + 0.3 * len(rows)))
-        names = [r["name"] for r in rows]
-        ax.barh(names, [r["before"] for r in rows], color="lightgrey", label="before")
-        ax.barh(names, [r["after"] for r in rows], color="seagreen", label="kept")
-        ax.set(xlabel="output channels", title="Channels kept per layer (structured pruning)")
-        ax.invert_yaxis()
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, out_dir / "channels_per_layer.png"))
-        plt.close(fig)
-    rows = report["layers"]
-    if rows:
-        fig, ax = plt.subplots(figsize=(7, 0.5 + 0.4 * len(rows)))
-        names = [r["name"] for r in rows]
-        ax.barh(names, [100 * r["kept_fraction"] for r in rows], color="steelblue")
-        for i, r in enumerate(rows):
-            ax.text(
-                100 * r["kept_fraction"] + 1,
-                i,
-                f"{r['kept_fraction']:.0%}",
-                va="center",
-                fontsize=8,
-            )
-        ax.set(xlim=(0, 110), xlabel="weights kept (%)", title="Weights kept per layer")
-        ax.invert_yaxis()
-        written.append(save_figure(fig, out_dir / "kept_per_layer.png"))
-        plt.close(fig)
-    return written
+    return Figure(figsize=figsize)
+
+
+def spread(values: list[float], k: int = MAX_MARKS) -> list[float]:
+    """At most k of the sorted values, evenly spaced by rank, both ends kept."""
+    values = sorted(values)
+    n = len(values)
+    if n <= k:
+        return values
+    return [values[round(i * (n - 1) / (k - 1))] for i in range(k)]
+
+
+def _histogram_figure(h: dict[str, Any]) -> Any:
+    fig = new_figure((7, 3.6))
+    ax = fig.subplots()
+    edges, counts = h["edges"], h["counts"]
+    ax.stairs(counts, edges, fill=True, alpha=0.6, label="non-zero weights before sharing")
+    top = max(counts) if counts else 1
+    n, n_init = len(h["centroids"]), len(h["centroids_init"])
+    shown, init = spread(h["centroids"]), spread(h["centroids_init"])
+
+    def label(what: str, drawn: int, total: int) -> str:
+        return what if drawn == total else f"{what} ({drawn} of {total} shown)"
+
+    ax.vlines(init, 0, top * 0.15, colors="grey", label=label("linear init", len(init), n_init))
+    ax.vlines(
+        shown, 0, top * 0.3, colors="crimson", label=label("fine-tuned centroids", len(shown), n)
+    )
+    title = f"{h['layer']}: {n} centroids" + (f" ({len(shown)} shown)" if len(shown) < n else "")
+    ax.set(title=title, xlabel="weight", ylabel="count")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _channels_figure(c: dict[str, Any]) -> Any:
+    rows = c["layers"]
+    fig = new_figure((7, 0.5 + 0.3 * len(rows)))
+    ax = fig.subplots()
+    names = [r["name"] for r in rows]
+    ax.barh(names, [r["before"] for r in rows], color="lightgrey", label="before")
+    ax.barh(names, [r["after"] for r in rows], color="seagreen", label="kept")
+    ax.set(xlabel="output channels", title="Channels kept per layer (structured pruning)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _kept_figure(rows: list[dict[str, Any]]) -> Any:
+    fig = new_figure((7, 0.5 + 0.4 * len(rows)))
+    ax = fig.subplots()
+    names = [r["name"] for r in rows]
+    ax.barh(names, [100 * r["kept_fraction"] for r in rows], color="steelblue")
+    for i, r in enumerate(rows):
+        ax.text(
+            100 * r["kept_fraction"] + 1,
+            i,
+            f"{r['kept_fraction']:.0%}",
+            va="center",
+            fontsize=8,
+        )
+    ax.set(xlim=(0, 110), xlabel="weights kept (%)", title="Weights kept per layer")
+    ax.invert_yaxis()
+    return fig
 
 
 def save_figure(fig, path: Path) -> Path:

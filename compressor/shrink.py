@@ -90,8 +90,9 @@ def shrink(
     hooks: Hooks,
     out_dir: Path,
     metadata: dict[str, Any] | None = None,
+    archive_name: str = "model.dcz",
 ) -> dict[str, Any]:
-    """Run the recipe on `model` (in place); write `out_dir/student.dcz`; return the report."""
+    """Run the recipe on `model` (in place); write `out_dir/archive_name`; return the report."""
     check_fits_recipe(model, recipe)
     t0 = time.perf_counter()
     params = sum(p.numel() for p in model.parameters())
@@ -150,7 +151,7 @@ def shrink(
     _account(stages, entries, layer_info, baseline["bytes"], recipe)
     if recipe["huffman"]["enabled"]:
         ts = time.perf_counter()
-        path = out_dir / "student.dcz"
+        path = out_dir / archive_name
         meta = {**(metadata or {}), "test_accuracy": stages[-1]["test_accuracy"]}
         written = archive.write(path, entries, spec, meta)
         decoded = archive.read(path)
@@ -171,6 +172,50 @@ def _accuracy(model: nn.Module, hooks: Hooks, correct: torch.Tensor | None) -> f
     if correct is None:
         return hooks.test_accuracy(model)
     return int(correct.sum()) / len(correct)  # exact, as `evaluate` counts (not a float32 mean)
+
+
+def plan(model: nn.Module, recipe: dict[str, Any]) -> list[dict[str, Any]]:
+    """What `recipe` will do to each of `model`'s layers, before any work (`--dry-run`): its
+    weights, the fraction pruning will remove and the bits weight sharing will give it. A
+    sparsity decided during the run ("auto", `prune.quality`, an accuracy budget) reads as how
+    it will be decided."""
+    check_fits_recipe(model, recipe)
+    p, q = recipe["prune"], recipe["quantize"]
+    searched = recipe["budget"]["max_drop"] != "off"
+    found = kmeans.layers(model, p["embeddings"] or q["embeddings"])
+    if p["sparsity"] == "default":
+        fractions: Any = default_sparsity(model, p["embeddings"])
+    else:
+        fractions = p["sparsity"]
+    qcfg = kmeans.QuantizeConfig(
+        conv_bits=q["conv_bits"], fc_bits=q["fc_bits"], bits=dict(q["bits"])
+    )
+    rows = []
+    for name, layer in found.items():
+        weights = getattr(model.get_submodule(layer.module), layer.param)
+        if searched:
+            sparsity: Any = "searched (--max-drop)"
+        elif not p["enabled"] or (layer.kind == "embedding" and not p["embeddings"]):
+            sparsity = 0.0
+        elif p["quality"] is not None:
+            sparsity = f"|w| < {p['quality']:g} std"
+        elif fractions == "auto":
+            sparsity = "auto (sensitivity)"
+        elif isinstance(fractions, dict):
+            sparsity = fractions.get(name, fractions.get(prune.layer_name(name), 0.0))
+        else:
+            sparsity = fractions
+        shared = q["enabled"] and (layer.kind != "embedding" or q["embeddings"])
+        rows.append(
+            {
+                "layer": name,
+                "kind": layer.kind,
+                "weights": int(weights.numel()),
+                "sparsity": sparsity,
+                "bits": ("searched" if searched else qcfg.bits_for(layer)) if shared else None,
+            }
+        )
+    return rows
 
 
 def check_fits_recipe(model: nn.Module, recipe: dict[str, Any]) -> None:

@@ -1,11 +1,11 @@
 """What `compress bench` measures: model files turned into runnable variants.
 
 An input is a `.pt` checkpoint, an `.onnx` or `.ort` file, or a `compress shrink` output folder
-(then every model in it: `student.pt`, `student.fp32.onnx`, `student.int8.onnx`,
-`student.int8.ort`, or `student.fp32.ort` where shrink wrote no INT8 file). Each file becomes one
-`Model` (format, precision, bytes, parameters, input shape and kind: float32 images or int64
-token ids with the vocabulary they index), and each model on each runtime one `Variant`:
-PyTorch eager FP32 (and bf16 where the CPU has native bf16), ONNX Runtime on the CPU provider,
+(then every model in it: `model.pt`, `model.fp32.onnx`, `model.int8.onnx`, `model.int8.ort`,
+or `model.fp32.ort` where shrink wrote no INT8 file; `student.*` where it distilled). Each file
+becomes one `Model` (format, precision, bytes, parameters, input shape and kind: float32
+images or int64 token ids with the vocabulary they index), and each model on each runtime one
+`Variant`: PyTorch eager FP32 (and bf16 where the CPU has native bf16), ONNX Runtime on the CPU provider,
 and on CUDA/TensorRT when present.
 A runtime that is asked for but missing is returned as a skip with its reason, never an error.
 """
@@ -20,12 +20,11 @@ from models import checkpoint
 from models.errors import InputError
 from models.zoo import ModelSpec
 
-SHRINK_FILES = (
-    "student.pt",
-    "student.fp32.onnx",
-    "student.int8.onnx",
-    "student.int8.ort",
-    "student.fp32.ort",
+# model.* from a shrink of the checkpoint's own model, student.* from one that distilled
+SHRINK_FILES = tuple(
+    f"{stem}.{f}"
+    for stem in ("model", "student")
+    for f in ("pt", "fp32.onnx", "int8.onnx", "int8.ort", "fp32.ort")
 )
 SUFFIXES = (".pt", ".onnx", ".ort")
 # --providers names -> ONNX Runtime execution providers; "torch" runs PyTorch eager.
@@ -214,7 +213,7 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
     source = sibling if ".int8." in path.name and sibling.is_file() else None
     if path.suffix == ".ort":
         # The ORT format keeps no ONNX graph to inspect: the precision is in the name, which
-        # compress shrink writes (student.int8.ort).
+        # compress shrink writes (model.int8.ort).
         precision = "int8" if ".int8" in path.name else "fp32"
         return Model(
             path, "ort", precision, size, None, shape, label, fixed_batch=fixed, source=source,

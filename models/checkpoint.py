@@ -201,11 +201,23 @@ def save(
     train_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint atomically: the old file survives an interrupted write."""
+    return save_state(path, model.state_dict(), spec, metadata, train_state)
+
+
+def save_state(
+    path: str | os.PathLike,
+    state_dict: dict[str, torch.Tensor],
+    spec: ModelSpec,
+    metadata: dict[str, Any] | None = None,
+    train_state: dict[str, Any] | None = None,
+) -> Path:
+    """`save` from the tensors alone, for a model whose code is not imported (`compress
+    decode` of a user's model without --model); loading it builds the model as usual."""
     obj: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model": spec.to_dict(),
-        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state_dict": {k: v.detach().clone() for k, v in state_dict.items()},
         "metadata": {
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "versions": versions(),

@@ -55,21 +55,21 @@ def test_runs_are_interleaved_after_warmup():
 
 @pytest.fixture(scope="module")
 def shrunk(tmp_path_factory):
-    """A folder shaped like compress shrink's output: student.pt, FP32/INT8 ONNX, .ort."""
+    """A folder shaped like compress shrink's output: model.pt, FP32/INT8 ONNX, .ort."""
     folder = tmp_path_factory.mktemp("bench") / "student"
     folder.mkdir()
     net = tiny("lenet5", in_shape=(1, 8, 8), num_classes=10, seed=0)
     from models import zoo
 
     spec = ModelSpec("lenet5", {**zoo._TINY["lenet5"], "in_shape": [1, 8, 8], "num_classes": 10})
-    checkpoint.save(folder / "student.pt", net, spec, {"data": "digits"})
+    checkpoint.save(folder / "model.pt", net, spec, {"data": "digits"})
     x = torch.rand(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
-    fp32 = export.export_onnx(net, x[:2], folder / "student.fp32.onnx", export.ExportConfig())
+    fp32 = export.export_onnx(net, x[:2], folder / "model.fp32.onnx", export.ExportConfig())
     prepared = export.preprocess(fp32, folder.parent / "prepared.onnx")
     int8 = export.quantize_int8(
-        prepared, folder / "student.int8.onnx", x.numpy(), export.QuantConfig()
+        prepared, folder / "model.int8.onnx", x.numpy(), export.QuantConfig()
     )
-    mobile.to_ort(int8, folder / "student.int8.ort")
+    mobile.to_ort(int8, folder / "model.int8.ort")
     return folder
 
 
@@ -103,29 +103,29 @@ def test_bench_a_shrink_folder_json_report_and_plot(run, shrunk, tmp_path):
         assert row["throughput_per_s"] == pytest.approx(row["batch"] / (row["p50_ms"] / 1000))
         assert row["runs"] >= 5 and row["bytes"] == Path(row["path"]).stat().st_size
     kinds = {(row["model"], row["provider"]) for row in rows}
-    for name in ("student.fp32.onnx", "student.int8.onnx", "student.int8.ort"):
+    for name in ("model.fp32.onnx", "model.int8.onnx", "model.int8.ort"):
         assert (name, "CPUExecutionProvider") in kinds
-    assert ("student.pt", "pytorch-cpu") in kinds
+    assert ("model.pt", "pytorch-cpu") in kinds
     assert {row["batch"] for row in rows} == {1, 3}
-    # accuracy is measured per variant; agreement against the first model (student.pt)
-    first = [row for row in rows if row["model"] == "student.pt" and row["precision"] == "fp32"]
+    # accuracy is measured per variant; agreement against the first model (model.pt)
+    first = [row for row in rows if row["model"] == "model.pt" and row["precision"] == "fp32"]
     assert first[0]["top1_agreement"] == 1.0
-    fp32 = next(row for row in rows if row["model"] == "student.fp32.onnx")
+    fp32 = next(row for row in rows if row["model"] == "model.fp32.onnx")
     assert fp32["top1_agreement"] == 1.0  # the same model, exported
-    assert fp32["macs"] == next(row for row in rows if row["model"] == "student.pt")["macs"]
+    assert fp32["macs"] == next(row for row in rows if row["model"] == "model.pt")["macs"]
     # no GPU here: the GPU runtimes are listed as skipped with a reason, not errors
     skipped = {(s["model"], s["provider"]) for s in r["skipped"]}
     if not torch.cuda.is_available():
-        assert ("student.pt", "pytorch-cuda") in skipped
+        assert ("model.pt", "pytorch-cuda") in skipped
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
     md = report.read_text()
-    assert "## Environment" in md and "student.int8.onnx" in md and "p50" in md
+    assert "## Environment" in md and "model.int8.onnx" in md and "p50" in md
 
 
 def test_bench_table_without_json(run, shrunk):
-    result = run("bench", shrunk / "student.fp32.onnx", "--batch", "1", *FAST)
+    result = run("bench", shrunk / "model.fp32.onnx", "--batch", "1", *FAST)
     assert result.exit_code == 0, result.stderr
-    assert "student.fp32.onnx" in result.stdout and "p50 ms" in result.stdout
+    assert "model.fp32.onnx" in result.stdout and "p50 ms" in result.stdout
 
 
 def test_a_provider_that_falls_back_to_cpu_is_reported_as_skipped(run, shrunk, monkeypatch):
@@ -136,7 +136,7 @@ def test_a_provider_that_falls_back_to_cpu_is_reported_as_skipped(run, shrunk, m
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *real])
     result = run(
         "bench",
-        shrunk / "student.fp32.onnx",
+        shrunk / "model.fp32.onnx",
         "--batch",
         "1",
         "--min-runs",
@@ -158,7 +158,7 @@ def test_a_provider_that_falls_back_to_cpu_is_reported_as_skipped(run, shrunk, m
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 def test_gpu_variants_run_on_the_gpu(run, shrunk):
-    result = run("bench", shrunk / "student.pt", "--batch", "1", *FAST, "--json")
+    result = run("bench", shrunk / "model.pt", "--batch", "1", *FAST, "--json")
     rows = result.json()["results"]
     assert any(row["provider"] == "pytorch-cuda" for row in rows)
 
@@ -166,7 +166,7 @@ def test_gpu_variants_run_on_the_gpu(run, shrunk):
 def test_baselines_add_ort_quantizers(run, shrunk):
     result = run(
         "bench",
-        shrunk / "student.fp32.onnx",
+        shrunk / "model.fp32.onnx",
         "--baselines",
         "--data",
         "digits",
@@ -181,11 +181,9 @@ def test_baselines_add_ort_quantizers(run, shrunk):
 
 
 def test_profile_names_operators(run, shrunk):
-    result = run(
-        "bench", shrunk / "student.int8.onnx", "--batch", "1", *FAST, "--profile", "--json"
-    )
+    result = run("bench", shrunk / "model.int8.onnx", "--batch", "1", *FAST, "--profile", "--json")
     assert result.exit_code == 0, result.stderr
-    prof = result.json()["profiles"]["student.int8.onnx"]
+    prof = result.json()["profiles"]["model.int8.onnx"]
     assert prof["top"] and abs(sum(op["share"] for op in prof["ops"]) - 1) < 1e-6
 
 
@@ -212,7 +210,7 @@ def _bare_state_dict(tmp_path):
     ],
 )
 def test_bench_bad_input(run, shrunk, tmp_path, case, message):
-    args = [shrunk / "student.fp32.onnx"]
+    args = [shrunk / "model.fp32.onnx"]
     extra = ["--batch", "1", "--min-runs", "3", "--min-seconds", "0"]
     if case == "unknown file type":
         (tmp_path / "m.txt").write_text("x")
@@ -282,8 +280,8 @@ def test_two_folders_with_equal_file_names_get_distinct_labels(run, shrunk, tmp_
     shutil.copytree(shrunk, other)
     result = run(
         "bench",
-        shrunk / "student.fp32.onnx",
-        other / "student.fp32.onnx",
+        shrunk / "model.fp32.onnx",
+        other / "model.fp32.onnx",
         "--data",
         "digits",
         "--batch",
@@ -299,7 +297,7 @@ def test_two_folders_with_equal_file_names_get_distinct_labels(run, shrunk, tmp_
 def test_threads_zero_means_all_cores_everywhere(run, shrunk):
     result = run(
         "bench",
-        shrunk / "student.int8.onnx",
+        shrunk / "model.int8.onnx",
         "--threads",
         "0",
         "--batch",
@@ -317,7 +315,7 @@ def test_int8_slower_than_its_fp32_file_is_explained(monkeypatch, shrunk):
     """`_explain` pairs an INT8 row with the FP32 file it came from and names the operators."""
     rows = [
         {
-            "path": str(shrunk / "student.fp32.onnx"),
+            "path": str(shrunk / "model.fp32.onnx"),
             "source": None,
             "precision": "fp32",
             "provider": "CPUExecutionProvider",
@@ -328,8 +326,8 @@ def test_int8_slower_than_its_fp32_file_is_explained(monkeypatch, shrunk):
             "notes": [],
         },
         {
-            "path": str(shrunk / "student.int8.onnx"),
-            "source": str(shrunk / "student.fp32.onnx"),
+            "path": str(shrunk / "model.int8.onnx"),
+            "source": str(shrunk / "model.fp32.onnx"),
             "precision": "int8",
             "provider": "CPUExecutionProvider",
             "format": "onnx",
@@ -366,7 +364,7 @@ def test_each_cell_times_all_its_variants_in_one_interleaved_loop(run, shrunk, m
     monkeypatch.setattr(benchmark, "interleaved_timed", spy)
     result = run("bench", shrunk, "--batch", "1,2", "--providers", "torch,cpu", *FAST[:4])
     assert result.exit_code == 0, result.stderr
-    n = 3 + (2 if benchmark_bf16() else 1)  # three ONNX/ORT files, student.pt fp32 (+ bf16)
+    n = 3 + (2 if benchmark_bf16() else 1)  # three ONNX/ORT files, model.pt fp32 (+ bf16)
     assert calls == [n, n]  # one loop per cell (batch 1, batch 2), every variant in it
 
 

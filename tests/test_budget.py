@@ -234,8 +234,8 @@ def test_search_keeps_the_smallest_archive_within_the_budget(tmp_path, max_drop)
         assert won["archive_bytes"] == min(t["archive_bytes"] for t in within)
         assert lost <= b["allowed_lost"]
     # The archive left in the folder is the kept trial's, and no trial folder is left over.
-    assert (tmp_path / "student.dcz").stat().st_size == won["archive_bytes"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["student.dcz"]
+    assert (tmp_path / "model.dcz").stat().st_size == won["archive_bytes"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.dcz"]
     # The kept model obeys the settings the report gives, and the recipe re-runs them.
     for name, s in b["layers"].items():
         w = m.get_submodule(name).weight.detach()
@@ -343,7 +343,7 @@ def test_shrink_max_drop_end_to_end(run, tmp_path):
     )
     again = run("shrink", ck, "--recipe", tmp_path / "kept.toml", "--out", tmp_path / "b", "-q")
     assert again.exit_code == 0, again.stderr
-    assert (tmp_path / "b" / "student.dcz").read_bytes() == (out / "student.dcz").read_bytes()
+    assert (tmp_path / "b" / "model.dcz").read_bytes() == (out / "model.dcz").read_bytes()
 
 
 @pytest.mark.parametrize(

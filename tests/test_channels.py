@@ -306,13 +306,13 @@ def test_shrink_with_channels_end_to_end(run, tmp_path):
     assert c["archive_ratio_vs_original"] > report["archive"]["ratio"]
     assert (out / "channels_per_layer.png").stat().st_size > 0
     assert "## Channels removed" in (out / "report.md").read_text()
-    assert onnx_macs(out / "student.fp32.onnx", 1) == c["macs"][1]
-    result = run("decode", out / "student.dcz", "--out", tmp_path / "dec.pt")
+    assert onnx_macs(out / "model.fp32.onnx", 1) == c["macs"][1]
+    result = run("decode", out / "model.dcz", "--out", tmp_path / "dec.pt")
     assert result.exit_code == 0, result.output
     from models import checkpoint
 
     a = checkpoint.load(tmp_path / "dec.pt").build_model()
-    b = checkpoint.load(out / "student.pt").build_model()
+    b = checkpoint.load(out / "model.pt").build_model()
     x = torch.from_numpy(np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32))
     with torch.no_grad():
         assert torch.equal(a.eval()(x), b.eval()(x))

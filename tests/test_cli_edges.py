@@ -5,8 +5,10 @@ import os
 import textwrap
 
 import pytest
+import torch
 
 from models import checkpoint
+from models.errors import InputError
 from models.fileio import umask
 
 
@@ -198,7 +200,7 @@ def test_json_has_no_nan():
     )
 
 
-def test_decode_of_a_user_model_archive_needs_and_takes_model(run, tmp_path, usermod):
+def test_decode_of_a_user_model_archive_needs_no_model_and_imports_nothing(run, tmp_path, usermod):
     ck = tmp_path / "u.pt"
     assert (
         run("train", "--model", "odd_models:Net", "--epochs", "1", "--out", ck, "-q").exit_code == 0
@@ -219,14 +221,26 @@ def test_decode_of_a_user_model_archive_needs_and_takes_model(run, tmp_path, use
         "-q",
     )
     assert result.exit_code == 0, result.stderr
-    result = run("decode", tmp_path / "s" / "student.dcz", "--out", tmp_path / "d.pt")
-    _one_line(result, 2, "pass --model odd_models:Net")
-    result = run(
-        "decode",
-        tmp_path / "s" / "student.dcz",
-        "--out",
-        tmp_path / "d.pt",
-        "--model",
-        "odd_models:Net",
-    )
+    import sys
+
+    marker = tmp_path / "imported"
+    marker.unlink()
+    sys.modules.pop("odd_models", None)
+    dcz = tmp_path / "s" / "model.dcz"
+    result = run("decode", dcz, "--out", tmp_path / "d.pt", "--json")
     assert result.exit_code == 0, result.stderr
+    assert result.json()["rebuilt"] is False
+    assert not marker.exists()  # the tensors were decoded; the user's code was not imported
+    shrunk = checkpoint.load(tmp_path / "s" / "model.pt").state_dict
+    decoded = checkpoint.load(tmp_path / "d.pt")
+    assert decoded.spec.name == "odd_models:Net"
+    assert decoded.state_dict.keys() == shrunk.keys()
+    for k, v in shrunk.items():  # bit for bit
+        assert torch.equal(
+            decoded.state_dict[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)
+        )
+    with pytest.raises(InputError, match="pass --model odd_models:Net"):
+        decoded.build_model()  # loading it is where consent is asked, as for any checkpoint
+    result = run("decode", dcz, "--out", tmp_path / "e.pt", "--model", "odd_models:Net", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["rebuilt"] is True and marker.exists()

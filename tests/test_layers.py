@@ -232,7 +232,7 @@ def test_shrink_stores_no_layer_worse_than_dense_fp16(tmp_path):
     assert encodings == {"shared", "dense fp16"}  # both win somewhere in this net
     # The whole archive is at most the same model stored dense float16 (the other 74 records,
     # BatchNorm statistics and biases, are the same both ways: the pipeline rounded them).
-    decoded = archive.read(tmp_path / "student.dcz")
+    decoded = archive.read(tmp_path / "model.dcz")
     as16 = [
         archive.Dense(k, v.half().float() if v.is_floating_point() else v, store_fp16=True)
         for k, v in decoded.state_dict.items()

@@ -82,9 +82,7 @@ def test_shrink_json_and_files(trained):
         assert c["points"] == pytest.approx(100 * (c["gained"] - c["lost"]) / 360)
         assert c["ci_points"][0] <= c["points"] <= c["ci_points"][1]
     a = report["archive"]
-    assert (
-        a["path"] == str(out / "student.dcz") and a["bytes"] == (out / "student.dcz").stat().st_size
-    )
+    assert a["path"] == str(out / "model.dcz") and a["bytes"] == (out / "model.dcz").stat().st_size
     assert a["ratio"] == pytest.approx(report["baseline"]["bytes"] / a["bytes"])
     assert a["bytes"] <= 1.02 * a["entropy_bound_bytes"]
     for s in report["stages"]:  # every stage against the same dense FP32 baseline
@@ -92,7 +90,7 @@ def test_shrink_json_and_files(trained):
     ratios = [s["ratio"] for s in report["stages"]]
     assert ratios == sorted(ratios) and ratios[-1] > 15
     assert {r["name"] for r in report["layers"]} == {"fc1.weight", "fc2.weight", "fc3.weight"}
-    for name in ("student.dcz", "student.pt", "report.json", "report.md"):
+    for name in ("model.dcz", "model.pt", "report.json", "report.md"):
         assert (out / name).is_file()
     for png in ("weights_histogram.png", "kept_per_layer.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -130,8 +128,8 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     # versions read back from each file: the exporter's opset 18 at its lowest IR (8)
     for o in (onnx["fp32"], q, report["mobile_fixed_batch"]):
         assert o["opsets"] == {"ai.onnx": 18} and o["ir_version"] == 8 and o["min_ort"] == "1.14"
-    assert report["ort"]["bytes"] == (out / "student.int8.ort").stat().st_size
-    assert (out / "student.int8.required_operators.config").is_file()
+    assert report["ort"]["bytes"] == (out / "model.int8.ort").stat().st_size
+    assert (out / "model.int8.required_operators.config").is_file()
     assert report["mobile"]["nnapi"] in ("yes", "partial", "no")
     assert "## ONNX" in (out / "report.md").read_text()
     fixed = report["mobile_fixed_batch"]
@@ -154,14 +152,14 @@ def test_target_mobile_writes_the_same_bytes_on_every_build(run, trained, tmp_pa
     args = ["shrink", folder / "lenet300.pt", "--recipe", folder / "fast.toml", "--out", again]
     result = run(*args, "--fixed-batch", "2", "--json", "-q")
     assert result.exit_code == 0, result.stderr
-    for name in ("student.int8.onnx", "student.fp32.onnx", "student.int8.fixed.onnx"):
+    for name in ("model.int8.onnx", "model.fp32.onnx", "model.int8.fixed.onnx"):
         assert (again / name).read_bytes() == (out / name).read_bytes(), name
     assert _without(result.json()) == _without(first)
 
 
 def test_target_host_may_ship_no_int8_file_and_says_so(run, trained, tmp_path, monkeypatch):
     """On a machine where FP32 is faster, host ships the FP32 graph's .ort, warns, and writes
-    no student.int8.onnx (an "INT8" name on an FP32 graph)."""
+    no model.int8.onnx (an "INT8" name on an FP32 graph)."""
     from compressor.export import int8
 
     monkeypatch.setattr(int8, "fp32_clearly_faster", lambda a, b, margin=0.05: True)
@@ -177,11 +175,11 @@ def test_target_host_may_ship_no_int8_file_and_says_so(run, trained, tmp_path, m
     assert result.exit_code == 0, result.stderr
     assert "warning: no INT8 file written: INT8 slower" in result.stderr
     r = result.json()
-    assert "int8" not in r["onnx"] and not (out / "student.int8.onnx").exists()
+    assert "int8" not in r["onnx"] and not (out / "model.int8.onnx").exists()
     miss = r["int8_not_written"]
     assert miss["target"] == "host" and miss["int8_nodes"] == 0
     assert set(miss["latency_ms_batch1"]) == {"fp32", "int8"}
-    assert (out / "student.fp32.ort").is_file() and r["ort"]["path"].endswith("student.fp32.ort")
+    assert (out / "model.fp32.ort").is_file() and r["ort"]["path"].endswith("model.fp32.ort")
     assert "No INT8 file was written" in (out / "report.md").read_text()
 
 
@@ -189,7 +187,7 @@ def test_index_bits_count_escapes(trained):
     _, out, report = trained
     from compressor import huffman
 
-    state = checkpoint.load(out / "student.pt").state_dict
+    state = checkpoint.load(out / "model.pt").state_dict
     for row in report["layers"]:
         positions = torch.nonzero(state[row["name"]].flatten()).flatten().numpy()
         gaps = huffman.encode_gaps(positions, 5)  # the recipe's fixed FC width
@@ -219,7 +217,7 @@ def test_prune_stage_bytes_do_not_depend_on_later_stages(run, trained, tmp_path)
 
 def test_compressed_model_obeys_its_recipe(trained):
     _, out, report = trained
-    state = checkpoint.load(out / "student.pt").state_dict
+    state = checkpoint.load(out / "model.pt").state_dict
     for row in report["layers"]:
         w = state[row["name"]]
         assert int((w != 0).sum()) == row["kept"]
@@ -230,9 +228,9 @@ def test_compressed_model_obeys_its_recipe(trained):
 
 def test_decode_reproduces_the_weights_bit_for_bit(run, trained):
     folder, out, _ = trained
-    result = run("decode", out / "student.dcz", "--out", folder / "decoded.pt", "--json")
+    result = run("decode", out / "model.dcz", "--out", folder / "decoded.pt", "--json")
     assert result.exit_code == 0, result.stderr
-    a = checkpoint.load(out / "student.pt").state_dict
+    a = checkpoint.load(out / "model.pt").state_dict
     b = checkpoint.load(folder / "decoded.pt").state_dict
     assert list(a) == list(b) and all(bits_equal(a[k], b[k]) for k in a)
     assert result.json()["checkpoint"] == str(folder / "decoded.pt")
@@ -457,7 +455,7 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
 def test_decode_bad_archives(run, tmp_path, trained, damage, message):
     _, out, _ = trained
     bad = tmp_path / "bad.dcz"
-    bad.write_bytes(damage((out / "student.dcz").read_bytes()))
+    bad.write_bytes(damage((out / "model.dcz").read_bytes()))
     result = run("decode", bad, "--out", tmp_path / "m.pt")
     assert result.exit_code == 2
     assert result.stderr.startswith("error: ") and message in result.stderr

@@ -208,7 +208,7 @@ def test_a_plain_state_dict_and_a_factory_go_through_shrink(run, user, tmp_path)
     assert result.exit_code == 0, result.stderr
     report = result.json()
     assert report["baseline"]["test_accuracy"] > 0.7  # the weights are the file's
-    student = checkpoint.load(tmp_path / "out" / "student.pt")
+    student = checkpoint.load(tmp_path / "out" / "model.pt")
     assert student.spec == ModelSpec("zoonets:build_net", spec.kwargs)
     with pytest.raises(InputError, match="pass --model zoonets:build_net"):
         student.build_model()  # a file alone never picks the code
@@ -218,7 +218,7 @@ def test_a_plain_state_dict_and_a_factory_go_through_shrink(run, user, tmp_path)
     assert wrong.exit_code == 2 and len(wrong.stderr.strip().splitlines()) == 1
     assert "body.1.weight is (24, 64) in the file but (8, 64) in the model" in wrong.stderr
     # A compress checkpoint records its kwargs: others are refused, not ignored.
-    student_pt = tmp_path / "out" / "student.pt"
+    student_pt = tmp_path / "out" / "model.pt"
     again = run("shrink", student_pt, "--model-kwargs", '{"width": 8}')
     assert again.exit_code == 2 and "drop --model-kwargs" in again.stderr
     other = run("shrink", student_pt, "--model", "mlp")

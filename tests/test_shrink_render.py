@@ -1,0 +1,57 @@
+"""The shrink summary at 80 and 200 columns: golden files (UPDATE_GOLDEN=1 rewrites them), every
+line within the width, no number cut. The report is the demo's (distilled LeNet-5 on digits)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cli import render
+
+GOLDEN = Path(__file__).parent / "golden"
+REPORT = json.loads((GOLDEN / "shrink_report.json").read_text())
+
+
+def _summary(capsys, width: int) -> str:
+    render.shrink_summary(REPORT, width=width)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_shrink_summary_golden_and_within_the_width(capsys, width):
+    text = _summary(capsys, width)
+    golden = GOLDEN / f"shrink_{width}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= width
+    assert "…" not in text
+
+
+def test_the_summary_opens_with_each_deliverable_and_what_to_ship(capsys):
+    lines = _summary(capsys, 80).splitlines()
+    assert lines[0] == "deliverables against 524,320 B of dense FP32 weights (131,080 parameters):"
+    rows = {line.split()[0]: line for line in lines[1:5]}
+    assert set(rows) == {
+        "student.dcz",
+        "student.fp32.onnx",
+        "student.int8.onnx",
+        "student.int8.ort",
+    }
+    assert rows["student.int8.onnx"].endswith("ship this (ONNX Runtime)")
+    assert "25.8×" in rows["student.dcz"] and "3.4×" in rows["student.int8.onnx"]
+
+
+def test_mobile_verdicts_say_why_and_the_fix(capsys):
+    text = " ".join(_summary(capsys, 200).split())
+    assert "NNAPI no (yes with fixed shapes: --fixed-batch 1)" in text
+    assert "CoreML no (unsupported ops DequantizeLinear, QuantizeLinear)" in text
+
+
+def test_an_archive_larger_than_its_pq_figure_says_why(capsys):
+    report = json.loads(json.dumps(REPORT))
+    report["archive"]["over_pq"] = {"pq_bytes": 8_797, "fixed_bytes": 4_100}
+    render.shrink_summary(report, width=200)
+    text = capsys.readouterr().out
+    assert "larger than its P+Q figure (8,797 bytes)" in text and "4,100" in text
