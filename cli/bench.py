@@ -66,6 +66,11 @@ Examples:
     help="For a bare state_dict: a zoo name, pkg.module:Class or a function returning a module.",
 )
 @click.option(
+    "--trust-model",
+    is_flag=True,
+    help="Allow importing the code each checkpoint names (your pkg.module:Class).",
+)
+@click.option(
     "--model-kwargs",
     default=None,
     metavar="JSON",
@@ -98,6 +103,7 @@ def bench(
     baselines: bool,
     profile: bool,
     model: str | None,
+    trust_model: bool,
     model_kwargs: str | None,
     report_path: Path | None,
     plot_path: Path | None,
@@ -121,14 +127,19 @@ def bench(
 
             check_writable(path, flag)
     paths = variants.expand(list(models))
-    ds = data_mod.load(data, input_name(_model_name(paths, model), model)) if data else None
+    named = _model_name(paths, model)
+    consent = named if trust_model else model  # may the model's code be imported
+    ds = data_mod.load(data, input_name(named, consent)) if data else None
     info = (lambda m: None) if quiet else (lambda m: render.stderr.print(m))
     with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
         for p in paths:  # before onnx or ONNX Runtime reads any external data
             if p.suffix == ".onnx":
                 safeload.check_onnx_external_data(p)
         described = variants.disambiguate(
-            [variants.load(p, model, ds, zoo.parse_kwargs(model_kwargs)) for p in paths]
+            [
+                variants.load(p, model, ds, zoo.parse_kwargs(model_kwargs), trust=trust_model)
+                for p in paths
+            ]
         )
         if baselines:
             described += _baselines(described, ds, Path(tmp), info)

@@ -117,6 +117,12 @@ Examples:
     "come from --data where the constructor takes them).",
 )
 @click.option(
+    "--trust-model",
+    is_flag=True,
+    help="Allow importing the code the checkpoint names (your pkg.module:Class), without "
+    "typing its name as --model.",
+)
+@click.option(
     "--sparsity",
     default=None,
     metavar="F|default|auto",
@@ -165,6 +171,7 @@ def shrink(
     target: str | None,
     model: str | None,
     model_kwargs: str | None,
+    trust_model: bool,
     sparsity: str | None,
     bits: str | None,
     epochs: int | None,
@@ -225,6 +232,8 @@ def shrink(
                 click.echo(render.plan_comment(model_path, layers), nl=False)
         return
     out = out or model_path.with_name(model_path.stem + "-shrunk")
+    if trust_model and model is None:
+        model = trusted_model(model_path)
     report = run_shrink(model_path, data, out, recipe, model, model_kwargs, quiet, force)
     render.int8_warning(report)
     render.guard_warnings(report)
@@ -242,6 +251,14 @@ EPOCH_KEYS = (
     ("quantize", "finetune_epochs"),
     ("quantize", "prior_epochs"),
 )
+
+
+def trusted_model(path: Path) -> str | None:
+    """--trust-model: the code a checkpoint names, as if the user had typed it as --model."""
+    if not path.is_file() or path.suffix != ".pt":
+        return None
+    spec = checkpoint.load(path).spec
+    return spec.name if spec is not None and spec.is_import_path else None
 
 
 def _in_pipeline_order(raw: dict, mine: list[str]) -> dict:

@@ -128,11 +128,15 @@ def expand(paths: list[Path]) -> list[Path]:
 
 
 def load(
-    path: Path, model: str | None = None, data=None, model_kwargs: dict | None = None
+    path: Path,
+    model: str | None = None,
+    data=None,
+    model_kwargs: dict | None = None,
+    trust: bool = False,
 ) -> Model:
     """Describe one model file (InputError for a file that cannot be benchmarked). `model`
     (and `model_kwargs`) name the class or factory of a bare state_dict (with `data`, a
-    Dataset, for its shapes)."""
+    Dataset, for its shapes); `trust` allows importing the code a checkpoint names."""
     data_shape = tuple(data.in_shape) if data is not None else None
     size = path.stat().st_size
     label = path.name
@@ -148,7 +152,7 @@ def load(
             if data is None:
                 raise InputError(f"{path}: a bare state_dict with --model also needs --data SPEC")
             spec = ck.spec_for(model, dict(model_kwargs or {}), data_shape, data.num_classes)
-        net = ck.build_model(spec, allow_import=model == spec.name)
+        net = ck.build_model(spec, allow_import=trust or model == spec.name)
         shape = tuple(spec.kwargs.get("in_shape") or ()) or (
             tuple(net.in_shape) if hasattr(net, "in_shape") else data_shape
         )

@@ -244,3 +244,24 @@ def test_decode_of_a_user_model_archive_needs_no_model_and_imports_nothing(run, 
     result = run("decode", dcz, "--out", tmp_path / "e.pt", "--model", "odd_models:Net", "--json")
     assert result.exit_code == 0, result.stderr
     assert result.json()["rebuilt"] is True and marker.exists()
+
+
+def test_trust_model_consents_to_the_code_a_checkpoint_names(run, tmp_path, usermod):
+    ck = tmp_path / "u.pt"
+    assert (
+        run("train", "--model", "odd_models:Net", "--epochs", "1", "--out", ck, "-q").exit_code == 0
+    )
+    (tmp_path / "fast.toml").write_text(
+        "[prune]\nrounds = 1\nretrain_epochs = 0\n[quantize]\nfinetune_epochs = 0\n"
+        "[export]\nenabled = false\n"
+    )
+    args = ["shrink", ck, "--recipe", tmp_path / "fast.toml", "-q"]
+    result = run(*args, "--out", tmp_path / "a")
+    _one_line(result, 2, "pass --model odd_models:Net to allow importing it")
+    result = run(*args, "--out", tmp_path / "b", "--trust-model")
+    assert result.exit_code == 0, result.stderr
+    bench = ["bench", ck, "--batch", "1", "--min-runs", "2", "--min-seconds", "0", "--json", "-q"]
+    _one_line(run(*bench), 2, "pass --model odd_models:Net")
+    result = run(*bench, "--trust-model")
+    assert result.exit_code == 0, result.stderr
+    assert {r["model"] for r in result.json()["results"]} == {"u.pt"}
