@@ -286,6 +286,8 @@ def figure(bench: dict[str, Any]) -> Any:
             title="Accuracy vs size (numbers: see key; grey: several runtimes)",
         )
         ax2.margins(0.15)
+        low, high = ax2.get_ylim()
+        ax2.set_ylim(low, min(high, 100.5))  # no accuracy above 100% on the axis
         _plain_log_ticks(ax2, [r["bytes"] / 1000 for g in groups for r in g])
         ax2.grid(which="both", alpha=0.3)
         ax2.legend(
