@@ -459,7 +459,7 @@ def _bench_columns(rows: list[dict]) -> list[_Column]:
         col("items/s", 5, lambda r: f"{r['throughput_per_s']:,.0f}"),
         col("speed-up", 3, lambda r: f"{r['speedup_vs_first']:.1f}×"),
         col("cold ms", 9, lambda r: f"{r['cold_start_ms']:.0f}"),
-        col("file bytes", 1, lambda r: f"{r['bytes']:,}"),
+        col("bytes", 1, lambda r: f"{r['bytes']:,}"),
         col("G(FL)OP/s", 10, opt("{:.1f}", "gflops")),
         col("% peak", 11, opt("{:.0%}", "peak_fraction")),
         col("acc", 2, opt("{:.2%}", "test_accuracy")),

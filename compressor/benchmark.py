@@ -479,7 +479,8 @@ def _row(v, batch, threads, summary, p: Prepared, accuracy) -> dict[str, Any]:
         "threads": threads,
         **summary,
         "cold_start_ms": p.cold_start_ms,
-        "bytes": m.bytes,
+        "bytes": m.bytes,  # a checkpoint's weights, not its file (optimizer state too)
+        "file_bytes": m.file_bytes,
         "parameters": m.parameters,
         "test_accuracy": accuracy.get(id(v), {}).get("test_accuracy"),
         "top1_agreement": accuracy.get(id(v), {}).get("top1_agreement"),

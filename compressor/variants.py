@@ -53,7 +53,7 @@ class Model:
     path: Path
     format: str  # "pytorch" | "onnx" | "ort"
     precision: str  # "fp32" | "int8"
-    bytes: int
+    bytes: int  # what the model weighs: the file, or a checkpoint's tensors alone
     parameters: int | None
     in_shape: tuple[int, ...] | None  # without the batch axis; None: unknown (dynamic dims)
     label: str  # short name for tables: "student.int8.onnx", "teacher.pt"
@@ -63,6 +63,11 @@ class Model:
     source: Path | None = None  # the FP32 file an INT8 file was made from, when known
     tokens: bool = False  # its one input is int64 token ids (N, L), not float32 (N, C, H, W)
     vocab: int | None = None  # token models: ids 0..vocab-1 are valid, when the file says so
+    file_bytes: int | None = None  # the file on disk, when it differs from `bytes`
+
+    def __post_init__(self) -> None:
+        if self.file_bytes is None:
+            self.file_bytes = self.bytes
 
 
 @dataclass
@@ -159,7 +164,13 @@ def load(
         params = sum(p.numel() for p in net.parameters())
         tokens, vocab = _torch_tokens(spec, net, data)
         kind = {"tokens": tokens, "vocab": vocab}
-        return Model(path, "pytorch", "fp32", size, params, shape, label, spec, net, **kind)
+        # A checkpoint's file also holds the optimizer state (for --resume: 3x the weights
+        # after Adam): its size is the tensors the model needs, as an ONNX file's would be.
+        weights = sum(t.numel() * t.element_size() for t in net.state_dict().values())
+        return Model(
+            path, "pytorch", "fp32", weights, params, shape, label, spec, net, **kind,
+            file_bytes=size,
+        )  # fmt: skip
     return _onnx_model(path, size, label)
 
 

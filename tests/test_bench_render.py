@@ -22,7 +22,7 @@ from cli import render
 GOLDEN = Path(__file__).parent / "golden"
 HEADERS = (
     "model", "prec", "runtime", "batch", "thr", "p50 ms", "95% CI", "p99 ms", "items/s",
-    "speed-up", "cold ms", "file bytes", "G(FL)OP/s", "% peak", "acc", "agree",
+    "speed-up", "cold ms", "bytes", "G(FL)OP/s", "% peak", "acc", "agree",
 )  # fmt: skip
 BASELINE = "student.fp32.onnx → ort-static-default"  # a long label, as --baselines makes
 
@@ -177,7 +177,7 @@ def test_more_columns_as_the_width_allows():
         shown.append([c.header for c in chosen])
     assert shown[0] == ["model", "prec", "runtime", "batch", "p50 ms"]  # the key columns
     # at 80: file size, accuracy and speed-up too, by rank
-    assert set(shown[1]) - set(shown[0]) == {"file bytes", "acc", "speed-up"}
+    assert set(shown[1]) - set(shown[0]) == {"bytes", "acc", "speed-up"}
     assert all(set(a) <= set(b) for a, b in itertools.pairwise(shown)) and shown[2] != shown[1]
     assert shown[-1] == list(HEADERS)  # in display order, whatever their rank
     everything, _ = render._fit(columns, 80, wide=True)
