@@ -124,7 +124,20 @@ def train_summary(result: TrainResult, out: Path) -> None:
         f"{result.seconds:.1f}s training; checkpoint: {out}"
     )
     ps = result.strategy
-    if ps:
+    if ps.get("kind") == "pipeline":
+        how = "cut automatically by " + ps["balance"] if ps["auto_split"] else "cut at --split"
+        cuts = ", ".join(ps["split"])
+        stages = ", ".join(f"{s}: {p:,} params" for s, p in enumerate(ps["stage_parameters"]))
+        idle = ", ".join(f"stage {s} {f:.0%}" for s, f in ps["idle_fraction"].items())
+        stdout.print(
+            f"pipeline {ps['schedule']}: {ps['stages']} stages ({how}; stages begin at {cuts}), "
+            f"{ps['microbatches']} micro-batches; {stages}"
+        )
+        stdout.print(
+            f"bubble: {ps['bubble_measured']:.0%} measured (idle: {idle}); "
+            f"{ps['bubble_theory']:.0%} in theory, (K-1)/(M+K-1)"
+        )
+    elif ps:
         hist = ps.get("staleness_histogram", {})
         total = sum(hist.values()) or 1
         bars = ", ".join(f"{k}: {v} ({v / total:.0%})" for k, v in hist.items())

@@ -12,6 +12,8 @@ from cli.main import Interrupted, OutPath, emit_json, json_option, log_option
 from distrib import launch
 from distrib.job import TrainJob, run, run_ensemble
 from distrib.paramserver import PSConfig
+from distrib.pipeline import BALANCES, PipelineConfig
+from distrib.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from distrib.trainer import DEFAULT_LR, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 from models.data import SPECS_HELP
 from models.errors import InputError
@@ -46,6 +48,7 @@ Examples:
   compress train --model lenet5 --data mnist:~/mnist --epochs 5 --out lenet5.pt
   compress train --model mypkg.nets:Net --model-kwargs '{"width": 64}' --data npz:my.npz
   compress train --out lenet5.pt --resume      # continue an interrupted run
+  compress train --model vgg --strategy pipeline --stages 2 --microbatches 4
 """
 )
 @click.option(
@@ -140,11 +143,48 @@ Examples:
 )
 @click.option(
     "--strategy",
-    type=click.Choice(["allreduce", *PS_STRATEGIES]),
+    type=click.Choice(["allreduce", *PS_STRATEGIES, "pipeline"]),
     default="allreduce",
     show_default=True,
     help="Data-parallel strategy: all-reduce (DDP), or a parameter server that is "
-    "synchronous, asynchronous (Downpour) or stale-synchronous (bounded staleness).",
+    "synchronous, asynchronous (Downpour) or stale-synchronous (bounded staleness); or "
+    "pipeline model parallelism (one process per stage, see --stages).",
+)
+@click.option(
+    "--stages",
+    type=int,
+    default=None,
+    metavar="K",
+    help="Pipeline: cut the model into K stages, one process each (balanced by --balance, "
+    "or at --split) [default: from --split, or --workers].",
+)
+@click.option(
+    "--microbatches",
+    type=int,
+    default=4,
+    show_default=True,
+    metavar="M",
+    help="Pipeline: micro-batches per batch; M must divide --batch-size (the whole batch).",
+)
+@click.option(
+    "--split",
+    default=None,
+    metavar="LAYER,...",
+    help="Pipeline: begin a stage at each of these layers (module names, e.g. layer2,layer4).",
+)
+@click.option(
+    "--pipeline-schedule",
+    type=click.Choice(PIPELINE_SCHEDULES),
+    default="gpipe",
+    show_default=True,
+    help="Pipeline: GPipe (all forwards, then all backwards) or 1F1B (needs M >= K).",
+)
+@click.option(
+    "--balance",
+    type=click.Choice(BALANCES),
+    default="flops",
+    show_default=True,
+    help="Pipeline: what the automatic cut evens out between the stages.",
 )
 @click.option(
     "--servers",
@@ -218,6 +258,11 @@ def train(
     device: str,
     scale_lr: bool,
     strategy: str,
+    stages: int | None,
+    microbatches: int,
+    split: str | None,
+    pipeline_schedule: str,
+    balance: str,
     servers: int | None,
     staleness: int,
     sync_warmup_epochs: int,
@@ -233,6 +278,19 @@ def train(
         for name in _SETTINGS
         if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
     )
+    given = {
+        name
+        for name in ctx.params
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    }
+    pipe = _pipeline_config(
+        strategy, given, stages, microbatches, split, pipeline_schedule, balance, workers
+    )
+    if pipe is not None and scale_lr:
+        raise InputError(
+            "--scale-lr: pipeline stages share one batch (it does not grow with the processes); "
+            "drop --scale-lr"
+        )
     if scale_lr and workers > 1:  # the global batch grew N-fold: so does the step size
         lr = (lr or DEFAULT_LR[optimizer]) * workers
     config = TrainConfig(
@@ -260,6 +318,7 @@ def train(
         workers=workers,
         timeout_s=timeout,
         ps=_ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler),
+        pipeline=pipe,
     )
     factory = functools.partial(render.TrainProgress, quiet=quiet)
     if ensemble != 1:
@@ -289,6 +348,7 @@ def train(
                 "samples_per_s": result.samples / result.seconds if result.seconds else None,
                 "comm_bytes": result.comm_bytes,
                 **_ps_json(result),
+                **_pipeline_json(result),
                 "test_accuracy": result.test_accuracy,
                 "test_loss": last.test_loss if last else None,
                 "epochs": result.epochs,
@@ -340,7 +400,7 @@ def _ps_config(strategy, workers, servers, staleness, warmup, straggler) -> PSCo
 
 def _ps_json(result) -> dict:
     s = result.strategy
-    if not s:
+    if not s or s.get("kind") == "pipeline":
         return {}
     return {
         "servers": s["servers"],
@@ -356,9 +416,70 @@ def _ps_json(result) -> dict:
     }
 
 
+_PIPELINE_FLAGS = ("stages", "microbatches", "split", "pipeline_schedule", "balance")
+_PS_FLAGS = ("servers", "staleness", "sync_warmup_epochs", "straggler")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _pipeline_config(
+    strategy, given, stages, microbatches, split, schedule, balance, workers
+) -> PipelineConfig | None:
+    if strategy != "pipeline":
+        for name in _PIPELINE_FLAGS:
+            if name in given:
+                raise InputError(
+                    f"{_flag(name)} belongs to pipeline parallelism; add --strategy pipeline "
+                    "or drop it"
+                )
+        return None
+    for name in (*_PS_FLAGS, "grad_compression"):
+        if name in given:
+            raise InputError(
+                f"{_flag(name)} does not apply to --strategy pipeline (stages send activations, "
+                "not gradients to servers); drop it"
+            )
+    names = tuple(n.strip() for n in split.split(",")) if split is not None else ()
+    if split is not None and (not names or not all(names)):
+        raise InputError(f"--split {split!r}: give layer names separated by commas, e.g. a,b")
+    if stages is None:
+        if names:
+            stages = len(names) + 1
+        elif workers > 1:
+            stages = workers
+        else:
+            raise InputError(
+                "--strategy pipeline: give --stages K (2 or more) or --split LAYER,... "
+                "to say where to cut"
+            )
+    return PipelineConfig(
+        stages=stages, microbatches=microbatches, schedule=schedule, split=names, balance=balance
+    )
+
+
+def _pipeline_json(result) -> dict:
+    s = result.strategy
+    if not s or s.get("kind") != "pipeline":
+        return {}
+    keys = ("stages", "microbatches", "split", "auto_split", "balance", "stage_parameters")
+    return {
+        **{k: s[k] for k in keys},
+        "pipeline_schedule": s["schedule"],
+        "stage_flops": s["stage_flops"],
+        "bubble_theory": s["bubble_theory"],
+        "bubble_measured": s["bubble_measured"],
+        "idle_fraction": s["idle_fraction"],
+        "bytes_per_step": s["bytes_per_step"],
+    }
+
+
 def _ensemble(job: TrainJob, members: int, factory, as_json: bool) -> None:
     if members < 1:
         raise InputError(f"--ensemble {members}: give 1 or more")
+    if job.pipeline is not None:
+        raise InputError("--ensemble trains one process per member; drop --strategy pipeline")
     if job.workers > 1 or job.resume:
         raise InputError("--ensemble trains one process per member; drop --workers/--resume")
     trained = run_ensemble(job, members, factory)

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from distrib import launch, paramserver
+from distrib import launch, paramserver, pipeline
 from distrib.paramserver import PSConfig
+from distrib.pipeline import PipelineConfig
 from distrib.trainer import Checkpointer, Events, TrainConfig, TrainResult, fit, optimizer_for
 from models import checkpoint, data, zoo
 from models.errors import InputError
@@ -36,6 +37,7 @@ class TrainJob:
     workers: int = 1  # data-parallel processes on this machine (all-reduce, gloo)
     timeout_s: float = 300.0  # process-group timeout: a dead peer ends the job, never a hang
     ps: PSConfig | None = None  # the parameter-server strategy (None: all-reduce)
+    pipeline: PipelineConfig | None = None  # pipeline model parallelism: one process per stage
     # Names of the settings the user gave explicitly (CLI flags); a resumed run checks them
     # against the checkpoint and takes every other setting from it.
     explicit: frozenset[str] = frozenset()
@@ -64,6 +66,8 @@ def run(
                 f"--workers {job.workers} with --device cuda: this machine has {count} GPU(s); "
                 f"give --workers {count} or fewer"
             )
+    if job.pipeline is not None:
+        return _run_pipeline(job, events_factory)
     if job.ps is not None:
         return _run_ps(job, events_factory)
     if job.workers > 1 or launch.DistEnv.from_torchrun() is not None:
@@ -107,14 +111,57 @@ def _run_ps(job: TrainJob, events_factory) -> TrainResult:
     return result
 
 
+def _run_pipeline(job: TrainJob, events_factory) -> TrainResult:
+    """K stages: K processes (spawned here, or the torchrun job's ranks), rank r is stage r."""
+    pp = job.pipeline
+    k = pp.stages
+    if job.ps is not None:
+        raise InputError(
+            f"--strategy ps-{job.ps.mode} and a pipeline do not combine; drop the pipeline flags"
+        )
+    if job.config.grad_compression != "none":
+        raise InputError(
+            f"--grad-compression {job.config.grad_compression} compresses data-parallel "
+            "gradients; pipeline stages send activations: drop --grad-compression"
+        )
+    if job.workers not in (1, k):
+        raise InputError(
+            f"--workers {job.workers} with --stages {k}: the pipeline runs one process per stage "
+            f"(no data parallelism across pipelines yet); give --workers {k} or leave it out"
+        )
+    env = launch.DistEnv.from_torchrun()
+    if env is not None and env.world != k:
+        raise InputError(
+            f"torchrun started {env.world} processes; --stages {k} needs {k} "
+            "(set --nproc-per-node and --nnodes)"
+        )
+    gpu = job.config.device.startswith("cuda")
+    if gpu and env is None and torch.cuda.device_count() < k:
+        raise InputError(
+            f"--stages {k} with --device cuda: this machine has {torch.cuda.device_count()} "
+            f"GPU(s), one per stage is needed; give --stages {torch.cuda.device_count()} or fewer"
+        )
+    pp.check_batch(job.config.batch_size)
+    # A bad cut (too many stages, an unknown --split layer, an untraceable model) fails here,
+    # in one process, before the K processes start; every rank plans the same cut again.
+    resumed, ds, model, spec, _ = _prepare(job, Events())
+    layout = pipeline.plan(model, ds.x_train[:2], pp, spec.name)
+    micro = resumed.config.batch_size // pp.microbatches
+    pipeline.trace(model, layout.split, ds.x_train[:1].expand(micro, *ds.in_shape), spec.name)
+    fn = functools.partial(_rank_main, job, events_factory)
+    backend = "nccl" if gpu else "gloo"
+    return launch.run(fn, k, job.timeout_s, backend=backend, name=pipeline.stage_name)
+
+
 def run_ensemble(
     job: TrainJob, members: int, events_factory: Callable[[], Events] | None = None
 ) -> list[tuple[Path, TrainResult]]:
     """Train `members` independent models side by side, seeds seed..seed+K-1, one process
     each; checkpoints are `--out` with `-0`, `-1`, ... before the suffix."""
-    if job.ps is not None:
+    if job.ps is not None or job.pipeline is not None:
+        name = f"ps-{job.ps.mode}" if job.ps is not None else "pipeline"
         raise InputError(
-            f"--ensemble trains independent one-process members; drop --strategy ps-{job.ps.mode}"
+            f"--ensemble trains independent one-process members; drop --strategy {name}"
         )
     jobs = [
         dataclasses.replace(
@@ -153,6 +200,18 @@ def _run(job: TrainJob, events: Events | None, rank: int = 0) -> TrainResult | N
         f"data {ds.describe()}; model {spec.name}, {zoo.count_parameters(model):,} parameters"
     )
     meta = {"data": job.data, "seed": job.config.seed, "parameters": zoo.count_parameters(model)}
+    if job.pipeline is not None:
+        meta["strategy"] = "pipeline"
+        return pipeline.fit(
+            model,
+            ds,
+            job.config,
+            job.pipeline,
+            checkpointer=Checkpointer(job.out, spec, meta),
+            resume=resume,
+            events=events,
+            label=spec.name,
+        )
     updater = None
     if job.ps is not None:
         cfg, ps = job.config, job.ps

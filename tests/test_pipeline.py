@@ -1,0 +1,241 @@
+"""Pipeline model parallelism (torch.distributed.pipelining, gloo, one process per stage): K
+stages with M micro-batches must train like one process on the same batch; a dead stage must
+end the job naming it; bad pipeline flags are refused before any process starts."""
+
+import dataclasses
+import functools
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from distrib import launch, pipeline
+from distrib.pipeline import PipelineConfig
+from distrib.trainer import TrainConfig, fit
+from models import checkpoint, zoo
+from models import data as data_mod
+from models.errors import InputError, StageError
+
+# 198 samples in batches of 32: 7 steps an epoch, the last of 6 samples (3 micro-batches of 2)
+CFG = TrainConfig(epochs=2, batch_size=32, optimizer="adam", seed=0)
+
+
+def _data(n=198):
+    ds = data_mod.load("digits")
+    return dataclasses.replace(ds, x_train=ds.x_train[:n], y_train=ds.y_train[:n])
+
+
+def _sequential():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)
+    )
+
+
+class Residual(nn.Module):
+    """Skip connections around two blocks: not a chain of its children."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(64, 24)
+        self.block1 = nn.Linear(24, 24)
+        self.block2 = nn.Linear(24, 24)
+        self.head = nn.Linear(24, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x.flatten(1)))
+        x = x + torch.relu(self.block1(x))
+        x = x + torch.relu(self.block2(x))
+        return self.head(x)
+
+
+def _one_process(make):
+    model = make()
+    fit(model, _data(), CFG)
+    return model.state_dict()
+
+
+def _stage(make, pcfg, rank, world):
+    model = make()
+    result = pipeline.fit(model, _data(), CFG, pcfg)
+    return {k: v.clone() for k, v in model.state_dict().items()}, result
+
+
+def _pipelined(make, pcfg):
+    fn = functools.partial(_stage, make, pcfg)
+    return launch.run(fn, pcfg.stages, timeout_s=60, name=pipeline.stage_name)
+
+
+def _assert_close(one, two):
+    assert one.keys() == two.keys()
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-5), k
+
+
+@pytest.mark.distributed
+def test_two_stage_sequential_trains_like_one_process():
+    pcfg = PipelineConfig(stages=2, microbatches=4, schedule="gpipe")
+    two, result = _pipelined(_sequential, pcfg)
+    _assert_close(_one_process(_sequential), two)
+    s = result.strategy
+    assert s["kind"] == "pipeline" and s["auto_split"] and s["split"] == ["3"]
+    assert s["stage_parameters"] == [64 * 32 + 32, 32 * 32 + 32 + 32 * 10 + 10]
+    assert s["bubble_theory"] == pytest.approx(1 / 5)  # (K-1)/(M+K-1)
+    assert set(s["idle_fraction"]) == {0, 1}
+    assert all(0.0 <= f <= 1.0 for f in s["idle_fraction"].values())
+    assert result.steps == 2 * 7 and result.samples == 2 * 198 and result.workers == 2
+    assert len(result.history) == 2 and 0.0 <= result.test_accuracy <= 1.0
+
+
+@pytest.mark.distributed
+def test_residual_model_split_at_a_named_layer_trains_like_one_process():
+    pcfg = PipelineConfig(stages=2, microbatches=4, schedule="1f1b", split=("block2",))
+    two, result = _pipelined(Residual, pcfg)
+    _assert_close(_one_process(Residual), two)
+    assert result.strategy["split"] == ["block2"] and not result.strategy["auto_split"]
+
+
+def _vgg_stage(rank, world):
+    torch.set_num_threads(1)
+    model = zoo.tiny("vgg")  # BatchNorm: one micro-batch normalises as the whole batch does
+    pipeline.fit(model, _data(192), dataclasses.replace(CFG, epochs=1), PipelineConfig(2, 1))
+    return model.state_dict()
+
+
+@pytest.mark.distributed
+def test_batchnorm_with_one_microbatch_trains_like_one_process():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each of the 2 ranks on 2 cores: the same summation order
+    try:
+        one = zoo.tiny("vgg")
+        fit(one, _data(192), dataclasses.replace(CFG, epochs=1))
+    finally:
+        torch.set_num_threads(threads)
+    two = launch.run(_vgg_stage, 2, timeout_s=60, name=pipeline.stage_name)
+    _assert_close(one.state_dict(), two)
+
+
+def _killed(rank, world):
+    if rank == 1:  # a crash mid-training: no message, no cleanup
+        threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    cfg = dataclasses.replace(CFG, epochs=500)
+    pipeline.fit(_sequential(), _data(), cfg, PipelineConfig(stages=2, microbatches=2))
+
+
+@pytest.mark.distributed
+def test_a_killed_stage_ends_the_job_naming_it():
+    t0 = time.perf_counter()
+    with pytest.raises(StageError, match=r"^stage 1 .*killed by signal 9"):
+        launch.run(_killed, 2, timeout_s=20, name=pipeline.stage_name)
+    assert time.perf_counter() - t0 < 20 + 10
+
+
+# ---- planning and refusals: no processes ---------------------------------------------------
+
+
+def test_automatic_cut_balances_parameters_or_flops():
+    x = _data().x_train[:2]
+    # conv FLOPs pile up at the front, parameters at the back: the two balances cut apart
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(16 * 64, 64),
+        nn.Linear(64, 10),
+    )
+    by_params = pipeline.plan(model, x, PipelineConfig(2, balance="params"))
+    by_flops = pipeline.plan(model, x, PipelineConfig(2, balance="flops"))
+    assert by_params.split == ("4",) and by_flops.split == ("2",)
+    assert sum(by_params.parameters) == sum(p.numel() for p in model.parameters())
+    assert max(by_flops.flops) < max(by_params.flops)
+    assert pipeline._partition([5, 1, 1, 1, 5], 3) == [1, 4]
+
+
+def test_the_zoo_vgg_cuts_into_balanced_stages():
+    model = zoo.tiny("vgg")
+    layout = pipeline.plan(model, torch.rand(2, 1, 8, 8), PipelineConfig(4))
+    assert len(layout.split) == 3 and all(layout.parameters)
+    assert max(layout.flops) <= 0.5 * sum(layout.flops)
+
+
+def test_more_stages_than_layers_with_weights_is_refused():
+    with pytest.raises(InputError, match=r"--stages 4: .* 3 layers with weights.*--stages 3"):
+        pipeline.plan(_sequential(), _data().x_train[:2], PipelineConfig(4, microbatches=4))
+
+
+def test_an_unknown_split_layer_is_refused():
+    with pytest.raises(InputError, match=r"--split block9: Residual has no layer of that name"):
+        pipeline.plan(Residual(), _data().x_train[:2], PipelineConfig(2, split=("block9",)))
+
+
+def test_bad_pipeline_settings_are_refused():
+    with pytest.raises(InputError, match=r"--microbatches 0: give 1 or more"):
+        PipelineConfig(2, microbatches=0)
+    with pytest.raises(InputError, match=r"--microbatches 3 does not divide --batch-size 32"):
+        PipelineConfig(2, microbatches=3).check_batch(32)
+    with pytest.raises(InputError, match=r"1f1b needs --microbatches 4 or more"):
+        PipelineConfig(4, microbatches=2, schedule="1f1b")
+    with pytest.raises(InputError, match=r"--stages 1: a pipeline needs 2 or more"):
+        PipelineConfig(1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--stages", "2", "--microbatches", "3"], "--microbatches 3 does not divide --batch-size"),
+        (["--stages", "2", "--microbatches", "0"], "--microbatches 0: give 1 or more"),
+        (["--split", "fc9"], "--split fc9: lenet300 has no layer of that name"),
+        (["--stages", "4"], "--stages 4: lenet300 has 3 layers with weights"),
+        (["--stages", "2", "--workers", "3"], "--workers 3 with --stages 2"),
+        (["--stages", "2", "--grad-compression", "fp16"], "--grad-compression does not apply"),
+        (["--stages", "2", "--servers", "1"], "--servers does not apply to --strategy pipeline"),
+        ([], "--strategy pipeline: give --stages K"),
+    ],
+    ids=["indivisible", "zero", "unknown-split", "too-many", "workers", "compress", "ps", "none"],
+)
+def test_bad_pipeline_flags_exit_2(run, tmp_path, flags, message):
+    out = tmp_path / "x.pt"
+    result = run("train", "--model", "lenet300", "--strategy", "pipeline", *flags, "--out", out)
+    assert result.exit_code == 2, result.stderr
+    assert message in result.stderr and not out.exists()
+
+
+def test_pipeline_flags_need_the_pipeline_strategy(run, tmp_path):
+    result = run("train", "--stages", "2", "--out", tmp_path / "x.pt")
+    assert result.exit_code == 2
+    assert "--stages belongs to pipeline parallelism; add --strategy pipeline" in result.stderr
+
+
+# ---- the command: bubble in --json, one checkpoint, --resume --------------------------------
+
+
+@pytest.mark.distributed
+def test_compress_train_pipeline_resumes_and_matches_one_process(run, tmp_path):
+    out = tmp_path / "pp.pt"
+    base = ["train", "--model", "lenet300", "--data", "digits", "--strategy", "pipeline"]
+    base += ["--stages", "2", "--schedule", "constant", "--out", out, "--json", "-q"]
+    first = run(*base, "--epochs", "1")
+    assert first.exit_code == 0, first.stderr
+    r = first.json()
+    assert r["strategy"] == "pipeline" and r["workers"] == 2 and r["stages"] == 2
+    assert r["bubble_theory"] == pytest.approx(0.2) and 0 <= r["bubble_measured"] <= 1
+    assert set(r["idle_fraction"]) == {"0", "1"} and r["split"] == ["fc2"]
+    ck = checkpoint.load(out)  # the usual checkpoint: the whole model, as one process writes
+    assert ck.metadata["epochs"] == 1 and ck.metadata["strategy"] == "pipeline"
+    assert ck.build_model().state_dict().keys() == zoo.build(ck.spec).state_dict().keys()
+
+    second = run(*base, "--epochs", "2", "--resume")
+    assert second.exit_code == 0, second.stderr
+    assert second.json()["resumed_from"] == [1, 0] and second.json()["epochs"] == 2
+
+    # Weights and the per-stage Adam state resumed: it ends where one process ends.
+    ds = data_mod.load("digits")
+    model = zoo.build(ck.spec, seed=0)
+    fit(model, ds, TrainConfig(epochs=2, schedule="constant"))
+    _assert_close(model.state_dict(), checkpoint.load(out).build_model().state_dict())
