@@ -277,13 +277,14 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from cli import bench, demo, shrink, train
+    from cli import bench, demo, plan, shrink, train
 
     cli.add_command(train.train)
     cli.add_command(shrink.shrink)
     cli.add_command(shrink.decode)
     cli.add_command(demo.demo)
     cli.add_command(bench.bench)
+    cli.add_command(plan.plan)
 
 
 _register()
