@@ -27,10 +27,25 @@ hangs once a peer has died) and never sockets of our own. Ranks 0..N-1 are worke
 reports and checkpoints), ranks N..N+S-1 servers. The model's parameters are one flat fp32
 vector cut into S contiguous shards balanced by size (large tensors are split across servers).
 
-A server listens to each worker on its own thread: a blocking recv from one peer fails within
-a fraction of a second when that peer dies (a recv from any source would wait forever), so a
-lost worker is noticed, named, and in async/SSP left behind while the rest carry on. Every
-send and recv waits at most the process group's timeout (`--timeout`); one that fails
+One message per push and one per pull: a push is the header's float64 fields (kind, clock or
+batch, lr, ...) followed by the gradient shard's bytes in one uint8 buffer; a pull is the
+weight shard alone. A worker posts its S pull receives, then sends its S pushes at once, and
+waits for all of them together. A server keeps a receive posted for its workers at all times,
+so a message lands while the server is busy with another, and it waits on those receives
+itself (no listener thread and no queue between a message and the update it causes):
+  * sync: every live worker must push each step, so the server waits on one worker's posted
+    receive after another; a receive from one peer fails within a fraction of a second when
+    that peer dies, so a lost worker is noticed and named at once;
+  * async, SSP: whoever pushes first is served first, from one receive posted for any source.
+    A receive from any source would wait for ever on a dead peer, so a watchdog thread per
+    worker waits, on a second process group of its own, for the worker's farewell message:
+    it fails at once when that worker dies, and then leaves it behind (only then, off the
+    hot path, does a second thread touch the server's state, under its lock).
+gloo cannot test a posted receive without waiting on it (`is_completed()` stays False until
+`wait()`), and a wait with a timeout of its own closes the pair when it expires: hence the
+ordered waits and the any-source receive, never polling.
+
+Every send and recv waits at most the process group's timeout (`--timeout`); one that fails
 because a rank stopped answering (its heartbeat went silent, `launch.silent_peer`) names that
 rank and ends the job in every mode: a stopped process is not a dead one, and would hold
 its shard or its batch for ever.
@@ -38,8 +53,8 @@ its shard or its batch for ever.
 
 from __future__ import annotations
 
+import datetime
 import math
-import queue
 import threading
 import time
 from collections import Counter
@@ -58,11 +73,13 @@ from models.errors import InputError, StageError
 MODES = ("sync", "async", "ssp")
 WIRE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-# Message kinds (the first field of every header) and the two tags that keep headers and
-# payloads apart on one pair of ranks.
+# Message kinds (the first field of every header), and the tags of the two directions: a
+# worker's messages to a server (header and payload in one) and a server's replies.
 PUSH, STATE, DONE, STATS, BYE = 1, 3, 4, 5, 6
-HDR, DATA = 1, 2
+ASK, REPLY = 1, 2
 HEADER = 6  # float64 fields: kind and five that depend on the kind
+HEAD_BYTES = 8 * HEADER
+FAREWELL_WAIT_S = 5.0  # how long a server leaving waits for its watchdogs' last messages
 HIST_BINS = 64  # staleness histogram bins 0..62, and 63 for "63 or more"
 SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}  # optimizer state
 TASKS_KEY = "ps/batches"  # the store counter that deals batches in the asynchronous modes
@@ -178,6 +195,22 @@ def _header(kind: int, *fields: float) -> torch.Tensor:
     return torch.tensor([kind, *fields] + [0] * (HEADER - 1 - len(fields)), dtype=torch.float64)
 
 
+def _message(kind: int, *fields: float) -> torch.Tensor:
+    """A message of a header alone, as bytes (the receiver's buffer may be longer)."""
+    return _header(kind, *fields).view(torch.uint8)
+
+
+def _fields(msg: torch.Tensor) -> list[float]:
+    return msg[:HEAD_BYTES].view(torch.float64).tolist()
+
+
+def _watch_group() -> Any:
+    """The asynchronous modes' second process group, on which a server's watchdogs wait for
+    each worker's farewell; every rank creates it once, at the start (a collective). Its
+    timeout is long: its receives are meant to wait all run, and fail when a peer dies."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+
+
 # ---- the batch schedule of the asynchronous modes -------------------------------------------
 
 
@@ -211,6 +244,8 @@ class WorkerStats:
     straggle_s: float = 0.0  # simulated slow-down (--straggler)
     steps: int = 0
     samples: int = 0
+    push_messages: int = 0  # messages sent by `step` (one per server per step)
+    pull_messages: int = 0  # messages received by `step` (one per server per step)
 
 
 class PSWorker:
@@ -245,6 +280,25 @@ class PSWorker:
         self._first = self._end = 0.0  # when the first batch was handed out, the last step ended
         self._finished = False
         self.summary: dict[str, Any] = {}
+        # Buffers reused every step: per server the header, then the gradient shard (the
+        # pieces of the parameters that fall into it are copied there directly); the weights
+        # pulled land side by side in one flat vector.
+        size = torch.empty(0, dtype=self.wire).element_size()
+        self._out = [
+            torch.empty(HEAD_BYTES + (b - a) * size, dtype=torch.uint8) for a, b in self.bounds
+        ]
+        self._in = torch.empty(self.bounds[-1][1], dtype=self.wire)
+        sizes = [p.numel() for p in _params(model)]
+        self._offsets = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        self._pieces = [
+            [
+                (k, max(a, o) - o, min(b, o + n) - o)
+                for k, (o, n) in enumerate(zip(self._offsets, sizes, strict=False))
+                if o < b and o + n > a
+            ]
+            for a, b in self.bounds
+        ]
+        self._watch = _watch_group() if ps.mode != "sync" else None
 
     # -- the batch schedule (the interface of trainer.Batches)
     def per_epoch(self, epoch: int) -> int:
@@ -295,23 +349,31 @@ class PSWorker:
             nxt = nxt if nxt < self.deal.total else -1
             head = _header(PUSH, self._batch, lr, nxt, 0, samples)
         params = _params(model)
-        grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params]).to(
-            self.wire
-        )
-        pending, inbox = [], []
-        for s, part in enumerate(shard(grad, self.bounds)):
-            dst = self.ps.server_rank(s)
-            pending.append(dist.isend(head, dst, tag=HDR))
-            pending.append(dist.isend(part.contiguous(), dst, tag=DATA))
-            box = torch.empty_like(part)
-            inbox.append(box)
-            pending.append(dist.irecv(box, dst, tag=DATA))
-        self._wait(pending)
-        flat = join(inbox).float()
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+            for p in params
+        ]
+        # Post the S pulls first, then send the S pushes at once: one message each way and
+        # server, every transfer in flight together.
+        pulls, pushes = [], []
+        for s, (a, b) in enumerate(self.bounds):
+            pulls.append(dist.irecv(self._in[a:b], self.ps.server_rank(s), tag=REPLY))
+        for s, (out, pieces) in enumerate(zip(self._out, self._pieces, strict=True)):
+            out[:HEAD_BYTES].view(torch.float64).copy_(head)
+            parts = [grads[k][i:j] for k, i, j in pieces]
+            payload = out[HEAD_BYTES:].view(self.wire)
+            if all(t.dtype == self.wire for t in parts):
+                torch.cat(parts, out=payload)
+            else:
+                payload.copy_(torch.cat([t.float() for t in parts]))
+            pushes.append(dist.isend(out, self.ps.server_rank(s), tag=ASK))
+        self.stats.push_messages += len(pushes)
+        self.stats.pull_messages += len(pulls)
+        self._wait(pushes + pulls)
         with torch.no_grad():
-            for p, w in zip(params, unflatten(flat, params), strict=True):
-                p.copy_(w)
-        self.stats.comm_bytes += 2 * grad.numel() * grad.element_size()
+            for p, a, b in zip(params, self._offsets, self._offsets[1:], strict=False):
+                p.copy_(self._in[a:b].view(p.shape))
+        self.stats.comm_bytes += 2 * self._in.numel() * self._in.element_size()
         self.stats.steps += 1
         self.stats.samples += samples
         self._end = time.perf_counter()
@@ -339,16 +401,19 @@ class PSWorker:
         be a few updates newer than the one before it."""
         params = _params(model)
         weights, slots, steps = [], {}, []
+        names = SLOTS[self.optimizer]
         for s, (a, b) in enumerate(self.bounds):
             src = self.ps.server_rank(s)
-            self._wait([dist.isend(_header(STATE), src, tag=HDR)])
-            head = torch.empty(HEADER, dtype=torch.float64)
-            self._wait([dist.irecv(head, src, tag=DATA)])
+            # One reply: header (optimizer step, slots sent), weights, then every slot.
+            reply = torch.empty(HEAD_BYTES + 4 * (b - a) * (1 + len(names)), dtype=torch.uint8)
+            got = dist.irecv(reply, src, tag=REPLY)
+            self._wait([dist.isend(_message(STATE), src, tag=ASK), got])
+            head = _fields(reply)
             steps.append(int(head[1]))
-            for name in ("weights", *SLOTS[self.optimizer][: int(head[2])]):
-                t = torch.empty(b - a)
-                self._wait([dist.irecv(t, src, tag=DATA)])
-                (weights if name == "weights" else slots.setdefault(name, [])).append(t)
+            values = reply[HEAD_BYTES:].view(torch.float32).view(1 + len(names), b - a)
+            weights.append(values[0])
+            for k, name in enumerate(names[: int(head[2])]):
+                slots.setdefault(name, []).append(values[1 + k])
         with torch.no_grad():
             for p, w in zip(params, unflatten(join(weights), params), strict=True):
                 p.copy_(w)
@@ -368,18 +433,18 @@ class PSWorker:
         self._finished = True
         st = self.stats
         total = self._end - self._first  # training time: first batch to last step
-        for s in range(self.ps.servers):
-            head = _header(DONE, st.steps, st.idle_s, total)
-            self._wait([dist.isend(head, self.ps.server_rank(s), tag=HDR)])
+        done = _message(DONE, st.steps, st.idle_s, total)
+        self._wait([dist.isend(done, r, tag=ASK) for r in self._servers()])
         if self.rank != 0:
+            self._farewell()
             return
         n = self.workers
         hist, idle, lost, gap, updates, per_worker = Counter(), {}, set(), 0, 0, {}
         for s in range(self.ps.servers):
             src = self.ps.server_rank(s)
-            self._wait([dist.isend(_header(STATS), src, tag=HDR)])
             buf = torch.empty(HIST_BINS + 4 * n + 2, dtype=torch.float64)
-            self._wait([dist.irecv(buf, src, tag=DATA)])
+            got = dist.irecv(buf, src, tag=REPLY)
+            self._wait([dist.isend(_message(STATS), src, tag=ASK), got])
             rest = buf[HIST_BINS:].tolist()
             gap = max(gap, int(rest[-2]))
             lost |= {w for w in range(n) if rest[3 * n + w]}
@@ -420,6 +485,10 @@ class PSWorker:
             "servers": self.ps.servers,
             "staleness": self.ps.staleness if self.ps.mode == "ssp" else None,
             "bytes_per_step": self.stats.comm_bytes / steps,
+            "messages_per_step": {  # this worker's, per step: one per server each way
+                "push": self.stats.push_messages / steps,
+                "pull": self.stats.pull_messages / steps,
+            },
             "straggler": list(self.ps.straggler) if self.ps.straggler else None,
             "straggle_seconds": round(self.stats.straggle_s, 3),
             **self.summary,
@@ -428,8 +497,18 @@ class PSWorker:
     def close(self) -> None:
         """Rank 0: let the servers go (after `finish`)."""
         if self.rank == 0:
-            for s in range(self.ps.servers):
-                self._wait([dist.isend(_header(BYE), self.ps.server_rank(s), tag=HDR)])
+            self._farewell()
+            self._wait([dist.isend(_message(BYE), r, tag=ASK) for r in self._servers()])
+
+    def _servers(self) -> range:
+        return range(self.ps.workers, self.ps.workers + self.ps.servers)
+
+    def _farewell(self) -> None:
+        """Asynchronous modes: end the servers' watch on this worker (it leaves, not dies)."""
+        if self._watch is None:
+            return
+        one = torch.zeros(1)
+        self._wait([dist.isend(one, r, group=self._watch) for r in self._servers()])
 
 
 # ---- the server side ------------------------------------------------------------------------
@@ -450,6 +529,15 @@ class _Server:
     lost: set[int] = field(default_factory=set)
     hist: Counter = field(default_factory=Counter)
     max_gap: int = 0
+    # step -> worker -> (gradient, lr, samples)
+    sync_group: dict[int, dict[int, tuple[torch.Tensor, float, float]]] = field(
+        default_factory=dict
+    )
+    waiting: list[int] = field(default_factory=list)  # workers held back (bounded delay)
+    stats_asked: bool = False
+    finished: bool = False  # rank 0 said goodbye
+    fatal: BaseException | None = None  # a watchdog's error, for the server loop to raise
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the watchdogs vs the loop
 
     def live(self) -> list[int]:
         return [w for w in range(self.ps.workers) if w not in self.lost and w not in self.done]
@@ -465,12 +553,88 @@ class _Server:
         self.optimizer.step()
         self.version += 1
 
-    def reply(self, w: int) -> None:
-        self.sent[w] = self.version
-        try:
-            dist.send(self.param.detach().to(self.wire), w, tag=DATA)
-        except RuntimeError as e:  # it died after its push: its listener will say so too
-            _lose(self, w, launch.gloo_line(e))
+    def reply(self, workers: Sequence[int]) -> None:
+        """Send `workers` the shard's weights, all at once (one message each)."""
+        if not workers:
+            return
+        weights = self.param.detach().to(self.wire)
+        works = []
+        for w in workers:
+            self.sent[w] = self.version
+            works.append((w, dist.isend(weights, w, tag=REPLY)))
+        for w, work in works:
+            try:
+                work.wait()
+            except RuntimeError as e:  # it died after its push: its receive will say so too
+                self.lose(w, launch.gloo_line(e))
+
+    def lose(self, w: int, why: str) -> None:
+        _lose(self, w, why)
+        for group in self.sync_group.values():
+            group.pop(w, None)
+
+    def handle(self, w: int, head: list[float], payload: torch.Tensor) -> bool:
+        """Take one message of worker `w`; True when it is rank 0's goodbye."""
+        kind = int(head[0])
+        if kind == PUSH:
+            clock, lr, nxt, synchronous, n = int(head[1]), *head[2:]
+            grad = payload.view(self.wire).float()  # a fresh buffer per message: no copy
+            if synchronous:
+                self.sync_group.setdefault(clock, {})[w] = (grad, lr, n)
+            else:
+                self.hist[min(self.version - self.sent.get(w, 0), HIST_BINS - 1)] += 1
+                self.apply(grad, lr)
+                self.samples[w] += int(n)
+                self.ahead[w] = nxt if nxt >= 0 else math.inf
+                self.waiting.append(w)
+        elif kind == STATE:
+            _send_state(self, w)
+        elif kind == DONE:
+            self.done[w] = (head[2], head[3])
+        elif kind == STATS:
+            self.stats_asked = True
+        elif kind == BYE:
+            return True
+        return False
+
+    def progress(self) -> None:
+        """Whatever the last message (or loss) allows: complete synchronous steps, let held
+        workers go, answer rank 0's request for the figures."""
+        # A synchronous step completes once every live worker has pushed it.
+        for clock in sorted(self.sync_group):
+            group = self.sync_group[clock]
+            if group and set(group) >= set(self.live()):
+                grads = [g for g, _, _ in group.values()]
+                self.hist[0] += len(grads)
+                mean = grads[0] if len(grads) == 1 else torch.stack(grads).mean(0)
+                self.apply(mean, next(iter(group.values()))[1])
+                for x, (_, _, n) in group.items():
+                    self.samples[x] += int(n)
+                self.reply([x for x in sorted(group) if x not in self.lost])
+                del self.sync_group[clock]
+        # Bounded delay: a worker gets its weights back, and so starts its next batch, once
+        # that batch is at most `bound` clocks ahead of the oldest batch still being computed
+        # (Li et al.'s bounded delay; 0 is bulk-synchronous, inf is Downpour). The slowest
+        # worker is always within the bound, so someone can always go on.
+        if self.waiting:
+            going = [x for x in self.live() if math.isfinite(self.ahead[x])]
+            slowest = min((self.clock(self.ahead[x]) for x in going), default=math.inf)
+            still, go = [], []
+            for x in self.waiting:
+                if x in self.lost:
+                    continue
+                gap = self.clock(self.ahead[x]) - slowest
+                if not math.isfinite(self.ahead[x]) or gap <= self.ps.bound:
+                    if math.isfinite(gap):
+                        self.max_gap = max(self.max_gap, int(gap))
+                    go.append(x)
+                else:
+                    still.append(x)
+            self.waiting = still
+            self.reply(go)
+        if self.stats_asked and not self.live():
+            _send_stats(self)
+            self.stats_asked = False
 
 
 def serve(
@@ -485,6 +649,7 @@ def serve(
     """Run server `rank - workers` until rank 0 says goodbye: hold its shard of `model`'s
     weights and of the optimizer's state, apply pushed gradients as `ps.mode` says."""
     index = rank - ps.workers
+    watch = _watch_group() if ps.mode != "sync" else None  # first: every rank creates it
     params = _params(model)
     bounds = shard_bounds(sum(p.numel() for p in params), ps.servers)
     param = nn.Parameter(shard(flatten(params), bounds)[index].clone())
@@ -493,98 +658,148 @@ def serve(
         _load_slots(optimizer, param, resume["optimizer"], params, bounds, index)
     ahead = dict.fromkeys(range(ps.workers), float(deal.first))
     srv = _Server(ps, index, param, optimizer, WIRE[compression], ahead)
-    inbox: queue.Queue = queue.Queue()
-    size = param.numel()
-    for w in range(ps.workers):
-        threading.Thread(target=_listen, args=(w, size, srv.wire, inbox), daemon=True).start()
-    _loop(srv, inbox)
-
-
-def _listen(w: int, size: int, wire: torch.dtype, inbox: queue.Queue) -> None:
-    """Forward worker `w`'s messages to the server loop, and its loss if it dies."""
-    try:
-        while True:
-            head = torch.empty(HEADER, dtype=torch.float64)
-            dist.recv(head, w, tag=HDR)
-            payload = None
-            if int(head[0]) == PUSH:
-                payload = torch.empty(size, dtype=wire)
-                dist.recv(payload, w, tag=DATA)
-            inbox.put((w, head.tolist(), payload))
-            kind = int(head[0])
-            if kind == BYE or (kind == DONE and w != 0):  # rank 0 asks for stats after DONE
-                return
-    except RuntimeError as e:
-        inbox.put((w, None, launch.gloo_line(e)))
-
-
-def _loop(srv: _Server, inbox: queue.Queue) -> None:
-    ps = srv.ps
-    # step -> worker -> (gradient, lr, samples)
-    sync_group: dict[int, dict[int, tuple[torch.Tensor, float, float]]] = {}
-    waiting: list[int] = []  # workers whose weights are held back (bounded delay)
-    stats_asked = False
+    nbytes = HEAD_BYTES + param.numel() * torch.empty(0, dtype=srv.wire).element_size()
+    inbox = _InOrder(srv, nbytes) if watch is None else _FirstCome(srv, nbytes, watch)
     while True:
-        w, head, payload = inbox.get()
-        if head is None:  # worker w's connection failed: it died, or stopped answering
-            _lose(srv, w, payload)
-            for group in sync_group.values():
-                group.pop(w, None)
-        else:
-            kind = int(head[0])
-            if kind == PUSH:
-                clock, lr, nxt, synchronous, n = int(head[1]), *head[2:]
-                if synchronous:
-                    sync_group.setdefault(clock, {})[w] = (payload.float(), lr, n)
-                else:
-                    srv.hist[min(srv.version - srv.sent.get(w, 0), HIST_BINS - 1)] += 1
-                    srv.apply(payload.float(), lr)
-                    srv.samples[w] += int(n)
-                    srv.ahead[w] = nxt if nxt >= 0 else math.inf
-                    waiting.append(w)
-            elif kind == STATE:
-                _send_state(srv, w)
-            elif kind == DONE:
-                srv.done[w] = (head[2], head[3])
-            elif kind == STATS:
-                stats_asked = True
-            elif kind == BYE:
-                return
-        # A synchronous step completes once every live worker has pushed it.
-        for clock in sorted(sync_group):
-            group = sync_group[clock]
-            if group and set(group) >= set(srv.live()):
-                grads = [g for g, _, _ in group.values()]
-                srv.hist[0] += len(grads)
-                srv.apply(torch.stack(grads).mean(0), next(iter(group.values()))[1])
-                for x, (_, _, n) in group.items():
-                    srv.samples[x] += int(n)
-                for x in sorted(group):
-                    if x not in srv.lost:
-                        srv.reply(x)
-                del sync_group[clock]
-        # Bounded delay: a worker gets its weights back, and so starts its next batch, once
-        # that batch is at most `bound` clocks ahead of the oldest batch still being computed
-        # (Li et al.'s bounded delay; 0 is bulk-synchronous, inf is Downpour). The slowest
-        # worker is always within the bound, so someone can always go on.
-        if waiting:
-            going = [x for x in srv.live() if math.isfinite(srv.ahead[x])]
-            slowest = min((srv.clock(srv.ahead[x]) for x in going), default=math.inf)
-            still = []
-            for x in waiting:
-                if x in srv.lost:
+        w, head, payload = inbox.next()
+        with srv.lock:
+            if srv.fatal is not None:
+                raise srv.fatal
+            if head is None:  # worker w's connection failed: it died, or stopped answering
+                srv.lose(w, payload)
+            elif srv.handle(w, head, payload):
+                srv.finished = True
+                break
+            srv.progress()
+        inbox.after(w, head)
+    inbox.close()
+
+
+class _InOrder:
+    """sync: one receive posted per worker at all times; the server waits on the worker whose
+    push the oldest open step still lacks (every live worker pushes every step, so waiting in
+    order costs nothing), and a dead worker's receive fails at once."""
+
+    def __init__(self, srv: _Server, nbytes: int):
+        self.srv, self.nbytes = srv, nbytes
+        self.posted = {w: self._post(w) for w in range(srv.ps.workers)}
+
+    def _post(self, w: int) -> tuple[Any, torch.Tensor]:
+        buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        return dist.irecv(buf, w, tag=ASK), buf
+
+    def next(self) -> tuple[int, list[float] | None, Any]:
+        srv = self.srv
+        group = srv.sync_group[min(srv.sync_group)] if srv.sync_group else {}
+        # Nobody left training: rank 0 asks for the figures and the state, and says goodbye.
+        w = next((x for x in srv.live() if x not in group), 0)
+        work, buf = self.posted.pop(w)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            return w, None, launch.gloo_line(e)
+        return w, _fields(buf), buf[HEAD_BYTES:]
+
+    def after(self, w: int, head: list[float] | None) -> None:
+        """Post worker `w`'s next receive once its message is dealt with (in sync it sends
+        the next one only after its reply, so nothing waits for this), unless it was its
+        last: a worker leaves after DONE, rank 0 after BYE (it asks for the figures after
+        DONE)."""
+        kind = int(head[0]) if head is not None else BYE
+        if not (kind == BYE or (kind == DONE and w != 0)):
+            self.posted[w] = self._post(w)
+
+    def close(self) -> None:
+        pass
+
+
+class _FirstCome:
+    """async, SSP: whoever pushes first is served first, from one receive posted for any
+    source. A receive from any source would wait for ever on a dead peer: a watchdog per
+    worker waits on the watch group for that worker's farewell, and leaves the worker behind
+    (or, when the run cannot go on without it, hands the loop the error) once it dies."""
+
+    def __init__(self, srv: _Server, nbytes: int, watch: Any):
+        self.srv, self.nbytes = srv, nbytes
+        self.posted = self._post()
+        self.checked = time.monotonic()
+        self.dogs = [
+            threading.Thread(target=_watchdog, args=(srv, w, watch), daemon=True)
+            for w in range(srv.ps.workers)
+        ]
+        for dog in self.dogs:
+            dog.start()
+
+    def _post(self) -> tuple[Any, torch.Tensor]:
+        buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        return dist.irecv(buf, None, tag=ASK), buf
+
+    def next(self) -> tuple[int, list[float] | None, Any]:
+        srv, me = self.srv, f"server {self.srv.index}"
+        while True:
+            known = len(srv.lost)
+            work, buf = self.posted
+            try:
+                work.wait()
+            except RuntimeError as e:
+                # A worker that died while its message was on the wire fails the receive
+                # too: its watchdog says so within moments, and the rest carry on.
+                deadline = time.monotonic() + 2 * launch.HEARTBEAT_S
+                while time.monotonic() < deadline and srv.fatal is None and len(srv.lost) == known:
+                    time.sleep(0.02)
+                if srv.fatal is None and len(srv.lost) > known:
+                    self.posted = self._post()
                     continue
-                gap = srv.clock(srv.ahead[x]) - slowest
-                if not math.isfinite(srv.ahead[x]) or gap <= ps.bound:
-                    if math.isfinite(gap):
-                        srv.max_gap = max(srv.max_gap, int(gap))
-                    srv.reply(x)
-                else:
-                    still.append(x)
-            waiting = still
-        if stats_asked and not srv.live():
-            _send_stats(srv)
-            stats_asked = False
+                silence = launch.silent_peer()
+                if silence is not None:
+                    raise _hung(silence, me) from None
+                raise srv.fatal or StageError(
+                    f"{me} heard from no worker: {launch.gloo_line(e)}"
+                ) from None
+            w = work._source_rank()
+            head = _fields(buf)
+            if int(head[0]) != BYE:  # rank 0's goodbye is the last message of the run
+                self.posted = self._post()
+            self._check_silence()
+            return w, head, buf[HEAD_BYTES:]
+
+    def after(self, w: int, head: list[float] | None) -> None:
+        pass  # the next receive is posted before the message is dealt with
+
+    def _check_silence(self) -> None:
+        """Once a second: a live worker that stopped answering would hold its batch for ever
+        (an ordered receive from it would time out; the any-source one never does)."""
+        now = time.monotonic()
+        if now - self.checked < 1.0:
+            return
+        self.checked = now
+        for w in self.srv.live():
+            silence = launch.silent_peer(w)
+            if silence is not None:
+                raise _hung(silence, f"server {self.srv.index}")
+
+    def close(self) -> None:
+        """Wait (a little) for the last farewells, so no receive is left posted at exit."""
+        deadline = time.monotonic() + FAREWELL_WAIT_S
+        for dog in self.dogs:
+            dog.join(max(0.0, deadline - time.monotonic()))
+
+
+def _watchdog(srv: _Server, w: int, watch: Any) -> None:
+    """Wait for worker `w`'s farewell; when it dies instead, act on its loss."""
+    try:
+        dist.recv(torch.zeros(1), w, group=watch)
+        return  # it finished and left
+    except RuntimeError as e:
+        why = launch.gloo_line(e)
+    with srv.lock:
+        if srv.finished or w in srv.lost:
+            return
+        try:
+            srv.lose(w, why)
+            srv.progress()  # held workers may go on without it; the figures may be due
+        except BaseException as e:  # the server loop raises it
+            srv.fatal = e
 
 
 def _hung(silence: launch.Silence, me: str) -> StageError:
@@ -609,13 +824,20 @@ def _lose(srv: _Server, w: int, why: str) -> None:
 
 
 def _send_state(srv: _Server, w: int) -> None:
+    """One message: header (optimizer step, slots present), weights, every slot (zeros for
+    one not yet made), as `PSWorker.take_master` expects."""
     st = srv.optimizer.state.get(srv.param, {})
-    names = [n for n in _slots(srv.optimizer) if st.get(n) is not None]
+    slots = _slots(srv.optimizer)
+    names = [n for n in slots if st.get(n) is not None]
     step = float(st["step"]) if "step" in st else float(srv.version)
-    dist.send(_header(STATE, step, len(names)), w, tag=DATA)
-    dist.send(srv.param.detach().clone(), w, tag=DATA)
-    for name in names:
-        dist.send(st[name].detach().float().clone(), w, tag=DATA)
+    size = srv.param.numel()
+    msg = torch.zeros(HEAD_BYTES + 4 * size * (1 + len(slots)), dtype=torch.uint8)
+    msg[:HEAD_BYTES].view(torch.float64).copy_(_header(STATE, step, len(names)))
+    values = msg[HEAD_BYTES:].view(torch.float32).view(1 + len(slots), size)
+    values[0].copy_(srv.param.detach())
+    for k, name in enumerate(names):
+        values[1 + k].copy_(st[name].detach().reshape(-1).float())
+    dist.send(msg, w, tag=REPLY)
 
 
 def _slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -636,7 +858,7 @@ def _send_stats(srv: _Server) -> None:
     for w in srv.lost:
         buf[HIST_BINS + 3 * n + w] = 1
     buf[-2], buf[-1] = srv.max_gap, srv.version
-    dist.send(buf, 0, tag=DATA)
+    dist.send(buf, 0, tag=REPLY)
 
 
 def _load_slots(optimizer, param, saved, params, bounds, index) -> None:

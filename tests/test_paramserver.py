@@ -78,6 +78,17 @@ def test_ps_sync_trains_like_allreduce(tmp_path):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_one_message_per_push_and_per_pull_per_server(tmp_path, mode):
+    """The header travels inside the push (one message, not a header and a payload), and the
+    pull is the weights alone: per step and server, one message each way."""
+    r = run_job(_job(tmp_path, mode, PSConfig(mode, 2, 2), epochs=1))
+    assert r.strategy["messages_per_step"] == {"push": 2, "pull": 2}  # S = 2 servers
+    assert r.strategy["bytes_per_step"] == 2 * 4810 * 4  # the header is not counted as payload
+    gradients = sum(r.strategy["staleness_histogram"].values())  # every gradient, once
+    assert gradients == (2 if mode == "sync" else 1) * r.steps  # sync: N per server update
+
+
 @pytest.mark.slow  # 64 s on 2 cores; test_ssp_resumes_where_the_checkpoint_left_off keeps resume
 def test_ps_checkpoint_resumes_under_another_shard_count(tmp_path):
     whole = _job(tmp_path, "whole", PSConfig("sync", 2, 2))
