@@ -382,6 +382,7 @@ def fit(
         epoch_order,
         evaluate,
         optimizer_for,
+        resume_position,
     )
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -435,15 +436,7 @@ def fit(
     n = len(data.y_train)
     batches = Batches(n, cfg.batch_size)
     state = _initial_state(resume, optimizer, cfg)
-    written, have = state.get("steps_per_epoch"), batches.per_epoch(state["epoch"])
-    if state["step"] and written is not None and written != have:
-        raise InputError(
-            f"--resume: the checkpoint stopped mid-epoch at step {state['step']} of {written}, "
-            f"but this run takes {have} steps per epoch (another --batch-size); resume with "
-            "the settings it was written with"
-        )
-    history = [EpochRecord(**r) for r in state["history"]]
-    start = (state["epoch"], state["step"])
+    history, start = resume_position(state, batches, "--batch-size")
     t0 = time.perf_counter()
     steps = samples = 0
     step_s = 0.0

@@ -318,17 +318,7 @@ def fit(
     n = len(data.y_train)
     batches = updater if updater is not None else Batches(n, cfg.batch_size, world, rank)
     state = _initial_state(resume, optimizer, cfg)
-    written, have = state.get("steps_per_epoch"), batches.per_epoch(state["epoch"])
-    if state["step"] and written is not None and written != have:
-        # A step's size depends on the workers and the strategy: another layout would skip or
-        # repeat part of the epoch.
-        raise InputError(
-            f"--resume: the checkpoint stopped mid-epoch at step {state['step']} of {written}, "
-            f"but this run takes {have} steps per epoch (another --workers, --batch-size or "
-            "--strategy); resume with the settings it was written with"
-        )
-    history = [EpochRecord(**r) for r in state["history"]]
-    start = (state["epoch"], state["step"])
+    history, start = resume_position(state, batches, "--workers, --batch-size or --strategy")
     t0 = time.perf_counter()
     steps = samples = 0
 
@@ -431,6 +421,22 @@ def fit(
         comm_bytes=updater.stats.comm_bytes if updater else comm.bytes if comm else 0,
         strategy=updater.report() if updater is not None else {},
     )
+
+
+def resume_position(
+    state: dict[str, Any], batches, settings: str
+) -> tuple[list[EpochRecord], tuple[int, int]]:
+    """The history so far and the (epoch, step) to start from; refuses a mid-epoch checkpoint
+    whose steps per epoch differ from this run's (`settings`: the flags that set them), since
+    another layout would skip or repeat part of the epoch."""
+    written, have = state.get("steps_per_epoch"), batches.per_epoch(state["epoch"])
+    if state["step"] and written is not None and written != have:
+        raise InputError(
+            f"--resume: the checkpoint stopped mid-epoch at step {state['step']} of {written}, "
+            f"but this run takes {have} steps per epoch (another {settings}); resume with "
+            "the settings it was written with"
+        )
+    return [EpochRecord(**r) for r in state["history"]], (state["epoch"], state["step"])
 
 
 def _initial_state(
