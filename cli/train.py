@@ -337,6 +337,8 @@ def train(
         progress.close()
     if not launch.is_rank_zero():  # under torchrun, rank 0 alone reports
         return
+    for warning in (result.strategy or {}).get("warnings", []):
+        render.stderr.print(f"warning: {warning}", style="bold yellow")
     if as_json:
         last = result.history[-1] if result.history else None
         emit_json(
@@ -406,6 +408,7 @@ def _ps_json(result) -> dict:
         "servers": s["servers"],
         "staleness": s["staleness"],
         "bytes_per_step": s["bytes_per_step"],
+        "warnings": s.get("warnings", []),
         "staleness_histogram": s.get("staleness_histogram", {}),
         "idle_fraction": s.get("idle_fraction", {}),
         "lost_workers": s.get("lost_workers", []),

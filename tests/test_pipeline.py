@@ -239,3 +239,17 @@ def test_compress_train_pipeline_resumes_and_matches_one_process(run, tmp_path):
     model = zoo.build(ck.spec, seed=0)
     fit(model, ds, TrainConfig(epochs=2, schedule="constant"))
     _assert_close(model.state_dict(), checkpoint.load(out).build_model().state_dict())
+
+
+def test_batchnorm_on_small_microbatches_is_warned_about():
+    from torch import nn
+
+    from distrib.pipeline import batchnorm_warnings
+
+    bn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
+    plain = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+    (w,) = batchnorm_warnings(bn, 32, 4)
+    assert "micro-batch of 8 samples" in w and "--microbatches 2 (micro-batches of 16)" in w
+    assert batchnorm_warnings(bn, 32, 2) == []  # micro-batches of 16
+    assert batchnorm_warnings(bn, 32, 1) == []
+    assert batchnorm_warnings(plain, 32, 8) == []
