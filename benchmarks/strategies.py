@@ -54,6 +54,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from distrib.plan import bounce_p2p
+
 WORKERS, SERVERS = 2, 1
 STRAGGLER = 2.0  # worker 1 slowed this much in the straggler rows
 RUNS = [("allreduce", None)] + [
@@ -112,12 +114,7 @@ def _p2p(nbytes: int, repeats: int, rank: int, world: int) -> float:
     for i in range(repeats + 3):
         if i == 3:
             t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(x, 1)
-            dist.recv(x, 1)
-        else:
-            dist.recv(x, 0)
-            dist.send(x, 0)
+        bounce_p2p(dist, x, rank)
     return (time.perf_counter() - t0) / repeats / 2
 
 
@@ -157,12 +154,7 @@ def _roundtrip(path: str | None, nbytes: int, repeats: int, rank: int, world: in
     for _ in range(5):
         for i in range(per_block + 3):
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            else:
-                dist.recv(x, 0)
-                dist.send(x, 0)
+            bounce_p2p(dist, x, rank)
             if i >= 3:
                 pings.append(time.perf_counter() - t0)
         if rank == 1:

@@ -232,9 +232,9 @@ def shrink(
                 click.echo(render.plan_comment(model_path, layers), nl=False)
         return
     out = out or model_path.with_name(model_path.stem + "-shrunk")
-    if trust_model and model is None:
-        model = trusted_model(model_path)
-    report = run_shrink(model_path, data, out, recipe, model, model_kwargs, quiet, force)
+    report = run_shrink(
+        model_path, data, out, recipe, model, model_kwargs, quiet, force, trust_model
+    )
     render.int8_warning(report)
     render.guard_warnings(report)
     if as_json:
@@ -251,14 +251,6 @@ EPOCH_KEYS = (
     ("quantize", "finetune_epochs"),
     ("quantize", "prior_epochs"),
 )
-
-
-def trusted_model(path: Path) -> str | None:
-    """--trust-model: the code a checkpoint names, as if the user had typed it as --model."""
-    if not path.is_file() or path.suffix != ".pt":
-        return None
-    spec = checkpoint.load(path).spec
-    return spec.name if spec is not None and spec.is_import_path else None
 
 
 def _in_pipeline_order(raw: dict, mine: list[str]) -> dict:
@@ -357,11 +349,15 @@ def run_shrink(
     model_kwargs: str | None = None,
     quiet: bool = False,
     force: bool = False,
+    trust_model: bool = False,
 ) -> dict:
     """Load the checkpoint and data, hand `distrib`'s training loop to the pipeline as hooks,
-    run it with progress on stderr; return the report."""
+    run it with progress on stderr; return the report. `trust_model`: import the code the
+    checkpoint names, as if the user had typed it as `model`."""
     pipeline.check_out_dir(out, force)
     ck = checkpoint.load(model_path)
+    if trust_model and model is None and ck.spec is not None and ck.spec.is_import_path:
+        model = ck.spec.name
     named = model or (ck.spec.name if ck.spec is not None else None)
     ds = data_mod.load(data or ck.metadata.get("data") or "digits", input_name(named, model))
     spec = ck.spec_for(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)

@@ -379,9 +379,11 @@ def fit(
         Events,
         TrainResult,
         _initial_state,
+        check_finite,
         epoch_order,
         evaluate,
         optimizer_for,
+        record_step,
         resume_position,
     )
 
@@ -505,22 +507,13 @@ def fit(
                 figures[1] = float((logits.argmax(1) == yb).sum())
             dist.all_reduce(figures)  # every stage learns the loss: all stop if it diverged
             value, right = figures.tolist()
-            if not math.isfinite(value):  # before the step: no NaN gradient reaches a weight
-                raise StageError(
-                    f"training diverged at epoch {epoch + 1} step {step + 1} (loss {value}); "
-                    "lower --lr or use --optimizer adam"
-                )
+            check_finite(value, epoch, step)  # before the step: no NaN gradient reaches a weight
             optimizer.step()
-            state["loss_sum"] += value * len(idx)
-            state["correct"] += int(right)
-            state["seen"] += len(idx)
-            state["step"] = step + 1
+            due = record_step(state, cfg, step, value, int(right), len(idx), steps_per_epoch)
             steps += 1
             samples += len(idx)
             events.step(epoch + 1, step + 1, value)
-            state["global_step"] += 1
-            every = cfg.checkpoint_every
-            if every and state["global_step"] % every == 0 and state["step"] < steps_per_epoch:
+            if due:
                 save(gather())
         full_opt = gather()  # rank 0 now holds the whole trained model
         if first:

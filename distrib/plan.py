@@ -491,7 +491,7 @@ def _pingpong(
         while time.perf_counter() - t < gap_s:
             work @ work
 
-    bounce = _bounce_p2p if transport == "p2p" else _bounce_collective
+    bounce = bounce_p2p if transport == "p2p" else _bounce_collective
     tensors = [torch.zeros(max(1, n // 4)) for n in sizes]
     times: list[list[float]] = [[] for _ in sizes]
     start = time.perf_counter()
@@ -519,7 +519,9 @@ def _pingpong(
     return [(x.numel() * 4, statistics.median(t) / 2) for x, t in zip(tensors, times, strict=True)]
 
 
-def _bounce_p2p(dist, x, rank: int) -> None:
+def bounce_p2p(dist, x, rank: int) -> None:
+    """One ping-pong of `x` between ranks 0 and 1 (send/recv), as `benchmarks/strategies.py`
+    times it too."""
     if rank == 0:
         dist.send(x, 1)
         dist.recv(x, 1)

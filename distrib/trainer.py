@@ -349,28 +349,19 @@ def fit(
             with _autocast(cfg.precision, device):
                 loss, logits = loss_fn(model, xb, yb)
             value = float(loss.detach())
-            if not math.isfinite(value):  # before the step: a NaN gradient never reaches weights
-                raise StageError(
-                    f"training diverged at epoch {epoch + 1} step {step + 1} (loss {value}); "
-                    "lower --lr or use --optimizer adam"
-                )
+            check_finite(value, epoch, step)  # before the step: no NaN gradient reaches weights
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if updater is None:
                 optimizer.step()
             else:
                 updater.step(model, lr, epoch, step, len(yb))
-            state["loss_sum"] += value * len(yb)
-            state["correct"] += int((logits.argmax(1) == yb).sum())
-            state["seen"] += len(yb)
-            state["step"] = step + 1
+            right = int((logits.argmax(1) == yb).sum())
+            due = record_step(state, cfg, step, value, right, len(yb), steps_per_epoch)
             steps += 1
             samples += len(yb)
             events.step(epoch + 1, step + 1, value)
-            state["global_step"] += 1
-            every = cfg.checkpoint_every
-            # The epoch-end save below covers the epoch's last step.
-            if every and state["global_step"] % every == 0 and state["step"] < steps_per_epoch:
+            if due:
                 save()
         if world > 1 and updater is None:  # the epoch's training figures over all ranks
             totals = torch.tensor(
@@ -421,6 +412,31 @@ def fit(
         comm_bytes=updater.stats.comm_bytes if updater else comm.bytes if comm else 0,
         strategy=updater.report() if updater is not None else {},
     )
+
+
+def check_finite(loss: float, epoch: int, step: int) -> None:
+    """Stop a run whose loss diverged, before its step reaches the weights."""
+    if not math.isfinite(loss):
+        raise StageError(
+            f"training diverged at epoch {epoch + 1} step {step + 1} (loss {loss}); "
+            "lower --lr or use --optimizer adam"
+        )
+
+
+def record_step(
+    state: dict[str, Any], cfg: TrainConfig, step: int, loss: float, right: int, n: int,
+    steps_per_epoch: int,
+) -> bool:  # fmt: skip
+    """Add one step of `n` samples (mean `loss`, `right` correct) to the epoch's running figures
+    in `state`; True when a mid-epoch checkpoint is due (the epoch-end save covers the epoch's
+    last step)."""
+    state["loss_sum"] += loss * n
+    state["correct"] += right
+    state["seen"] += n
+    state["step"] = step + 1
+    state["global_step"] += 1
+    every = cfg.checkpoint_every
+    return bool(every) and state["global_step"] % every == 0 and state["step"] < steps_per_epoch
 
 
 def resume_position(
