@@ -50,7 +50,7 @@ def _bare_ddp(model_name, batch, steps, rank, world):
     Returns each step's seconds."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from models import data, zoo
+    from compresskit.models import data, zoo
 
     ds = data.load("digits")
     spec = zoo.resolve_spec(model_name, {}, ds.in_shape, ds.num_classes)
@@ -91,8 +91,8 @@ class _StepClock:
 def _our_loop(model_name, batch, epochs, rank, world):
     """`compress train`'s own loop (DDP through `distrib.allreduce`, data indexing, lr
     schedule, loss/accuracy bookkeeping). Returns rank 0's step seconds."""
-    from distrib.trainer import TrainConfig, fit
-    from models import data, zoo
+    from compresskit.distrib.trainer import TrainConfig, fit
+    from compresskit.models import data, zoo
 
     ds = data.load("digits")
     spec = zoo.resolve_spec(model_name, {}, ds.in_shape, ds.num_classes)
@@ -142,7 +142,7 @@ def train(model, workers, compression, epochs) -> dict:
 
 
 def main() -> None:
-    from distrib import launch
+    from compresskit.distrib import launch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", default="1,2,4")

@@ -39,7 +39,7 @@ ort = false
 
 
 def compress(*args) -> dict:
-    cmd = [sys.executable, "-m", "cli", *map(str, args), "--json", "-q"]
+    cmd = [sys.executable, "-m", "compresskit.cli", *map(str, args), "--json", "-q"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr}")
@@ -117,7 +117,7 @@ def main() -> None:
     print(f"\npeaks: {first['peaks']}")
 
     print("\n## 2. Harness overhead per call (lenet5-classic FP32, batch 1, 1 thread)\n")
-    from compressor import benchmark
+    from compresskit.compressor import benchmark
 
     path = lenet / "model.fp32.onnx"
     x = np.random.default_rng(0).random((1, 1, 28, 28), dtype=np.float32)

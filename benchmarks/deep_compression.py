@@ -91,7 +91,9 @@ RECIPES["lenet5"]["soft-target"] = RECIPES["lenet5"]["target"].replace(
 
 def compress(*args: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "cli", *args, "--json", "-q"], capture_output=True, text=True
+        [sys.executable, "-m", "compresskit.cli", *args, "--json", "-q"],
+        capture_output=True,
+        text=True,
     )
     if out.returncode:
         raise SystemExit(f"compress {' '.join(args)} failed: {out.stderr.strip()}")
@@ -217,7 +219,7 @@ def plain_serialisation(path: Path) -> bytes:
     first, then all indices, then all gaps (grouping measured slightly better for brotli)."""
     import numpy as np
 
-    from compressor import archive, huffman
+    from compresskit.compressor import archive, huffman
 
     entries = archive.read(path, keep_entries=True).entries
     floats, indices, gaps = [], [], []

@@ -33,7 +33,7 @@ DISTILL_EPOCHS = {"digits": 20, "mnist": 10}  # measured: more epochs gave no ga
 
 
 def compress(*args: str) -> dict:
-    cmd = [sys.executable, "-m", "cli", *map(str, args), "--json", "-q"]
+    cmd = [sys.executable, "-m", "compresskit.cli", *map(str, args), "--json", "-q"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr}")
@@ -100,9 +100,9 @@ def main() -> None:
     )
     t_shrink = time.perf_counter() - t0
 
-    from compressor import benchmark
-    from models import checkpoint
-    from models import data as data_mod
+    from compresskit.compressor import benchmark
+    from compresskit.models import checkpoint
+    from compresskit.models import data as data_mod
 
     ds = data_mod.load(args.data)
     x = ds.x_test[:1]
@@ -184,9 +184,9 @@ def main() -> None:
 def scarce(args, ds, teacher, epochs: int) -> None:
     """Labels-scarce: student alone on F of the labels vs distilled through a mixup transfer
     set (teacher labels for the rest and for N synthetic inputs)."""
-    from compressor.distill import loss_with_teacher, transfer_set
-    from distrib.trainer import TrainConfig, evaluate, fit
-    from models import zoo
+    from compresskit.compressor.distill import loss_with_teacher, transfer_set
+    from compresskit.distrib.trainer import TrainConfig, evaluate, fit
+    from compresskit.models import zoo
 
     n = len(ds.y_train)
     k = max(1, round(args.scarce * n))

@@ -38,9 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compressor import benchmark, envinfo, export  # noqa: E402
-from compressor.export import int8, mobile  # noqa: E402
-from models import data as data_mod  # noqa: E402
+from compresskit.compressor import benchmark, envinfo, export  # noqa: E402
+from compresskit.compressor.export import int8, mobile  # noqa: E402
+from compresskit.models import data as data_mod  # noqa: E402
 
 USER_NET = '''
 import torch
@@ -145,7 +145,7 @@ def sh(cmd: list, **kw) -> subprocess.CompletedProcess:
 
 
 def compress(*args, env=None) -> dict:
-    cmd = [sys.executable, "-m", "cli", *args, "--json", "-q"]
+    cmd = [sys.executable, "-m", "compresskit.cli", *args, "--json", "-q"]
     done = sh(cmd, cwd=ROOT, env=env)
     if done.returncode != 0:
         sys.exit(f"{' '.join(map(str, cmd))} failed:\n{done.stderr}")

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compressor import archive, kmeans, prune, recipe
-from compressor.shrink import _entries as shrink_entries
-from models import InputError, tiny
+from compresskit.compressor import archive, kmeans, prune, recipe
+from compresskit.compressor.shrink import _entries as shrink_entries
+from compresskit.models import InputError, tiny
 
 SPEC = {"name": "lenet5", "kwargs": {"in_shape": [1, 8, 8], "num_classes": 10}}
 HEADER_AT = len(archive.MAGIC) + 6  # magic, u16 version, u32 header length

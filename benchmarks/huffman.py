@@ -18,7 +18,7 @@ import time
 import numpy as np
 from bitarray import bitarray
 
-from compressor.huffman import (
+from compresskit.compressor.huffman import (
     canonical_codes,
     code_lengths,
     decode,

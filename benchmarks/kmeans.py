@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from compressor.kmeans import kmeans_1d
+from compresskit.compressor.kmeans import kmeans_1d
 
 
 def main() -> None:

@@ -61,7 +61,7 @@ def cores() -> int:
 
 
 def compress(*args: str) -> dict:
-    cmd = [sys.executable, "-m", "cli", *args, "--json"]
+    cmd = [sys.executable, "-m", "compresskit.cli", *args, "--json"]
     env = dict(os.environ)
     if THREADS["mode"] != "auto":
         env["OMP_NUM_THREADS"] = THREADS["mode"]
@@ -74,7 +74,7 @@ def compress(*args: str) -> dict:
 def write_data(path: Path, repeat: int) -> int:
     """sklearn digits, the training split repeated `repeat` times; returns the training
     samples the trainer will see (after its validation hold-out)."""
-    from models import data
+    from compresskit.models import data
 
     ds = data.load("digits")
     x = np.concatenate([ds.x_train.numpy()] * repeat)

@@ -75,11 +75,11 @@ MATRIX = [
     Case("resnet_se", "resnet_se", "{}", "images", False),
     Case("vit", "vit", "{}", "images", False),
     Case("textcls", "textcls", "{}", "tokens", False),
-    Case("resnet18", "models.hf:resnet18", "{}", "images", True),
-    Case("mobilenet_v2", "models.hf:mobilenet_v2", "{}", "images", True),
-    Case("efficientnet_b0", "models.hf:efficientnet_b0", "{}", "images", True),
-    Case("vit_tiny", "models.hf:vit_tiny", "{}", "images", True),
-    Case("bert", "models.hf:bert", '{"vocab_size": 1000}', "tokens", True),
+    Case("resnet18", "compresskit.models.hf:resnet18", "{}", "images", True),
+    Case("mobilenet_v2", "compresskit.models.hf:mobilenet_v2", "{}", "images", True),
+    Case("efficientnet_b0", "compresskit.models.hf:efficientnet_b0", "{}", "images", True),
+    Case("vit_tiny", "compresskit.models.hf:vit_tiny", "{}", "images", True),
+    Case("bert", "compresskit.models.hf:bert", '{"vocab_size": 1000}', "tokens", True),
 ]
 
 
@@ -112,7 +112,7 @@ def compress_measured(args: list[str]) -> tuple[dict, float, int]:
     t = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", *args, "--json", "-q"],
+            [sys.executable, "-m", "compresskit.cli", *args, "--json", "-q"],
             stdout=out,
             stderr=err,
             cwd=ROOT,
@@ -134,7 +134,7 @@ def fp32_parity(folder: Path, data_x: np.ndarray) -> tuple[float, float]:
     import onnxruntime as ort
     import torch
 
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     ck = checkpoint.load(folder / "model.pt")
     model = ck.build_model(allow_import=True).eval()
@@ -186,7 +186,7 @@ def main() -> None:
         f" {os.cpu_count()} cores ({', '.join(flags)}), python {platform.python_version()}"
     )
     base_rss = peak_rss_of(
-        [sys.executable, "-c", "import cli.shrink, compressor.pipeline, onnxruntime, sklearn"]
+        [sys.executable, "-c", "import compresskit.cli.shrink, compresskit.compressor.pipeline, onnxruntime, sklearn"]
     )
     print(f"interpreter with compress imported: {base_rss / 2**20:.0f} MiB peak RSS\n")
     rows = []
@@ -266,7 +266,7 @@ def one(case: Case, data: str, work: Path, recipe: Path, base_rss: int, epochs: 
 
 
 def _test_inputs(data: str, work: Path) -> np.ndarray:
-    from models import data as data_mod
+    from compresskit.models import data as data_mod
 
     return data_mod.load(data).x_test.numpy()
 

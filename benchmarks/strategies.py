@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from distrib.plan import bounce_p2p
+from compresskit.distrib.plan import bounce_p2p
 
 WORKERS, SERVERS = 2, 1
 STRAGGLER = 2.0  # worker 1 slowed this much in the straggler rows
@@ -87,7 +87,7 @@ def train(
     straggler: bool,
     baseline: str | None = None,
 ) -> dict:
-    cmd = [sys.executable, "-m", "cli", "train", "--model", model, "--data", "digits"]
+    cmd = [sys.executable, "-m", "compresskit.cli", "train", "--model", model, "--data", "digits"]
     cmd += ["--epochs", str(epochs), "--workers", str(WORKERS), "--strategy", strategy]
     if strategy.startswith("ps-"):
         cmd += ["--servers", str(SERVERS)]
@@ -128,7 +128,7 @@ def _site() -> str:
 
 def _ps_module(path: str | None):
     if path is None:
-        from distrib import paramserver
+        from compresskit.distrib import paramserver
 
         return paramserver
     spec = importlib.util.spec_from_file_location("paramserver_baseline", path)
@@ -180,7 +180,7 @@ def _roundtrip(path: str | None, nbytes: int, repeats: int, rank: int, world: in
 
 
 def transport(baseline: str | None, runs: int, repeats: int = 200, nbytes: int = 200_000) -> None:
-    from distrib import launch
+    from compresskit.distrib import launch
 
     print(
         f"\n## 5. transport: one worker, one server, {nbytes / 1e3:.0f} kB each way "
@@ -266,7 +266,7 @@ def section(title: str) -> None:
 
 def report(table: dict, args, version: str) -> None:
     """Parts 1-4 for one version of the module (`table` keyed (strategy, tau, straggler))."""
-    from distrib import launch
+    from compresskit.distrib import launch
 
     tag = f" [{version}]" if args.baseline else ""
     section(f"1. strategies (target accuracy {args.target:.0%}){tag}")

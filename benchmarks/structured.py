@@ -37,14 +37,14 @@ from real_models import _cpu_flags, images_npz  # noqa: E402  (the matrix's CPU 
 CASES = {
     # model, kwargs, data, teacher epochs
     "vgg": ("vgg", "{}", "digits", 10),
-    "resnet18": ("models.hf:resnet18", "{}", "images", 3),
+    "resnet18": ("compresskit.models.hf:resnet18", "{}", "images", 3),
 }
 TARGET_SPEEDUP = 1.8
 MAX_DROP_POINTS = 1.0
 
 
 def compress(*args: str) -> dict:
-    cmd = [sys.executable, "-m", "cli", *map(str, args), "--json", "-q"]
+    cmd = [sys.executable, "-m", "compresskit.cli", *map(str, args), "--json", "-q"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]

@@ -22,7 +22,7 @@ import time
 def run(args: list[str]) -> tuple[dict, float]:
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-m", "cli", "train", *args, "--json", "-q"],
+        [sys.executable, "-m", "compresskit.cli", "train", *args, "--json", "-q"],
         capture_output=True,
         text=True,
         check=True,

@@ -1,5 +1,5 @@
 """`python -m cli` runs the `compress` command."""
 
-from cli.entry import main
+from compresskit.cli.entry import main
 
 main()

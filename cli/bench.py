@@ -7,13 +7,13 @@ from pathlib import Path
 
 import click
 
-from cli import render
-from cli.main import emit_json, input_name, json_option, log_option
-from compressor import benchmark, benchreport, envinfo, variants
-from compressor import export as export_mod
-from models import data as data_mod
-from models import safeload, zoo
-from models.errors import InputError
+from compresskit.cli import render
+from compresskit.cli.main import emit_json, input_name, json_option, log_option
+from compresskit.compressor import benchmark, benchreport, envinfo, variants
+from compresskit.compressor import export as export_mod
+from compresskit.models import data as data_mod
+from compresskit.models import safeload, zoo
+from compresskit.models.errors import InputError
 
 DEFAULT_PROVIDERS = "torch,cpu,cuda,tensorrt"
 
@@ -123,7 +123,7 @@ def bench(
     runtimes = variants.parse_providers(providers or DEFAULT_PROVIDERS)
     for path, flag in ((report_path, "--report"), (plot_path, "--plot")):
         if path is not None:
-            from models.fileio import check_writable
+            from compresskit.models.fileio import check_writable
 
             check_writable(path, flag)
     paths = variants.expand(list(models))
@@ -197,7 +197,7 @@ def _baselines(described, ds, tmp: Path, info) -> list:
 def _profiles(described, cfg, ds) -> dict:
     import numpy as np
 
-    from compressor import ortprofile
+    from compresskit.compressor import ortprofile
 
     out = {}
     for m in described:
@@ -213,7 +213,7 @@ def _model_name(paths: list[Path], model: str | None) -> str | None:
     """The PyTorch model being measured: --model, else the first checkpoint's recorded one."""
     if model is not None:
         return model
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     first = next((p for p in paths if p.suffix == ".pt"), None)
     spec = checkpoint.load(first).spec if first is not None else None

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import click
 
-from cli import render
-from cli.main import OutPath, emit_json, json_option, log_option
-from cli.shrink import json_view, run_shrink
-from compressor import benchmark, envinfo, pipeline, variants
-from compressor import recipe as recipe_mod
-from distrib.job import TrainJob, run
-from distrib.trainer import TrainConfig
-from models import data as data_mod
-from models.errors import InputError
+from compresskit.cli import render
+from compresskit.cli.main import OutPath, emit_json, json_option, log_option
+from compresskit.cli.shrink import json_view, run_shrink
+from compresskit.compressor import benchmark, envinfo, pipeline, variants
+from compresskit.compressor import recipe as recipe_mod
+from compresskit.distrib.job import TrainJob, run
+from compresskit.distrib.trainer import TrainConfig
+from compresskit.models import data as data_mod
+from compresskit.models.errors import InputError
 
 TEACHER = {"model": "vgg", "epochs": 3}
 # Chosen by measurement (docs/benchmarks.md): LeNet-5 distilled for 20 epochs at T=4, alpha=0.7

@@ -60,7 +60,7 @@ def main() -> None:
     if ours:
         signal.signal(signal.SIGINT, _while_importing)
     try:
-        from cli.main import main as run
+        from compresskit.cli.main import main as run
     except KeyboardInterrupt:  # a SIGINT that arrived before the handler was set
         interrupted()
     if ours:

@@ -19,8 +19,8 @@ from typing import Any
 
 import click
 
-from cli import entry
-from models.errors import CompressError
+from compresskit.cli import entry
+from compresskit.models.errors import CompressError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -36,7 +36,7 @@ class OutPath(click.Path):
     so the message says what is wrong (compress never writes through a link)."""
 
     def convert(self, value, param, ctx):  # type: ignore[override]
-        from models.fileio import link_problem
+        from compresskit.models.fileio import link_problem
 
         problem = link_problem(os.fsdecode(value))
         if problem:
@@ -152,7 +152,7 @@ def input_name(name: str | None, model_flag: str | None) -> str | None:
     refuses next with the reason."""
     if name is None or (":" in name and name != model_flag):
         return None
-    from models import data, zoo
+    from compresskit.models import data, zoo
 
     return data.forward_input(zoo.resolve(name))
 
@@ -263,7 +263,7 @@ def _exit(code: int) -> None:
 
 
 @click.group(cls=CompressGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="compress", prog_name="compress")
+@click.version_option(package_name="compresskit", prog_name="compress")
 def cli() -> None:
     """compress: train a big model, shrink it (Deep Compression + distillation), ship INT8 ONNX.
 
@@ -277,7 +277,7 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from cli import bench, demo, plan, shrink, train
+    from compresskit.cli import bench, demo, plan, shrink, train
 
     cli.add_command(train.train)
     cli.add_command(shrink.shrink)

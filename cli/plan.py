@@ -9,12 +9,12 @@ import click
 from rich import box
 from rich.table import Table
 
-from cli import render
-from cli.main import OutPath, emit_json, json_option, log_option
-from distrib.plan import LABELS, STRATEGIES, Plan, PlanRequest, make_plan
-from distrib.trainer import OPTIMIZERS
-from models.data import SPECS_HELP
-from models.zoo import parse_kwargs
+from compresskit.cli import render
+from compresskit.cli.main import OutPath, emit_json, json_option, log_option
+from compresskit.distrib.plan import LABELS, STRATEGIES, Plan, PlanRequest, make_plan
+from compresskit.distrib.trainer import OPTIMIZERS
+from compresskit.models.data import SPECS_HELP
+from compresskit.models.zoo import parse_kwargs
 
 SHORT = {"allreduce": "all-reduce", "ps": "param server", "pipeline": "pipeline"}
 
@@ -137,7 +137,7 @@ def plan(
 ) -> None:
     """Predict step time, speed-up and efficiency for N = 1..64 workers (alpha-beta model)."""
     if plot_path is not None:
-        from models.fileio import check_writable
+        from compresskit.models.fileio import check_writable
 
         check_writable(plot_path, "--plot")
     result = make_plan(
@@ -326,7 +326,7 @@ def _figure(p: Plan):
 
 def write_plot(p: Plan, path: Path) -> Path:
     """The speed-up curves as a PNG, written atomically."""
-    from models.fileio import atomic_path
+    from compresskit.models.fileio import atomic_path
 
     fig = _figure(p)
     with atomic_path(path) as tmp:

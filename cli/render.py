@@ -21,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from distrib.trainer import EpochRecord, Events, TrainResult
+from compresskit.distrib.trainer import EpochRecord, Events, TrainResult
 
 LINE_EVERY_S = 15.0  # progress lines off a terminal
 
@@ -371,7 +371,7 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
 def mobile_verdicts(m: dict) -> str:
     """ "NNAPI no (yes with fixed shapes: --fixed-batch 1), CoreML no (unsupported ops ...)":
     each verdict with its reason and the fix, from the usability checker's details."""
-    from compressor.report import mobile_reasons
+    from compresskit.compressor.report import mobile_reasons
 
     eps = mobile_reasons(m.get("details", ""))
     out = []

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import click
 
-from cli import render
-from cli.main import OutPath, emit_json, input_name, json_option, log_option
-from compressor import pipeline
-from compressor import recipe as recipe_mod
-from compressor.shrink import Hooks
-from compressor.shrink import plan as shrink_plan
-from distrib.trainer import TrainConfig, correct, cross_entropy_loss, evaluate, fit
-from models import checkpoint, zoo
-from models import data as data_mod
+from compresskit.cli import render
+from compresskit.cli.main import OutPath, emit_json, input_name, json_option, log_option
+from compresskit.compressor import pipeline
+from compresskit.compressor import recipe as recipe_mod
+from compresskit.compressor.shrink import Hooks
+from compresskit.compressor.shrink import plan as shrink_plan
+from compresskit.distrib.trainer import TrainConfig, correct, cross_entropy_loss, evaluate, fit
+from compresskit.models import checkpoint, zoo
+from compresskit.models import data as data_mod
 
 
 @click.command(

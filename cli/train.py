@@ -7,17 +7,17 @@ from pathlib import Path
 
 import click
 
-from cli import render
-from cli.main import Interrupted, OutPath, emit_json, json_option, log_option
-from distrib import launch
-from distrib.job import TrainJob, run, run_ensemble
-from distrib.paramserver import PSConfig
-from distrib.pipeline import BALANCES, PipelineConfig
-from distrib.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from distrib.trainer import DEFAULT_LR, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
-from models.data import SPECS_HELP
-from models.errors import InputError
-from models.zoo import parse_kwargs
+from compresskit.cli import render
+from compresskit.cli.main import Interrupted, OutPath, emit_json, json_option, log_option
+from compresskit.distrib import launch
+from compresskit.distrib.job import TrainJob, run, run_ensemble
+from compresskit.distrib.paramserver import PSConfig
+from compresskit.distrib.pipeline import BALANCES, PipelineConfig
+from compresskit.distrib.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from compresskit.distrib.trainer import DEFAULT_LR, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
+from compresskit.models.data import SPECS_HELP
+from compresskit.models.errors import InputError
+from compresskit.models.zoo import parse_kwargs
 
 PS_STRATEGIES = ("ps-sync", "ps-async", "ps-ssp")
 

@@ -76,10 +76,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from compressor import huffman
-from models import limits
-from models.errors import InputError
-from models.fileio import atomic_path
+from compresskit.compressor import huffman
+from compresskit.models import limits
+from compresskit.models.errors import InputError
+from compresskit.models.fileio import atomic_path
 
 MAGIC = b"\x89DCZ\r\n\x1a\n"
 VERSION = 2  # the version `encode` writes; the reader takes 1 and 2

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 
 def resolve_threads(n: int) -> int:
@@ -171,7 +171,7 @@ def prepare(variant, batch: int, threads: int, x: np.ndarray) -> Prepared:
 
 
 def _prepare_torch(variant, x: np.ndarray) -> Prepared:
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     t0 = time.perf_counter()
     net = checkpoint.load(variant.model.path).build_model(
@@ -222,7 +222,7 @@ def _prepare_torch(variant, x: np.ndarray) -> Prepared:
 
 
 def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
-    from compressor.variants import PROVIDERS
+    from compresskit.compressor.variants import PROVIDERS
 
     provider = PROVIDERS[variant.runtime]
     providers = {
@@ -309,7 +309,7 @@ def measure(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """Run the grid. Returns (results, skipped, extra): `extra` holds the peak probes and which
     variant the agreement and speed-up columns are measured against."""
-    from compressor import envinfo, stats
+    from compresskit.compressor import envinfo, stats
 
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -417,7 +417,7 @@ def _check_kind(v, data) -> None:
 def inputs(m, batch: int, data, rng: np.random.Generator) -> np.ndarray:
     """Random inputs for model `m` (a `variants.Model`) at `batch`: float32 images, or int64
     token ids valid for the data's vocabulary (or the model's, when no data is given)."""
-    from models.data import random_inputs
+    from compresskit.models.data import random_inputs
 
     shape = (batch, *_shape_of(m, data))
     vocab = data.vocab if data is not None and data.is_tokens else m.vocab
@@ -489,7 +489,7 @@ def _row(v, batch, threads, summary, p: Prepared, accuracy) -> dict[str, Any]:
 
 
 def _macs(v, batch: int, data) -> int | None:
-    from compressor import flops
+    from compresskit.compressor import flops
 
     m = v.model
     try:
@@ -511,9 +511,9 @@ def _explain(results: list[dict[str, Any]], data, variants: list = ()) -> None:
     threads); when INT8 is slower, say so and name the operators that dominate both (ORT's
     profiler). `variants`: the measured ones, whose models say what input each file takes
     (a file not among them is read again)."""
-    from compressor import ortprofile
-    from compressor import variants as variants_mod
-    from compressor.export import clearly_faster
+    from compresskit.compressor import ortprofile
+    from compresskit.compressor import variants as variants_mod
+    from compresskit.compressor.export import clearly_faster
 
     models = {str(v.model.path): v.model for v in variants}
     rows = {(r["path"], r["provider"], r["batch"], r["threads"]): r for r in results}

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from compressor.report import new_figure, save_figure
-from models.fileio import atomic_path, check_writable
+from compresskit.compressor.report import new_figure, save_figure
+from compresskit.models.fileio import atomic_path, check_writable
 
 ENV_KEYS = (
     "date",

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import kmeans, prune, stats
-from compressor import shrink as shrink_mod
-from models.errors import InputError
+from compresskit.compressor import kmeans, prune, stats
+from compresskit.compressor import shrink as shrink_mod
+from compresskit.models.errors import InputError
 
 MIN_VAL_SAMPLES = 100  # fewer: one validation sample is more than a point of accuracy
 SAMPLE = 1 << 15  # kept weights a curve's k-means is fitted on (all are then assigned)

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from compressor.flops import torch_macs
-from models import thin
-from models.errors import InputError, one_line
+from compresskit.compressor.flops import torch_macs
+from compresskit.models import thin
+from compresskit.models.errors import InputError, one_line
 
 IMPORTANCE = ("l1", "l2", "taylor")
 SCOPES = ("layer", "global")

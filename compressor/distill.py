@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import checkpoint, zoo
-from models import data as data_mod
-from models.data import Dataset
-from models.errors import InputError, StageError
-from models.zoo import ModelSpec
+from compresskit.models import checkpoint, zoo
+from compresskit.models import data as data_mod
+from compresskit.models.data import Dataset
+from compresskit.models.errors import InputError, StageError
+from compresskit.models.zoo import ModelSpec
 
 
 def kd_loss(

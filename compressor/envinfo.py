@@ -21,11 +21,11 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 # The flags that decide which INT8/BF16 kernels oneDNN, MLAS and FBGEMM can use.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-_PACKAGES = ("torch", "onnxruntime", "onnx", "numpy", "compress")
+_PACKAGES = ("torch", "onnxruntime", "onnx", "numpy", "compresskit")
 
 
 def parse_cpuinfo(text: str) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.errors import InputError, one_line
+from compresskit.models.errors import InputError, one_line
 
 # ONNX op -> index of its weight input (the tensor whose shape gives the work per output).
 CONV_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 STAGE_WORDS = {
     "distill": "distillation",

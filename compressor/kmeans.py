@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from compressor.prune import Layer, layer_name, masks_of, weight_layers
-from models.errors import InputError
+from compresskit.compressor.prune import Layer, layer_name, masks_of, weight_layers
+from compresskit.models.errors import InputError
 
 # --- pure maths -----------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from models.errors import InputError, StageError, one_line
+from compresskit.models.errors import InputError, StageError, one_line
 
 
 def _session(path: Path, threads: int, providers: Sequence[str], prefix: str):

@@ -19,15 +19,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import archive, budget, channels, distill, envinfo, export, guard
-from compressor import report as report_mod
-from compressor import shrink as shrink_mod
-from compressor.export import compat, int8, mobile
-from models import checkpoint
-from models.data import Dataset, check_kind, embedding_rows
-from models.errors import InputError, StageError
-from models.fileio import atomic_path, check_writable, refuse_link, umask
-from models.zoo import ModelSpec, build, state_shapes
+from compresskit.compressor import archive, budget, channels, distill, envinfo, export, guard
+from compresskit.compressor import report as report_mod
+from compresskit.compressor import shrink as shrink_mod
+from compresskit.compressor.export import compat, int8, mobile
+from compresskit.models import checkpoint
+from compresskit.models.data import Dataset, check_kind, embedding_rows
+from compresskit.models.errors import InputError, StageError
+from compresskit.models.fileio import atomic_path, check_writable, refuse_link, umask
+from compresskit.models.zoo import ModelSpec, build, state_shapes
 
 TAYLOR_SAMPLES = 256  # training samples whose gradients rank channels (Taylor importance)
 CHECK_SAMPLES = 1000  # validation inputs the INT8 agreement floor is checked on
@@ -330,7 +330,7 @@ def _probe_opset(model: nn.Module, recipe: dict[str, Any], data: Dataset) -> Non
     if e["opset"] == 18:
         return
     if d["student"]:  # the model that will be exported is the student, not the teacher
-        from models import zoo
+        from compresskit.models import zoo
 
         spec = zoo.resolve_spec(
             d["student"], dict(d["student_kwargs"]), data.in_shape, data.num_classes

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)

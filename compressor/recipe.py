@@ -41,9 +41,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from compressor.guard import GuardConfig
-from models.errors import InputError
-from models.limits import MAX_NESTING, nesting_depth
+from compresskit.compressor.guard import GuardConfig
+from compresskit.models.errors import InputError
+from compresskit.models.limits import MAX_NESTING, nesting_depth
 
 VERSION = 1
 MAX_BITS = 12  # 4,096 shared values per layer; more is no longer weight *sharing*
@@ -445,7 +445,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         )
     ir, opset = r["export"]["ir_version"], r["export"]["opset"]
     if ir:
-        from compressor.export.compat import min_ir_for
+        from compresskit.compressor.export.compat import min_ir_for
 
         if ir < min_ir_for(opset):
             raise _bad(

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from compressor import recipe as recipe_mod
-from models.fileio import atomic_path
+from compresskit.compressor import recipe as recipe_mod
+from compresskit.models.fileio import atomic_path
 
 STAGE_NAMES = {"prune": "P", "quantize": "P+Q", "huffman": "P+Q+H"}
 _RANK = {"no": 0, "partial": 1, "yes": 2}

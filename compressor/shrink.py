@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from compressor import archive, distill, huffman, kmeans, prune, softshare, stats
-from models.errors import InputError, StageError
+from compresskit.compressor import archive, distill, huffman, kmeans, prune, softshare, stats
+from compresskit.models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
 _FP16_MAX = torch.finfo(torch.float16).max

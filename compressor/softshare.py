@@ -48,9 +48,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import kmeans
-from compressor.prune import masks_of
-from models.errors import InputError
+from compresskit.compressor import kmeans
+from compresskit.compressor.prune import masks_of
+from compresskit.models.errors import InputError
 
 # --- pure maths -----------------------------------------------------------------------------
 

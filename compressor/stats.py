@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 # Bound on index-matrix elements per bootstrap chunk: 2M int64 indices plus the gathered float64
 # values is ~32 MB, whatever n is, so n ~ 1e5 samples x 2000 resamples stays well under 100 MB.

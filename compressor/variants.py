@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import checkpoint
-from models.errors import InputError
-from models.zoo import ModelSpec
+from compresskit.models import checkpoint
+from compresskit.models.errors import InputError
+from compresskit.models.zoo import ModelSpec
 
 # model.* from a shrink of the checkpoint's own model, student.* from one that distilled
 SHRINK_FILES = tuple(
@@ -179,8 +179,8 @@ def _torch_tokens(spec: ModelSpec, net, data) -> tuple[bool, int | None]:
     reads, and so does a class with an `input_kind` attribute ("image" or "tokens"); another
     one reads token ids when the data are token ids, or, without data, when it has an
     nn.Embedding."""
-    from models import zoo
-    from models.data import embedding_rows
+    from compresskit.models import zoo
+    from compresskit.models.data import embedding_rows
 
     rows = embedding_rows(net)
     kind = getattr(net, "input_kind", None)
@@ -309,7 +309,7 @@ def variants(models: list[Model], runtimes: list[str]) -> tuple[list[Variant], l
     import onnxruntime as ort
     import torch
 
-    from compressor import envinfo
+    from compresskit.compressor import envinfo
 
     available = set(ort.get_available_providers())
     out: list[Variant] = []

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 COMPRESSIONS = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 

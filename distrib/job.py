@@ -14,13 +14,20 @@ from typing import Any
 
 import torch
 
-from distrib import launch, paramserver, pipeline
-from distrib.paramserver import PSConfig
-from distrib.pipeline import PipelineConfig
-from distrib.trainer import Checkpointer, Events, TrainConfig, TrainResult, fit, optimizer_for
-from models import checkpoint, data, zoo
-from models.errors import InputError
-from models.fileio import check_writable
+from compresskit.distrib import launch, paramserver, pipeline
+from compresskit.distrib.paramserver import PSConfig
+from compresskit.distrib.pipeline import PipelineConfig
+from compresskit.distrib.trainer import (
+    Checkpointer,
+    Events,
+    TrainConfig,
+    TrainResult,
+    fit,
+    optimizer_for,
+)
+from compresskit.models import checkpoint, data, zoo
+from compresskit.models.errors import InputError
+from compresskit.models.fileio import check_writable
 
 # Settings a resumed run may change: the rest must match the checkpoint's.
 _RESUME_MAY_CHANGE = {"epochs", "eval_batch_size", "device", "checkpoint_every", "grad_compression"}

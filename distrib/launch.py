@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.errors import CompressError, InputError, StageError
+from compresskit.models.errors import CompressError, InputError, StageError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 HEARTBEAT_S = 0.5  # every rank says it is alive this often

@@ -66,9 +66,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distrib import launch
-from distrib.trainer import Batches
-from models.errors import InputError, StageError
+from compresskit.distrib import launch
+from compresskit.distrib.trainer import Batches
+from compresskit.models.errors import InputError, StageError
 
 MODES = ("sync", "async", "ssp")
 WIRE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

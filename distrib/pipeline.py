@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.data import Dataset
-from models.errors import InputError, StageError
+from compresskit.models.data import Dataset
+from compresskit.models.errors import InputError, StageError
 
 SCHEDULES = ("gpipe", "1f1b")
 BALANCES = ("flops", "params")
@@ -373,7 +373,7 @@ def fit(
     checkpoint's train_state, its weights already in `model`."""
     import torch.distributed as dist
 
-    from distrib.trainer import (
+    from compresskit.distrib.trainer import (
         Batches,
         EpochRecord,
         Events,

@@ -71,7 +71,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 STRATEGIES = ("allreduce", "ps", "pipeline")
 LABELS = {"allreduce": "all-reduce (ring)", "ps": "parameter server", "pipeline": "pipeline"}
@@ -558,7 +558,7 @@ def measure_link(
     gap a message waits for them to be scheduled again, which on a machine whose cores other
     processes share costs far more than the wire: on this project's shared 2-core machine a
     200 kB all-reduce took 0.47 ms in a tight loop and 2.1 ms after 1 ms of compute."""
-    from distrib import launch
+    from compresskit.distrib import launch
 
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r}: one of {TRANSPORTS}")
@@ -608,7 +608,7 @@ def measure_compute(
     import torch
     import torch.nn.functional as F
 
-    from distrib.trainer import TrainConfig, make_optimizer
+    from compresskit.distrib.trainer import TrainConfig, make_optimizer
 
     if len(batches) < 1:
         raise ValueError("measure_compute needs a batch size")
@@ -816,7 +816,7 @@ def make_plan(req: PlanRequest) -> Plan:
 
 def _build(req: PlanRequest):
     """The zoo (or user) model built for the data, as `compress train` builds it."""
-    from models import data, zoo
+    from compresskit.models import data, zoo
 
     cls = zoo.resolve(req.model)
     data.check_one_input(cls, req.model)

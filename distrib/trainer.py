@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import checkpoint
-from models.data import Dataset
-from models.errors import InputError, StageError
-from models.zoo import ModelSpec
+from compresskit.models import checkpoint
+from compresskit.models.data import Dataset
+from compresskit.models.errors import InputError, StageError
+from compresskit.models.zoo import ModelSpec
 
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("fp32", "bf16")
@@ -311,7 +311,7 @@ def fit(
     model.to(device)
     comm = None
     if world > 1 and updater is None:
-        from distrib import allreduce
+        from compresskit.distrib import allreduce
 
         model, comm = allreduce.wrap(model, cfg.grad_compression, device)
     optimizer = make_optimizer(model, cfg)

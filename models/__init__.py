@@ -3,8 +3,8 @@
 Depends on torch, numpy and scikit-learn only; never on `compressor`, `distrib` or `cli`.
 """
 
-from models.errors import CompressError, InputError, StageError
-from models.zoo import (
+from compresskit.models.errors import CompressError, InputError, StageError
+from compresskit.models.zoo import (
     ModelSpec,
     available,
     build,

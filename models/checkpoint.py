@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.errors import InputError
-from models.fileio import atomic_path
-from models.zoo import ModelSpec, build, resolve_spec, state_shapes
+from compresskit.models.errors import InputError
+from compresskit.models.fileio import atomic_path
+from compresskit.models.zoo import ModelSpec, build, resolve_spec, state_shapes
 
 FORMAT = "compress.checkpoint"
 FORMAT_VERSION = 1
@@ -157,7 +157,7 @@ def _first(keys: list[str], n: int = 3) -> str:
 def _renamed(state: dict[str, torch.Tensor], want: Any) -> dict[str, torch.Tensor]:
     """`state` with a leading name added or dropped, when exactly that makes its keys the
     model's: `module.` from a DistributedDataParallel or DataParallel wrapper, or `net.` for a
-    bare transformers model's weights loaded into a `models.hf` wrapper. Any other difference is
+    bare transformers model's weights loaded into a `compresskit.models.hf` wrapper. Any other difference is
     left for the caller to report."""
     have, want = set(state), set(want)
 
@@ -187,7 +187,7 @@ def _is_counter(key: str) -> bool:
 
 def versions() -> dict[str, str]:
     try:
-        ours = importlib_metadata.version("compress")
+        ours = importlib_metadata.version("compresskit")
     except importlib_metadata.PackageNotFoundError:
         ours = "unknown"
     return {"compress": ours, "torch": str(torch.__version__), "python": platform.python_version()}
@@ -273,7 +273,7 @@ def check_sizes(path: Path, max_elements: int | None = None) -> None:
     pickle, so they too are bounded by the file's size. Files that are neither are left to
     torch.load, whose errors `load` turns into one line.
     """
-    from models import limits, safeload
+    from compresskit.models import limits, safeload
 
     cap = limits.max_elements() if max_elements is None else max_elements
     size = path.stat().st_size
@@ -323,7 +323,7 @@ def check_sizes(path: Path, max_elements: int | None = None) -> None:
 
 
 def _check_storages(path: Path, storages: list, size: int, cap: int, fix: str) -> None:
-    from models import limits
+    from compresskit.models import limits
 
     seen: dict[str, Any] = {}
     for s in storages:

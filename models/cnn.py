@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from models.base import ZooModel
-from models.zoo import register
+from compresskit.models.base import ZooModel
+from compresskit.models.zoo import register
 
 
 @register("vgg", tiny={"width": 4}, about="VGG-style teacher with BatchNorm (~4.7M params)")

@@ -65,7 +65,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.errors import InputError, one_line
+from compresskit.models.errors import InputError, one_line
 
 SPECS_HELP = "digits, digits:28, mnist:DIR, npz:FILE or tokens[:L[:V]]"
 MAX_CLASSES = 100_000
@@ -413,7 +413,7 @@ def _npz_arrays(
     checking what the zip directory and each .npy header declare, before anything is
     decompressed: sizes against the file, the expansion of compressed members, the element
     cap, and dtypes (object arrays need pickle: refused)."""
-    from models import limits, safeload
+    from compresskit.models import limits, safeload
 
     where = f"--data {spec!r}: {path.name}"
     fix = "save the data again with np.savez(f, x=..., y=...)"
@@ -716,7 +716,7 @@ def check_one_input(model: torch.nn.Module | type, model_name: str) -> None:
 def check_kind(model_name: str, data: Dataset, flag: str = "--model") -> None:
     """Before building a model for `data`: refuse a zoo model (or a class with an `input_kind`
     attribute) that reads images when the data are token ids, or the other way round."""
-    from models import zoo
+    from compresskit.models import zoo
 
     cls = zoo.resolve(model_name)
     kind = zoo.input_kind(model_name) if ":" not in model_name else None

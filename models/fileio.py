@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 
 def check_writable(path: str | os.PathLike, flag: str = "--out") -> Path:

@@ -7,14 +7,14 @@ downloaded). transformers defines them in plain PyTorch, so every stage of `comp
 ordinary `nn.Conv2d`/`nn.Linear` layers. Name them by import path, like any model of your own:
 
     pip install -e ".[zoo]"
-    compress train --model models.hf:resnet18 --data npz:cifar.npz --out resnet18.pt
-    compress train --model models.hf:bert --model-kwargs '{"vocab_size": 1000}' --data tokens
+    compress train --model compresskit.models.hf:resnet18 --data npz:cifar.npz --out resnet18.pt
+    compress train --model compresskit.models.hf:bert --model-kwargs '{"vocab_size": 1000}' --data tokens
 
 Every factory takes `in_shape` and `num_classes` (filled in from the data) and size kwargs, so
 tests build tiny instances. The returned module's forward takes the tensor the data gives --
 float32 images (N, C, H, W), or int64 token ids (N, L) for `bert` -- and returns the logits
 tensor, not transformers' output object. transformers is imported when a factory is called,
-so `import models.hf` (and reading a factory's `input_kind`) works without it.
+so `import compresskit.models.hf` (and reading a factory's `input_kind`) works without it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.base import ZooModel, check_shape
-from models.errors import InputError
+from compresskit.models.base import ZooModel, check_shape
+from compresskit.models.errors import InputError
 
 # The fix every "transformers is missing" error names: the extra that pins a tested range.
 INSTALL = 'pip install -e ".[zoo]"'
@@ -41,7 +41,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise InputError(
-            f"models.hf needs Hugging Face transformers, which is not installed; {INSTALL}"
+            f"compresskit.models.hf needs Hugging Face transformers, which is not installed; {INSTALL}"
         ) from None
     return transformers
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.base import ZooModel
-from models.zoo import register
+from compresskit.models.base import ZooModel
+from compresskit.models.zoo import register
 
 
 @register(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 DEFAULT_MAX_ELEMENTS = 2**31
 ENV_MAX_ELEMENTS = "COMPRESS_MAX_ELEMENTS"

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from models.base import ZooModel
-from models.zoo import register
+from compresskit.models.base import ZooModel
+from compresskit.models.zoo import register
 
 
 class MLP(ZooModel):

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from models.base import ZooModel
-from models.zoo import register
+from compresskit.models.base import ZooModel
+from compresskit.models.zoo import register
 
 # (output channels relative to width, stride) per depthwise-separable block.
 _BLOCKS = ((2, 1), (4, 2), (4, 1), (8, 2), (8, 1))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 
 def _size(n: int) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.errors import InputError, one_line
+from compresskit.models.errors import InputError, one_line
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
 MAX_ENTRIES = 100_000  # a plan holds one entry per pruned group per increment: hundreds

@@ -22,9 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
-_OWN_PACKAGES = {"cli", "compressor", "distrib", "models"}
+# Our model modules under the names they had before the `compresskit` import root (0.1.0
+# pre-releases), so checkpoints and scripts that name `models.hf:resnet18` keep working. Only
+# these exact modules: a user's own `models.py` (`--model models:Net`) is the user's.
+_RENAMED_MODULES = {"models.hf": "compresskit.models.hf"}
 _ZOO: dict[str, type[nn.Module]] = {}
 _TINY: dict[str, dict[str, Any]] = {}
 _ABOUT: dict[str, str] = {}
@@ -57,7 +60,7 @@ def register(
 
 def _load_zoo() -> None:
     # Importing the modules runs their @register decorators.
-    from models import cnn, families, lenet, mlp, mobilenet  # noqa: F401
+    from compresskit.models import cnn, families, lenet, mlp, mobilenet  # noqa: F401
 
 
 def available() -> dict[str, str]:
@@ -92,7 +95,7 @@ class ModelSpec:
             raise InputError(f"model spec for {d['name']}: 'kwargs' must be a mapping")
         thinned = d.get("thinned")
         if thinned is not None:
-            from models import thin
+            from compresskit.models import thin
 
             thin.check(thinned, f"model spec for {d['name']}: thinned")
         return cls(d["name"], dict(kwargs), thinned)
@@ -146,6 +149,7 @@ def resolve(name: str) -> Callable[..., nn.Module]:
         raise InputError(
             f"model {name!r}: an import path reads pkg.module:Class or pkg.module:function"
         )
+    module_name = _RENAMED_MODULES.get(module_name, module_name)
     # A user's model file in the working folder should import as it would from `python -c`.
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
@@ -164,12 +168,7 @@ def resolve(name: str) -> Callable[..., nn.Module]:
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            clash = ""
-            if module_name.split(".")[0] in _OWN_PACKAGES:
-                clash = f" ({module_name.split('.')[0]!r} is one of compress's own packages; rename your module)"
-            raise InputError(
-                f"model {name!r}: module {module_name!r} has no attribute {attr!r}{clash}"
-            )
+            raise InputError(f"model {name!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     what = "a torch.nn.Module class or a function that returns one"
     if isinstance(obj, nn.Module):
@@ -274,7 +273,7 @@ def build(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
         ) from None
     model = _check_module(model, spec)
     if spec.thinned is not None:
-        from models import thin
+        from compresskit.models import thin
 
         thin.apply_(model, spec.thinned, spec.name)
     return model
@@ -297,7 +296,7 @@ def state_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]] | None:
     if not isinstance(model, nn.Module):
         return None
     if spec.thinned is not None:  # the channel plan replays on meta tensors too
-        from models import thin
+        from compresskit.models import thin
 
         with torch.device("meta"):
             thin.apply_(model, spec.thinned, spec.name)  # a plan that does not fit: InputError
@@ -308,7 +307,7 @@ def input_kind(name: str) -> str:
     """What a model reads: "image" or "tokens".
 
     A zoo model says so when registered; an import path through an `input_kind` attribute of
-    the class or factory (`models.hf` marks its factories), else "image". An import path is
+    the class or factory (`compresskit.models.hf` marks its factories), else "image". An import path is
     imported: call this only for a model the user named.
     """
     ctor = resolve(name)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
+from compresskit.cli.main import cli
 
 
 def write_idx(path: Path, array: np.ndarray, *, gz: bool = False) -> Path:

@@ -25,14 +25,22 @@ def _modules(package):
     return sorted((ROOT / package).rglob("*.py"))
 
 
-def _imports(path):
+def _imported(path):
+    """(line, dotted name) of every absolute import in a file."""
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name.split(".")[0]
+                yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.lineno, node.module.split(".")[0]
+            yield node.lineno, node.module
+
+
+def _imports(path):
+    """(line, package) per import: our own as cli/compressor/distrib/models, others' top level."""
+    for line, name in _imported(path):
+        parts = name.split(".")
+        yield line, parts[1] if parts[0] == "compresskit" and len(parts) > 1 else parts[0]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -42,6 +50,19 @@ def test_dependency_direction(package):
         for path in _modules(package)
         for line, name in _imports(path)
         if name in FORBIDDEN[package]
+    ]
+    assert not bad, bad
+
+
+def test_own_packages_are_imported_under_compresskit_only():
+    """A bare `import models` would pick up the user's models.py (or another project's `models`
+    package) instead of ours: every import of our own code names the `compresskit` root."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for folder in [*PACKAGES, "tests", "benchmarks"]
+        for path in _modules(folder)
+        for line, name in _imported(path)
+        if name.split(".")[0] in PACKAGES
     ]
     assert not bad, bad
 
@@ -76,7 +97,8 @@ def test_library_never_prints_or_exits(package):
 
 def test_light_imports_do_not_load_onnx_or_sklearn():
     code = (
-        "import sys, compressor, distrib, models, models.zoo, models.checkpoint, distrib.trainer;"
+        "import sys; from compresskit import compressor, distrib, models;"
+        "import compresskit.models.zoo, compresskit.models.checkpoint, compresskit.distrib.trainer;"
         "heavy = [m for m in ('onnx', 'onnxruntime', 'sklearn', 'click') if m in sys.modules];"
         "print(','.join(heavy))"
     )

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from compressor import archive, kmeans, prune, recipe
-from compressor.shrink import _check_bit_identical, bits_equal
-from compressor.shrink import _entries as entries_of
-from models import InputError, tiny
+from compresskit.compressor import archive, kmeans, prune, recipe
+from compresskit.compressor.shrink import _check_bit_identical, bits_equal
+from compresskit.compressor.shrink import _entries as entries_of
+from compresskit.models import InputError, tiny
 
 SPEC = {"name": "lenet5", "kwargs": {"in_shape": [1, 8, 8], "num_classes": 10}}
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from compressor import archive, pipeline
-from models import InputError, ModelSpec, build
+from compresskit.compressor import archive, pipeline
+from compresskit.models import InputError, ModelSpec, build
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("fuzz_archive", ROOT / "benchmarks/fuzz_archive.py")

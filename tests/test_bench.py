@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from compressor import benchmark, export, variants
-from compressor.export import mobile
-from models import ModelSpec, checkpoint, tiny
+from compresskit.compressor import benchmark, export, variants
+from compresskit.compressor.export import mobile
+from compresskit.models import ModelSpec, checkpoint, tiny
 
 RESULT_KEYS = {
     "model",
@@ -59,7 +59,7 @@ def shrunk(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench") / "student"
     folder.mkdir()
     net = tiny("lenet5", in_shape=(1, 8, 8), num_classes=10, seed=0)
-    from models import zoo
+    from compresskit.models import zoo
 
     spec = ModelSpec("lenet5", {**zoo._TINY["lenet5"], "in_shape": [1, 8, 8], "num_classes": 10})
     checkpoint.save(folder / "model.pt", net, spec, {"data": "digits"})
@@ -351,7 +351,7 @@ def test_int8_slower_than_its_fp32_file_is_explained(monkeypatch, shrunk):
 
 
 def test_plot_with_no_results_is_still_written(tmp_path):
-    from compressor import benchreport
+    from compresskit.compressor import benchreport
 
     path = benchreport.plot({"results": []}, tmp_path / "empty.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -373,6 +373,6 @@ def test_each_cell_times_all_its_variants_in_one_interleaved_loop(run, shrunk, m
 
 
 def benchmark_bf16():
-    from compressor import envinfo
+    from compresskit.compressor import envinfo
 
     return envinfo.bf16_supported()

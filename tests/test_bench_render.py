@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from rich.cells import cell_len
 
-from cli import render
+from compresskit.cli import render
 
 GOLDEN = Path(__file__).parent / "golden"
 HEADERS = (
@@ -246,8 +246,8 @@ def test_console_width_off_a_terminal(monkeypatch):
 def tiny_models(tmp_path_factory):
     import torch
 
-    from compressor import export
-    from models import ModelSpec, checkpoint, tiny, zoo
+    from compresskit.compressor import export
+    from compresskit.models import ModelSpec, checkpoint, tiny, zoo
 
     folder = tmp_path_factory.mktemp("bench_render")
     net = tiny("lenet5", in_shape=(1, 8, 8), num_classes=10, seed=0)

@@ -7,14 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from compressor.stats import (
+from compresskit.compressor.stats import (
     bootstrap_ci,
     paired_accuracy_change,
     percentiles,
     relative_change,
     summarize,
 )
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 
 def test_percentiles_match_numpy_linear_interpolation():

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from compressor import budget, kmeans, shrink
-from compressor import recipe as recipe_mod
-from models.errors import InputError
+from compresskit.compressor import budget, kmeans, shrink
+from compresskit.compressor import recipe as recipe_mod
+from compresskit.models.errors import InputError
 
 
 def _brute(sizes, costs, limit):

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from compressor import channels, recipe
-from compressor.flops import onnx_macs, torch_macs
-from models import thin, zoo
-from models.errors import InputError
+from compresskit.compressor import channels, recipe
+from compresskit.compressor.flops import onnx_macs, torch_macs
+from compresskit.models import thin, zoo
+from compresskit.models.errors import InputError
 
 SHAPES = {
     "lenet5": (1, 28, 28),
@@ -106,7 +106,7 @@ def test_removing_dead_channels_leaves_the_outputs_unchanged(name, layer, idxs):
 
 @pytest.mark.parametrize("name", ["resnet_se", "vit"])
 def test_thin_reaches_the_macs_target_and_exports_smaller(name, tmp_path):
-    from compressor.export import ExportConfig, export_onnx
+    from compresskit.compressor.export import ExportConfig, export_onnx
 
     model, x = tiny(name)
     before = torch_macs(model, x[:1])
@@ -309,7 +309,7 @@ def test_shrink_with_channels_end_to_end(run, tmp_path):
     assert onnx_macs(out / "model.fp32.onnx", 1) == c["macs"][1]
     result = run("decode", out / "model.dcz", "--out", tmp_path / "dec.pt")
     assert result.exit_code == 0, result.output
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     a = checkpoint.load(tmp_path / "dec.pt").build_model()
     b = checkpoint.load(out / "model.pt").build_model()

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from models import InputError, ModelSpec, checkpoint, tiny
-from models.fileio import atomic_path, check_writable
+from compresskit.models import InputError, ModelSpec, checkpoint, tiny
+from compresskit.models.fileio import atomic_path, check_writable
 
 SPEC = ModelSpec("lenet5", {"in_shape": [1, 8, 8], "num_classes": 10, "channels": [4, 8], "fc": 16})
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import checkpoint
+from compresskit.models import checkpoint
 from tests.conftest import blobs
 
 COMMANDS = ["train", "shrink", "bench", "decode", "demo"]
@@ -86,7 +86,7 @@ def test_default_out_is_named_after_the_model(run, tmp_path, npz_file, monkeypat
 def test_ctrl_c_keeps_last_checkpoint_and_resume_equals_one_run(
     run, tmp_path, npz_file, monkeypatch
 ):
-    from distrib import trainer
+    from compresskit.distrib import trainer
 
     args = ["train", "--model", "mlp", "--data", f"npz:{npz_file}", "--epochs", "4", "-q"]
     assert run(*args, "--out", tmp_path / "straight.pt").exit_code == 0
@@ -249,7 +249,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, tmp_path, user_mod
 
 def test_demo_end_to_end_small(run, tmp_path, monkeypatch):
     """The demo's wiring with a smaller teacher and fewer epochs (the full run is -m slow)."""
-    from cli import demo
+    from compresskit.cli import demo
 
     monkeypatch.setitem(demo.TEACHER, "model", "mlp")
     monkeypatch.setitem(demo.TEACHER, "epochs", 2)

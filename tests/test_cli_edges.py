@@ -7,9 +7,9 @@ import textwrap
 import pytest
 import torch
 
-from models import checkpoint
-from models.errors import InputError
-from models.fileio import umask
+from compresskit.models import checkpoint
+from compresskit.models.errors import InputError
+from compresskit.models.fileio import umask
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_outputs_get_the_usual_file_mode(run, tmp_path):
 
 @pytest.fixture
 def teacher_pt(tmp_path):
-    from models import ModelSpec, build
+    from compresskit.models import ModelSpec, build
 
     spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [8]})
     return checkpoint.save(tmp_path / "teacher.pt", build(spec), spec)
@@ -113,7 +113,7 @@ def teacher_pt(tmp_path):
 def test_out_that_is_a_symlink_is_refused_and_its_target_untouched(
     run, tmp_path, teacher_pt, command, target
 ):
-    from compressor import archive
+    from compresskit.compressor import archive
 
     victim = tmp_path / "victim"
     if target == "file":
@@ -176,7 +176,7 @@ def test_resume_checks_model_kwargs_and_resolves_lr(run, tmp_path):
 
 
 def test_ctrl_c_does_not_point_at_an_older_file(run, tmp_path, monkeypatch):
-    from distrib import trainer
+    from compresskit.distrib import trainer
 
     out = tmp_path / "m.pt"
     out.write_bytes(b"an older run's file")
@@ -192,7 +192,7 @@ def test_ctrl_c_does_not_point_at_an_older_file(run, tmp_path, monkeypatch):
 
 
 def test_json_has_no_nan():
-    from cli.main import _finite
+    from compresskit.cli.main import _finite
 
     assert (
         json.dumps(_finite({"a": float("nan"), "b": [1.0, float("inf")]}))

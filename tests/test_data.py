@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from models import InputError, ModelSpec, build
-from models.data import check_fits, load, read_idx
+from compresskit.models import InputError, ModelSpec, build
+from compresskit.models.data import check_fits, load, read_idx
 from tests.conftest import blobs, write_idx
 
 

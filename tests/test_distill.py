@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compressor.distill import kd_loss, loss_with_teacher
-from models import tiny
+from compresskit.compressor.distill import kd_loss, loss_with_teacher
+from compresskit.models import tiny
 
 
 def test_kd_loss_against_its_definition():
@@ -33,7 +33,7 @@ def test_loss_with_teacher_trains_the_student_only():
 
 
 def test_ensemble_averages_soft_targets():
-    from compressor.distill import Ensemble
+    from compresskit.compressor.distill import Ensemble
 
     g = torch.Generator().manual_seed(1)
     s = torch.randn(4, 3, generator=g)
@@ -50,7 +50,7 @@ def test_ensemble_averages_soft_targets():
 
 
 def test_averaged_ensemble_classifies_by_mean_probability():
-    from compressor.distill import AveragedEnsemble
+    from compresskit.compressor.distill import AveragedEnsemble
 
     a, b = tiny("mlp", seed=1), tiny("mlp", seed=2)
     x = torch.rand(5, 1, 8, 8)
@@ -64,7 +64,7 @@ def test_averaged_ensemble_classifies_by_mean_probability():
 def test_munge_keeps_or_redraws_around_the_neighbour():
     import numpy as np
 
-    from compressor.distill import munge
+    from compresskit.compressor.distill import munge
 
     rng = np.random.default_rng(0)
     x = rng.random((6, 1, 2, 3)).astype(np.float32)
@@ -84,7 +84,7 @@ def test_munge_keeps_or_redraws_around_the_neighbour():
 def test_mixup_is_a_convex_combination():
     import numpy as np
 
-    from compressor.distill import mixup
+    from compresskit.compressor.distill import mixup
 
     x = np.random.default_rng(0).random((10, 1, 4, 4)).astype(np.float32)
     out, lam = mixup(x, 25, np.random.default_rng(2))
@@ -95,7 +95,7 @@ def test_mixup_is_a_convex_combination():
 def _blob_data(n=240, classes=3, seed=0):
     import numpy as np
 
-    from models.data import Dataset
+    from compresskit.models.data import Dataset
 
     rng = np.random.default_rng(seed)
     y = rng.integers(0, classes, n)
@@ -109,7 +109,7 @@ def _blob_data(n=240, classes=3, seed=0):
 
 
 def test_transfer_set_keeps_a_fraction_of_labels_and_labels_the_rest_by_the_teacher():
-    from compressor.distill import teacher_labels, transfer_set
+    from compresskit.compressor.distill import teacher_labels, transfer_set
 
     data = _blob_data()
     teacher = tiny("mlp", num_classes=3, seed=3)
@@ -143,9 +143,9 @@ def test_distillation_on_scarce_labels_beats_the_student_alone():
 
     import numpy as np
 
-    from compressor.distill import loss_with_teacher, transfer_set
-    from distrib.trainer import TrainConfig, evaluate, fit
-    from models.data import Dataset
+    from compresskit.compressor.distill import loss_with_teacher, transfer_set
+    from compresskit.distrib.trainer import TrainConfig, evaluate, fit
+    from compresskit.models.data import Dataset
 
     rng = np.random.default_rng(0)
     y = rng.integers(0, 6, 600)
@@ -176,8 +176,8 @@ def test_distillation_on_scarce_labels_beats_the_student_alone():
 
 
 def test_hint_training_regresses_the_student_layer_onto_the_teacher_layer():
-    from compressor.distill import hint_train
-    from distrib.trainer import TrainConfig, fit
+    from compresskit.compressor.distill import hint_train
+    from compresskit.distrib.trainer import TrainConfig, fit
 
     data = _blob_data()
     teacher = tiny("vgg", num_classes=3, seed=0)
@@ -197,7 +197,7 @@ def test_hint_training_regresses_the_student_layer_onto_the_teacher_layer():
 
 
 def test_hint_adapter_shapes():
-    from compressor.distill import hint_adapter
+    from compresskit.compressor.distill import hint_adapter
 
     a = hint_adapter(torch.zeros(2, 8, 4, 4), torch.zeros(2, 16, 2, 2))
     assert a(torch.zeros(2, 8, 4, 4)).shape == (2, 16, 2, 2)
@@ -206,8 +206,8 @@ def test_hint_adapter_shapes():
 
 
 def test_hint_layer_must_exist():
-    from compressor.distill import hint_train
-    from models.errors import InputError
+    from compresskit.compressor.distill import hint_train
+    from compresskit.models.errors import InputError
 
     with pytest.raises(InputError, match="no layer 'nope'.*its layers: features.0"):
         hint_train(
@@ -227,8 +227,8 @@ def test_hint_training_on_a_sequential_student_leaves_later_layers_alone():
     layers after the hint layer (BatchNorm statistics included) must not change."""
     from torch import nn
 
-    from compressor.distill import hint_train
-    from distrib.trainer import TrainConfig, fit
+    from compresskit.compressor.distill import hint_train
+    from compresskit.distrib.trainer import TrainConfig, fit
 
     torch.manual_seed(0)
     student = nn.Sequential(
@@ -254,10 +254,10 @@ def test_hint_training_on_a_sequential_student_leaves_later_layers_alone():
 
 def test_scarce_labels_stay_scarce_in_every_later_stage(tmp_path):
     """With a transfer set, pruning retraining and centroid fine-tuning train on it too."""
-    from compressor import pipeline, recipe
-    from compressor.shrink import Hooks
-    from distrib.trainer import TrainConfig, cross_entropy_loss, evaluate, fit
-    from models import ModelSpec
+    from compresskit.compressor import pipeline, recipe
+    from compresskit.compressor.shrink import Hooks
+    from compresskit.distrib.trainer import TrainConfig, cross_entropy_loss, evaluate, fit
+    from compresskit.models import ModelSpec
 
     data = _blob_data()
     teacher = tiny("mlp", num_classes=3, seed=0)

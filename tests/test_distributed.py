@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from distrib import launch
-from distrib.trainer import TrainConfig, fit
-from models import data as data_mod
-from models import tiny
-from models.errors import InputError, StageError
+from compresskit.distrib import launch
+from compresskit.distrib.trainer import TrainConfig, fit
+from compresskit.models import data as data_mod
+from compresskit.models import tiny
+from compresskit.models.errors import InputError, StageError
 
 pytestmark = pytest.mark.distributed
 
@@ -92,7 +92,7 @@ def test_compress_train_with_two_workers(run, tmp_path):
     assert result.exit_code == 0, result.stderr
     r = result.json()
     assert r["workers"] == 2 and r["test_accuracy"] > 0.85 and out.is_file()
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     assert checkpoint.load(out).metadata["epochs"] == 3
 
@@ -312,7 +312,7 @@ def test_torchrun_two_nodes_on_localhost_train_and_write_one_checkpoint(tmp_path
     assert reports[0]["test_accuracy"] > 0.5
     if flags:
         assert reports[0]["strategy"] == "ps-sync" and reports[0]["servers"] == 2
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     assert checkpoint.load(out).metadata["epochs"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["tr.pt"]  # one checkpoint, no strays
@@ -322,8 +322,8 @@ class _CrashAfter:
     """A checkpointer that writes `saves` checkpoints, then the process "crashes"."""
 
     def __init__(self, path, saves):
-        from distrib.trainer import Checkpointer
-        from models import ModelSpec
+        from compresskit.distrib.trainer import Checkpointer
+        from compresskit.models import ModelSpec
 
         self.inner = Checkpointer(path, ModelSpec("mlp", tiny_kwargs()), {})
         self.path, self.left = path, saves
@@ -336,7 +336,7 @@ class _CrashAfter:
 
 
 def tiny_kwargs():
-    from models import zoo
+    from compresskit.models import zoo
 
     return {**zoo._TINY["mlp"], "in_shape": [1, 8, 8], "num_classes": 10}
 
@@ -355,7 +355,7 @@ def _crashing(path, rank, world):
 
 
 def _resumed(path, rank, world):
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     ck = checkpoint.load(path)
     model = ck.build_model()
@@ -366,7 +366,7 @@ def _resumed(path, rank, world):
 def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path):
     import functools
 
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     path = tmp_path / "ck.pt"
     want = launch.run(_uninterrupted, workers=2, timeout_s=60)
@@ -384,7 +384,7 @@ def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path):
 
 
 def test_ensemble_trains_k_independent_members(run, tmp_path):
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     result = run(
         "train",
@@ -497,7 +497,7 @@ def _torchrun(tmp_path, out, marker, extra=()):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_restart_after_a_crash_ends_like_an_uninterrupted_run(tmp_path):
-    from models import checkpoint
+    from compresskit.models import checkpoint
 
     (tmp_path / "crashy.py").write_text(CRASHY)
     done = tmp_path / "never"

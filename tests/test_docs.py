@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from models import available
+from compresskit.models import available
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -30,7 +30,7 @@ def test_readme_lists_every_zoo_model():
 
 
 def test_archive_format_doc_matches_the_module():
-    import compressor.archive
+    from compresskit.compressor import archive
 
     doc = (ROOT / "docs" / "archive-format.md").read_text()
-    assert compressor.archive.__doc__.strip() in doc
+    assert archive.__doc__.strip() in doc

@@ -9,8 +9,8 @@ from datetime import datetime
 import pytest
 import torch
 
-from compressor import envinfo
-from compressor.envinfo import (
+from compresskit.compressor import envinfo
+from compresskit.compressor.envinfo import (
     CPU_FLAGS,
     bf16_supported,
     environment,
@@ -18,7 +18,7 @@ from compressor.envinfo import (
     matmul_peak_gflops,
     parse_cpuinfo,
 )
-from models.errors import InputError
+from compresskit.models.errors import InputError
 
 # Two logical CPUs on one physical core (hyper-threads), the second lacking avx512_bf16.
 CPUINFO = """\
@@ -93,7 +93,7 @@ def test_environment_keys_and_types():
     assert env["python"].count(".") == 2
     assert env["versions"]["torch"] == torch.__version__
     assert env["versions"]["numpy"] is not None
-    assert set(env["versions"]) == {"torch", "onnxruntime", "onnx", "numpy", "compress"}
+    assert set(env["versions"]) == {"torch", "onnxruntime", "onnx", "numpy", "compresskit"}
     assert "CPUExecutionProvider" in env["ort_providers"]
     assert datetime.fromisoformat(env["date"]).utcoffset().total_seconds() == 0
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from compressor import kmeans, prune
-from compressor.export import int8
-from compressor.export import onnxfile as E
-from models import available, tiny
-from models.zoo import input_kind
+from compresskit.compressor import kmeans, prune
+from compresskit.compressor.export import int8
+from compresskit.compressor.export import onnxfile as E
+from compresskit.models import available, tiny
+from compresskit.models.zoo import input_kind
 
 
 def _export(model, tmp_path: Path, shape=(1, 8, 8), **cfg) -> Path:

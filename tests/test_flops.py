@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from compressor import export as E
-from compressor import flops as F
-from models import available, tiny
-from models.errors import InputError
-from models.zoo import input_kind
+from compresskit.compressor import export as E
+from compresskit.compressor import flops as F
+from compresskit.models import available, tiny
+from compresskit.models.errors import InputError
+from compresskit.models.zoo import input_kind
 
 
 def _export(model: nn.Module, path: Path, shape: tuple[int, ...]) -> Path:

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from compressor import guard, recipe
-from models.errors import InputError
+from compresskit.compressor import guard, recipe
+from compresskit.models.errors import InputError
 
 
 def _report(base=0.95, stages=(0.94, 0.94, 0.94), **extra):
@@ -109,7 +109,7 @@ FAST = "[prune]\nrounds = 1\nretrain_epochs = 1\n[quantize]\nfinetune_epochs = 1
 def teacher(tmp_path_factory):
     from click.testing import CliRunner
 
-    from cli.main import cli
+    from compresskit.cli.main import cli
 
     folder = tmp_path_factory.mktemp("guard")
     ck = folder / "mlp.pt"
@@ -272,7 +272,7 @@ def test_log_file_keeps_what_stderr_showed(run, teacher, tmp_path):
 
 
 def test_main_from_python_returns_or_raises_instead_of_exiting(tmp_path):
-    from cli.main import main
+    from compresskit.cli.main import main
 
     assert main(["shrink", "nothing.pt", "--dry-run"], standalone_mode=False) == 0
     with pytest.raises(InputError, match="no such checkpoint"):
@@ -282,14 +282,22 @@ def test_main_from_python_returns_or_raises_instead_of_exiting(tmp_path):
 def test_shell_completion_script_and_answers():
     env = {**os.environ, "_COMPRESS_COMPLETE": "bash_source"}
     script = subprocess.run(
-        [sys.executable, "-m", "cli"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "compresskit.cli"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert script.returncode == 0, script.stderr
     assert "_compress_completion" in script.stdout and "complete " in script.stdout
     env = {**os.environ, "_COMPRESS_COMPLETE": "bash_complete", "COMP_WORDS": "compress sh",
            "COMP_CWORD": "1"}  # fmt: skip
     answer = subprocess.run(
-        [sys.executable, "-m", "cli"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "compresskit.cli"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert answer.returncode == 0, answer.stderr
     assert "plain,shrink" in answer.stdout.split()

@@ -25,9 +25,9 @@ import pytest
 import torch
 import yaml  # noqa: F401 - imported here, so no bound below times its import
 
-from compressor import recipe
-from models import InputError, ModelSpec, checkpoint, limits, safeload, tiny
-from models import data as data_mod
+from compresskit.compressor import recipe
+from compresskit.models import InputError, ModelSpec, checkpoint, limits, safeload, tiny
+from compresskit.models import data as data_mod
 
 GiB = 2**30
 MiB = 2**20

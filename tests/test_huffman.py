@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from bitarray import bitarray
 
-from compressor.huffman import (
+from compresskit.compressor.huffman import (
     MAX_CODE_LENGTH,
     canonical_codes,
     code_lengths,

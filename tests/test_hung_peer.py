@@ -113,8 +113,8 @@ import os, signal, sys, time
 import torch
 import torch.distributed as dist
 
-from distrib import launch
-from models.errors import CompressError
+from compresskit.distrib import launch
+from compresskit.models.errors import CompressError
 
 
 def loop(rank, world):

@@ -11,11 +11,11 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-from compressor.export import compat as onnxcompat
-from compressor.export import int8 as I
-from compressor.export import mobile
-from compressor.export import onnxfile as E
-from models import tiny
+from compresskit.compressor.export import compat as onnxcompat
+from compresskit.compressor.export import int8 as I
+from compresskit.compressor.export import mobile
+from compresskit.compressor.export import onnxfile as E
+from compresskit.models import tiny
 from tests.test_export import Residual  # BatchNorm, ReLU, a residual Add, a head
 
 

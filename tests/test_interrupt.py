@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from models import ModelSpec, build, checkpoint
+from compresskit.models import ModelSpec, build, checkpoint
 
 COMPRESS = shutil.which("compress", path=str(Path(sys.executable).parent)) or shutil.which(
     "compress"
@@ -128,8 +128,8 @@ def test_ctrl_c_while_shrinking_writes_no_output_folder(tmp_path):
 def test_a_failure_after_a_swallowed_ctrl_c_is_reported_as_the_interrupt(run, monkeypatch):
     # Some libraries catch KeyboardInterrupt mid-import and fail later with something else
     # (numpy then scipy: RecursionError); the SIGINT handler remembers the Ctrl-C.
-    from cli import entry
-    from compressor import pipeline
+    from compresskit.cli import entry
+    from compresskit.compressor import pipeline
 
     def broken(*args, **kwargs):
         raise RecursionError("maximum recursion depth exceeded")

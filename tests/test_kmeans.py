@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from compressor import kmeans, prune
-from distrib.trainer import TrainConfig, fit
-from models import InputError, tiny
-from models.data import load
+from compresskit.compressor import kmeans, prune
+from compresskit.distrib.trainer import TrainConfig, fit
+from compresskit.models import InputError, tiny
+from compresskit.models.data import load
 
 
 def lloyd_1d(w, centroids, iters=1000):

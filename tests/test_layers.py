@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from compressor import archive, kmeans, prune, recipe, shrink
-from compressor import report as report_mod
-from models import InputError, tiny
+from compresskit.compressor import archive, kmeans, prune, recipe, shrink
+from compresskit.compressor import report as report_mod
+from compresskit.models import InputError, tiny
 
 ATTN = "encoder.blocks.0.attn"
 # The layers of each tiny family, with embeddings asked for (textcls' tokens and positions).

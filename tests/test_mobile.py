@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from compressor.export import mobile
-from models import tiny
-from models.errors import InputError, StageError
+from compresskit.compressor.export import mobile
+from compresskit.models import tiny
+from compresskit.models.errors import InputError, StageError
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")

@@ -4,8 +4,16 @@ import pytest
 import torch
 from torch import nn
 
-from models import InputError, ModelSpec, available, build, count_parameters, resolve, tiny
-from models.zoo import input_kind, parse_kwargs, resolve_spec
+from compresskit.models import (
+    InputError,
+    ModelSpec,
+    available,
+    build,
+    count_parameters,
+    resolve,
+    tiny,
+)
+from compresskit.models.zoo import input_kind, parse_kwargs, resolve_spec
 
 ZOO = sorted(available())
 IMAGE_ZOO = [n for n in ZOO if input_kind(n) == "image"]

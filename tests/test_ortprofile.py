@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from compressor import export as E
-from compressor import ortprofile as P
-from models import tiny
-from models.errors import InputError, StageError
+from compresskit.compressor import export as E
+from compresskit.compressor import ortprofile as P
+from compresskit.models import tiny
+from compresskit.models.errors import InputError, StageError
 
 X = np.random.default_rng(0).random((2, 1, 8, 8), dtype=np.float32)
 

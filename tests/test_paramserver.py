@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from distrib import paramserver as psm
-from distrib.job import TrainJob
-from distrib.job import run as run_job
-from distrib.paramserver import PSConfig
-from distrib.trainer import TrainConfig
-from models import checkpoint
-from models.errors import InputError, StageError
+from compresskit.distrib import paramserver as psm
+from compresskit.distrib.job import TrainJob
+from compresskit.distrib.job import run as run_job
+from compresskit.distrib.paramserver import PSConfig
+from compresskit.distrib.trainer import TrainConfig
+from compresskit.models import checkpoint
+from compresskit.models.errors import InputError, StageError
 
 pytestmark = pytest.mark.distributed
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from distrib import launch, pipeline
-from distrib.pipeline import PipelineConfig
-from distrib.trainer import TrainConfig, fit
-from models import checkpoint, zoo
-from models import data as data_mod
-from models.errors import InputError, StageError
+from compresskit.distrib import launch, pipeline
+from compresskit.distrib.pipeline import PipelineConfig
+from compresskit.distrib.trainer import TrainConfig, fit
+from compresskit.models import checkpoint, zoo
+from compresskit.models import data as data_mod
+from compresskit.models.errors import InputError, StageError
 
 # 198 samples in batches of 32: 7 steps an epoch, the last of 6 samples (3 micro-batches of 2)
 CFG = TrainConfig(epochs=2, batch_size=32, optimizer="adam", seed=0)
@@ -244,7 +244,7 @@ def test_compress_train_pipeline_resumes_and_matches_one_process(run, tmp_path):
 def test_batchnorm_on_small_microbatches_is_warned_about():
     from torch import nn
 
-    from distrib.pipeline import batchnorm_warnings
+    from compresskit.distrib.pipeline import batchnorm_warnings
 
     bn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
     plain = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from distrib import plan as P
-from models.errors import InputError
+from compresskit.distrib import plan as P
+from compresskit.models.errors import InputError
 
 # ---- formulas, by hand ------------------------------------------------------------------
 
@@ -251,7 +251,7 @@ def test_measure_link_on_two_local_ranks():
 def test_measure_compute_fits_a_line():
     import torch
 
-    from models import zoo
+    from compresskit.models import zoo
 
     model = zoo.tiny("mlp")
     x, y = torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from compressor import benchreport, recipe
-from compressor import report as report_mod
+from compresskit.compressor import benchreport, recipe
+from compresskit.compressor import report as report_mod
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,6 +1,6 @@
 """Progress on long work: off a terminal, an epoch still reports its step and an ETA."""
 
-from cli import render
+from compresskit.cli import render
 
 
 def test_off_a_terminal_a_long_epoch_prints_step_and_eta(monkeypatch, capsys):

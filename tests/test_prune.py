@@ -2,10 +2,10 @@ import pytest
 import torch
 from torch import nn
 
-from compressor import prune
-from distrib.trainer import TrainConfig, fit
-from models import InputError, tiny
-from models.data import load
+from compresskit.compressor import prune
+from compresskit.distrib.trainer import TrainConfig, fit
+from compresskit.models import InputError, tiny
+from compresskit.models.data import load
 
 
 def test_magnitude_mask_prunes_exactly_the_smallest():
@@ -82,7 +82,7 @@ def test_sensitivity_proposes_within_budget():
     data = load("digits")
     model = tiny("lenet300", in_shape=data.in_shape)
     fit(model, data, TrainConfig(epochs=3))
-    from distrib.trainer import evaluate
+    from compresskit.distrib.trainer import evaluate
 
     acc = lambda m: evaluate(m, data.x_test, data.y_test)[1]  # noqa: E731
     sens = prune.sensitivity(model, acc, budget=0.02, grid=(0.2, 0.5, 0.9))

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor import archive, recipe
-from compressor.shrink import bits_equal
-from models import checkpoint
+from compresskit.compressor import archive, recipe
+from compresskit.compressor.shrink import bits_equal
+from compresskit.models import checkpoint
 
 GOLDEN = Path(__file__).parent / "golden"
 FAST = textwrap.dedent("""
@@ -26,7 +26,7 @@ FAST = textwrap.dedent("""
 def trained(tmp_path_factory):
     from click.testing import CliRunner
 
-    from cli.main import cli
+    from compresskit.cli.main import cli
 
     folder = tmp_path_factory.mktemp("shrink")
     runner = CliRunner()
@@ -160,7 +160,7 @@ def test_target_mobile_writes_the_same_bytes_on_every_build(run, trained, tmp_pa
 def test_target_host_may_ship_no_int8_file_and_says_so(run, trained, tmp_path, monkeypatch):
     """On a machine where FP32 is faster, host ships the FP32 graph's .ort, warns, and writes
     no model.int8.onnx (an "INT8" name on an FP32 graph)."""
-    from compressor.export import int8
+    from compresskit.compressor.export import int8
 
     monkeypatch.setattr(int8, "fp32_clearly_faster", lambda a, b, margin=0.05: True)
     monkeypatch.setattr(int8, "ROUNDS", 3)
@@ -185,7 +185,7 @@ def test_target_host_may_ship_no_int8_file_and_says_so(run, trained, tmp_path, m
 
 def test_index_bits_count_escapes(trained):
     _, out, report = trained
-    from compressor import huffman
+    from compresskit.compressor import huffman
 
     state = checkpoint.load(out / "model.pt").state_dict
     for row in report["layers"]:
@@ -333,8 +333,8 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
             "    def forward(self, x):\n        return x.flatten(1)[:, :10] * self.s\n"
         )
         monkeypatch.syspath_prepend(str(tmp_path))
-        from models import ModelSpec
-        from models.zoo import build
+        from compresskit.models import ModelSpec
+        from compresskit.models.zoo import build
 
         checkpoint.save(
             tmp_path / "flat.pt",
@@ -419,7 +419,7 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
     elif case == "old latency_aware key":
         args += _write_recipe(tmp_path, "[export]\nlatency_aware = false\n")
     elif case == "opset the exporter cannot write":
-        from compressor.export import onnxfile as export
+        from compresskit.compressor.export import onnxfile as export
 
         real = export._export
 
@@ -430,7 +430,7 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
 
         monkeypatch.setattr(export, "_export", dynamo_only)
         monkeypatch.setattr(
-            "cli.shrink.fit", lambda *a, **k: pytest.fail("trained before refusing")
+            "compresskit.cli.shrink.fit", lambda *a, **k: pytest.fail("trained before refusing")
         )
         args += ["--opset", "13"]
     before = {p.name for p in tmp_path.iterdir()}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import render
+from compresskit.cli import render
 
 GOLDEN = Path(__file__).parent / "golden"
 REPORT = json.loads((GOLDEN / "shrink_report.json").read_text())

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from compressor import kmeans, prune, softshare
-from models.errors import InputError
+from compresskit.compressor import kmeans, prune, softshare
+from compresskit.models.errors import InputError
 
 
 def _prior(k=5, seed=0):

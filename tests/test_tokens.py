@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from compressor import archive, benchmark, variants
-from compressor.shrink import bits_equal
-from models import checkpoint, data, zoo
-from models.errors import InputError
+from compresskit.compressor import archive, benchmark, variants
+from compresskit.compressor.shrink import bits_equal
+from compresskit.models import checkpoint, data, zoo
+from compresskit.models.errors import InputError
 
 DATA = "tokens:16:64"  # 16 ids per sequence, vocabulary 64: what the tiny textcls embeds
 TINY = json.dumps({"vocab_size": 64, "dim": 16, "depth": 1, "heads": 2, "mlp": 32})
@@ -48,7 +48,7 @@ def one_thread():
 def shrunk(tmp_path_factory, one_thread):
     from click.testing import CliRunner
 
-    from cli.main import cli
+    from compresskit.cli.main import cli
 
     folder = tmp_path_factory.mktemp("tokens")
     runner = CliRunner()
@@ -236,7 +236,7 @@ def test_mixup_on_token_ids_is_refused(shrunk, run):
 
 
 def test_calibration_file_of_token_ids(tmp_path):
-    from compressor import pipeline, recipe
+    from compresskit.compressor import pipeline, recipe
 
     ds = data.load(DATA)
     model = zoo.tiny("textcls", num_classes=4)  # embeds ids 0..63

@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from distrib.job import TrainJob, run
-from distrib.trainer import Checkpointer, TrainConfig, epoch_order, evaluate, fit
-from models import InputError, ModelSpec, StageError, checkpoint, tiny
-from models.data import load
-from models.zoo import build, resolve_spec
+from compresskit.distrib.job import TrainJob, run
+from compresskit.distrib.trainer import Checkpointer, TrainConfig, epoch_order, evaluate, fit
+from compresskit.models import InputError, ModelSpec, StageError, checkpoint, tiny
+from compresskit.models.data import load
+from compresskit.models.zoo import build, resolve_spec
 
 
 @pytest.fixture(scope="module")

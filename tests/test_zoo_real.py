@@ -11,8 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from models import InputError, ModelSpec, build, checkpoint, count_parameters, resolve_spec
-from models.zoo import input_kind, state_shapes
+from compresskit.models import (
+    InputError,
+    ModelSpec,
+    build,
+    checkpoint,
+    count_parameters,
+    resolve_spec,
+)
+from compresskit.models.zoo import input_kind, state_shapes
 
 USER = textwrap.dedent("""
     import torch
@@ -251,14 +258,14 @@ def test_train_takes_a_factory_by_import_path(run, user, tmp_path):
 def test_missing_transformers_is_one_line_naming_the_extra(monkeypatch):
     import sys
 
-    from models import hf
+    from compresskit.models import hf
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ImportError
-    assert input_kind("models.hf:bert") == "tokens"  # known without transformers
+    assert input_kind("compresskit.models.hf:bert") == "tokens"  # known without transformers
     with pytest.raises(
         InputError, match=r'transformers, which is not installed; pip install -e "\.\[zoo\]"'
     ):
-        build(ModelSpec("models.hf:resnet18", {}))
+        build(ModelSpec("compresskit.models.hf:resnet18", {}))
     assert hf.resnet18.input_kind == "image"
 
 
@@ -300,7 +307,7 @@ def _inputs(name, batch=3):
 
 def _tiny(name):
     shape, classes = ((16,), 2) if name == "bert" else ((3, 32, 32), 10)
-    spec = resolve_spec(f"models.hf:{name}", TINY[name], shape, classes)
+    spec = resolve_spec(f"compresskit.models.hf:{name}", TINY[name], shape, classes)
     model = build(spec, seed=0)
     if name != "bert":  # running statistics from a few batches, so eval logits are not ~0
         model.train()
@@ -320,7 +327,7 @@ def test_hf_wrappers_return_logits_and_have_the_real_sizes(name):
     assert isinstance(out, torch.Tensor) and out.shape == (3, 2 if name == "bert" else 10)
     assert torch.isfinite(out).all()
     shape, classes = ((32,), 2) if name == "bert" else ((3, 32, 32), 10)
-    full = resolve_spec(f"models.hf:{name}", {}, shape, classes)
+    full = resolve_spec(f"compresskit.models.hf:{name}", {}, shape, classes)
     with torch.device("meta"):  # full size, nothing allocated
         assert count_parameters(build(full)) == PARAMETERS[name]
     assert state_shapes(spec).keys() == build(spec).state_dict().keys()
@@ -359,7 +366,7 @@ def test_hf_model_trains_through_the_cli(run, tmp_path):
     result = run(
         "train",
         "--model",
-        "models.hf:vit_tiny",
+        "compresskit.models.hf:vit_tiny",
         "--model-kwargs",
         kwargs,
         "--data",
@@ -373,7 +380,11 @@ def test_hf_model_trains_through_the_cli(run, tmp_path):
     )
     assert result.exit_code == 0, result.stderr
     ck = checkpoint.load(out)
-    assert ck.spec.name == "models.hf:vit_tiny" and ck.spec.kwargs["in_shape"] == [1, 8, 8]
+    assert ck.spec.name == "compresskit.models.hf:vit_tiny" and ck.spec.kwargs["in_shape"] == [
+        1,
+        8,
+        8,
+    ]
     model = ck.build_model(allow_import=True)
     bare = {k.removeprefix("net."): v for k, v in model.state_dict().items()}
     torch.save(bare, tmp_path / "bare.pt")

@@ -10,7 +10,7 @@ used before this package existed); the other modules are imported by name. onnx 
 onnxruntime are imported inside functions, so importing this package stays light.
 """
 
-from compressor.export.onnxfile import (
+from compresskit.compressor.export.onnxfile import (
     QUANTIZABLE,
     ExportConfig,
     QuantConfig,

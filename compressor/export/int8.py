@@ -63,9 +63,9 @@ from typing import Any
 
 import numpy as np
 
-from compressor import stats
-from compressor.export import compat
-from models.errors import InputError, StageError
+from compresskit.compressor import stats
+from compresskit.compressor.export import compat
+from compresskit.models.errors import InputError, StageError
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 METHODS = ("minmax", "entropy", "percentile")
@@ -1050,7 +1050,7 @@ def fp32_clearly_faster(
 def paired_rounds(models: Sequence[bytes], x: np.ndarray, rounds: int | None = None) -> np.ndarray:
     """[rounds, len(models)] median seconds per call, the models interleaved in each round
     (ROUNDS rounds unless given)."""
-    from compressor import benchmark
+    from compresskit.compressor import benchmark
 
     rounds = rounds or ROUNDS
     sessions = [session(m, optimized=True, threads=1) for m in models]

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from models.errors import InputError, StageError
-from models.fileio import atomic_path, check_writable
+from compresskit.models.errors import InputError, StageError
+from compresskit.models.fileio import atomic_path, check_writable
 
 TOOL_TIMEOUT_S = 600  # conversion of a mobile-sized model takes seconds; this only catches hangs
 MAX_ABS_DIFF = 1e-4  # .ort vs .onnx on the same inputs, FP32: per unit of the outputs' scale

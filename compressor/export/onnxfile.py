@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor import prune
-from compressor.export import compat, int8
-from models.errors import InputError, StageError
-from models.fileio import atomic_path
+from compresskit.compressor import prune
+from compresskit.compressor.export import compat, int8
+from compresskit.models.errors import InputError, StageError
+from compresskit.models.fileio import atomic_path
 
 QUANTIZABLE = int8.QUANTIZABLE
 QuantConfig = int8.QuantConfig
