@@ -186,7 +186,11 @@ def main() -> None:
         f" {os.cpu_count()} cores ({', '.join(flags)}), python {platform.python_version()}"
     )
     base_rss = peak_rss_of(
-        [sys.executable, "-c", "import compresskit.cli.shrink, compresskit.compressor.pipeline, onnxruntime, sklearn"]
+        [
+            sys.executable,
+            "-c",
+            "import compresskit.cli.shrink, compresskit.compressor.pipeline, onnxruntime, sklearn",
+        ]
     )
     print(f"interpreter with compress imported: {base_rss / 2**20:.0f} MiB peak RSS\n")
     rows = []
