@@ -146,15 +146,10 @@ def json_option(f):
 
 
 def input_name(name: str | None, model_flag: str | None) -> str | None:
-    """The forward argument of model `name` (e.g. `ids` for textcls): an npz array of that name
-    is the model's input, under every command alike. Code named by import path is imported
-    only with the user's consent (--model naming it); without it None, and building the model
-    refuses next with the reason."""
-    if name is None or (":" in name and name != model_flag):
-        return None
-    from compresskit.models import data, zoo
+    """The model's forward argument, as `compresskit.models.data.input_name` (see there)."""
+    from compresskit.models import data
 
-    return data.forward_input(zoo.resolve(name))
+    return data.input_name(name, model_flag)
 
 
 def emit_json(obj: dict[str, Any]) -> None:

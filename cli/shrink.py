@@ -8,13 +8,12 @@ from pathlib import Path
 
 import click
 
+from compresskit import api
 from compresskit.cli import render
 from compresskit.cli.main import OutPath, emit_json, input_name, json_option, log_option
 from compresskit.compressor import pipeline
 from compresskit.compressor import recipe as recipe_mod
-from compresskit.compressor.shrink import Hooks
 from compresskit.compressor.shrink import plan as shrink_plan
-from compresskit.distrib.trainer import TrainConfig, correct, cross_entropy_loss, evaluate, fit
 from compresskit.models import checkpoint, zoo
 from compresskit.models import data as data_mod
 
@@ -225,7 +224,9 @@ def shrink(
         # With the checkpoint at hand, also what the recipe does to each of its layers.
         layers = _plan(model_path, data, recipe, model, model_kwargs)
         if as_json:
-            emit_json({"recipe": recipe, **({"plan": layers} if layers is not None else {})})
+            emit_json(
+                {"recipe": recipe.to_dict(), **({"plan": layers} if layers is not None else {})}
+            )
         else:
             click.echo(recipe_mod.dumps(recipe), nl=False)
             if layers is not None:
@@ -297,13 +298,17 @@ def _bits(text: str | None) -> tuple[int | None, int | None]:
 
 
 def _plan(
-    model_path: Path, data: str | None, recipe: dict, model: str | None, kwargs: str | None
+    model_path: Path,
+    data: str | None,
+    recipe: recipe_mod.Recipe,
+    model: str | None,
+    kwargs: str | None,
 ) -> list[dict] | None:
     """The per-layer plan for --dry-run, or None without a checkpoint to read it from."""
     if not model_path.is_file():
         return None
     ck = checkpoint.load(model_path)
-    if recipe["distill"]["student"] or recipe["channels"]["enabled"]:
+    if recipe.distill.student or recipe.channels.enabled:
         return None  # the layers Deep Compression sees do not exist yet
     named = model or (ck.spec.name if ck.spec is not None else None)
     ds = data_mod.load(data or ck.metadata.get("data") or "digits", input_name(named, model))
@@ -344,57 +349,31 @@ def run_shrink(
     model_path: Path,
     data: str | None,
     out: Path,
-    recipe: dict,
+    recipe: recipe_mod.Recipe,
     model: str | None = None,
     model_kwargs: str | None = None,
     quiet: bool = False,
     force: bool = False,
     trust_model: bool = False,
 ) -> dict:
-    """Load the checkpoint and data, hand `distrib`'s training loop to the pipeline as hooks,
-    run it with progress on stderr; return the report. `trust_model`: import the code the
-    checkpoint names, as if the user had typed it as `model`."""
-    pipeline.check_out_dir(out, force)
-    ck = checkpoint.load(model_path)
-    if trust_model and model is None and ck.spec is not None and ck.spec.is_import_path:
-        model = ck.spec.name
-    named = model or (ck.spec.name if ck.spec is not None else None)
-    ds = data_mod.load(data or ck.metadata.get("data") or "digits", input_name(named, model))
-    spec = ck.spec_for(model, zoo.parse_kwargs(model_kwargs), ds.in_shape, ds.num_classes)
-    net = ck.build_model(spec, allow_import=model == spec.name)
-    # The loaded weights and optimizer state (3x the model after Adam) are copied into `net`:
-    # let them go rather than hold them through every stage.
-    del ck
-    data_mod.check_fits(net, ds, spec.name)
-
+    """`compresskit.shrink` with progress on stderr; return the report. `trust_model`: import
+    the code the checkpoint names, as if the user had typed it as `model`."""
     progress = render.TrainProgress(quiet=quiet)
-    train = recipe["train"]
-    x_val, y_val = ds.decision_split()  # held out of training: what stages decide on
-
-    def retrain(m, epochs: int, lr: float, loss_fn=None, data=None) -> None:
-        cfg = TrainConfig(
-            epochs=epochs,
-            lr=lr,
-            batch_size=train["batch_size"],
-            optimizer=train["optimizer"],
-            seed=train["seed"],
-        )
-        fit(m, data or ds, cfg, events=progress, loss_fn=loss_fn or cross_entropy_loss)
-
-    hooks = Hooks(
-        retrain=retrain,
-        test_accuracy=lambda m: evaluate(m, ds.x_test, ds.y_test)[1],
-        val_accuracy=lambda m: evaluate(m, x_val, y_val)[1],
-        val_data=(x_val, y_val),
-        test_correct=lambda m: correct(m, ds.x_test, ds.y_test),
-        info=progress.info,
-        train_samples=len(ds.y_train),
-    )
-    meta = {"data": ds.spec, "source": str(model_path)}
     try:
-        return pipeline.shrink_to_folder(net, spec, recipe, hooks, out, meta, ds, force=force)
+        result = api.shrink(
+            model_path,
+            data,
+            recipe,
+            out=out,
+            spec=model,
+            model_kwargs=zoo.parse_kwargs(model_kwargs),
+            force=force,
+            trust_model=trust_model,
+            progress=progress,
+        )
     finally:
         progress.close()
+    return result.report
 
 
 @click.command(

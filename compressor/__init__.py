@@ -1,7 +1,51 @@
 """Deep Compression (Han, Mao & Dally, ICLR 2016), distillation (Hinton et al. 2015), INT8 ONNX
 export and benchmarking: the stages behind `compress shrink` and `compress bench`.
 
-Depends on `models` only; never on `distrib` (the CLI passes a training function in) or `cli`.
-Heavy imports (onnx, onnxruntime) are made inside the functions that need them, so
-`import compressor` stays fast.
+Depends on `models` only; never on `distrib` (the CLI, and `compresskit.shrink`, pass the
+training loop in as hooks) or `cli`. Heavy imports (onnx, onnxruntime) are made inside the
+functions that need them, and the names below are imported on first use, so
+`import compresskit.compressor` stays fast.
+
+The documented surface: `Recipe` and its sections (what `compress shrink` does), `bench` /
+`BenchResult` (what `compress bench` measures), and the errors. `compresskit.shrink` runs a
+recipe on a model.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_RECIPE = "compresskit.compressor.recipe"
+# name -> the module that defines it (imported on first access: see __getattr__)
+_LAZY = {
+    "Recipe": _RECIPE,
+    "TrainSection": _RECIPE,
+    "BudgetSection": _RECIPE,
+    "DistillSection": _RECIPE,
+    "ChannelsSection": _RECIPE,
+    "PruneSection": _RECIPE,
+    "QuantizeSection": _RECIPE,
+    "HuffmanSection": _RECIPE,
+    "ExportSection": _RECIPE,
+    "GuardSection": _RECIPE,
+    "bench": "compresskit.compressor.bench",
+    "BenchResult": "compresskit.compressor.bench",
+    "CompressError": "compresskit.models.errors",
+    "InputError": "compresskit.models.errors",
+    "StageError": "compresskit.models.errors",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'compresskit.compressor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -47,6 +47,7 @@ from torch import nn
 
 from compresskit.compressor import kmeans, prune, stats
 from compresskit.compressor import shrink as shrink_mod
+from compresskit.compressor.recipe import Recipe
 from compresskit.models.errors import InputError
 
 MIN_VAL_SAMPLES = 100  # fewer: one validation sample is more than a point of accuracy
@@ -184,12 +185,13 @@ class BudgetConfig:
     bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 
     @classmethod
-    def from_recipe(cls, b: dict[str, Any]) -> BudgetConfig:
+    def from_recipe(cls, b: Any) -> BudgetConfig:
+        """From the recipe's [budget] section (compressor.recipe.BudgetSection)."""
         return cls(
-            max_drop=float(b["max_drop"]),
-            trials=b["trials"],
-            sparsities=tuple(sorted(set(b["sparsities"]))),
-            bits=tuple(sorted(set(b["bits"]))),
+            max_drop=float(b.max_drop),
+            trials=b.trials,
+            sparsities=tuple(sorted(set(b.sparsities))),
+            bits=tuple(sorted(set(b.bits))),
         )
 
 
@@ -205,22 +207,22 @@ class Option:
     bytes: int
 
 
-def settings(model: nn.Module, recipe: dict[str, Any], cfg: BudgetConfig):
+def settings(model: nn.Module, recipe: Recipe, cfg: BudgetConfig):
     """Per shared layer, the (sparsity, bits) pairs to measure: the grid, except where the
     recipe fixes a layer's sparsity (prune.sparsity = {layer = s}) or bits (quantize.bits)."""
-    p, q = recipe["prune"], recipe["quantize"]
-    prunable = prune.weight_layers(model, p["embeddings"]) if p["enabled"] else {}
-    given = p["sparsity"] if isinstance(p["sparsity"], dict) else {}
+    p, q = recipe.prune, recipe.quantize
+    prunable = prune.weight_layers(model, p.embeddings) if p.enabled else {}
+    given = p.sparsity if isinstance(p.sparsity, dict) else {}
     fixed_s = {(k if k in prunable else prune.layer_name(k)): v for k, v in given.items()}
     out = {}
-    for name, layer in kmeans.layers(model, q["embeddings"]).items():
+    for name, layer in kmeans.layers(model, q.embeddings).items():
         if name not in prunable:
             ss: tuple[float, ...] = (0.0,)
         elif name in fixed_s:
             ss = (float(fixed_s[name]),)
         else:
             ss = cfg.sparsities
-        bs = (q["bits"][name],) if name in q["bits"] else cfg.bits
+        bs = (q.bits[name],) if name in q.bits else cfg.bits
         out[name] = (layer, [(s, b) for s in ss for b in bs])
     if out and all(len(v[1]) == 1 for v in out.values()):
         raise InputError(
@@ -307,22 +309,19 @@ def measure(
 # --- the search -----------------------------------------------------------------------------
 
 
-def trial_recipe(
-    recipe: dict[str, Any], chosen: dict[str, Option], prunable: set[str]
-) -> dict[str, Any]:
+def trial_recipe(recipe: Recipe, chosen: dict[str, Option], prunable: set[str]) -> Recipe:
     """The recipe a trial runs: the chosen per-layer sparsities (of the layers pruning may
     touch; entries the recipe gave, such as a bias's, kept) and bits, no search."""
-    r = copy.deepcopy(recipe)
-    if r["prune"]["enabled"]:
-        given = r["prune"]["sparsity"] if isinstance(r["prune"]["sparsity"], dict) else {}
-        r["prune"]["sparsity"] = {
-            **given,
-            **{n: o.sparsity for n, o in chosen.items() if n in prunable},
-        }
-        r["prune"]["quality"] = None
-    r["quantize"]["bits"] = {n: o.bits for n, o in chosen.items()}
-    r["budget"]["max_drop"] = "off"
-    return r
+    p = recipe.prune
+    if p.enabled:
+        given = p.sparsity if isinstance(p.sparsity, dict) else {}
+        sparsity = {**given, **{n: o.sparsity for n, o in chosen.items() if n in prunable}}
+        p = dataclasses.replace(p, sparsity=sparsity, quality=None)
+    return recipe.replace(
+        prune=p,
+        quantize=dataclasses.replace(recipe.quantize, bits={n: o.bits for n, o in chosen.items()}),
+        budget=dataclasses.replace(recipe.budget, max_drop="off"),
+    )
 
 
 @dataclass(frozen=True)
@@ -397,7 +396,7 @@ class Judge:
 def search(
     model: nn.Module,
     spec: dict[str, Any],
-    recipe: dict[str, Any],
+    recipe: Recipe,
     hooks: shrink_mod.Hooks,
     out_dir: Path,
     metadata: dict[str, Any] | None = None,
@@ -406,14 +405,14 @@ def search(
     """Shrink `model` to the smallest archive found within `budget.max_drop`: returns the
     chosen trial's model and report (its `recipe` the one to re-run without a search, and a
     `budget` record of the curves' prediction and every trial), its archive in `out_dir`."""
-    cfg = BudgetConfig.from_recipe(recipe["budget"])
+    cfg = BudgetConfig.from_recipe(recipe.budget)
     if hooks.val_data is None:
         raise InputError("--max-drop needs a validation split (Hooks.val_data)")
     check_validation(cfg.max_drop, len(hooks.val_data[1]), "the data")
     grid = settings(model, recipe, cfg)
     shrink_mod.check_fits_recipe(model, recipe)
-    p = recipe["prune"]
-    prunable = set(prune.weight_layers(model, p["embeddings"])) if p["enabled"] else set()
+    p = recipe.prune
+    prunable = set(prune.weight_layers(model, p.embeddings)) if p.enabled else set()
     judge = Judge(model, hooks.val_data, cfg.max_drop)
     plan = Plan.of(
         measure(
@@ -421,7 +420,7 @@ def search(
             grid,
             hooks.val_data,
             lambda layer, w: shrink_mod.record_bytes(layer, w, recipe),
-            seed=recipe["train"]["seed"],
+            seed=recipe.train.seed,
             info=hooks.info,
         )
     )
@@ -524,7 +523,7 @@ def _record(cfg, judge: Judge, plan: Plan, trials, recipe) -> dict[str, Any]:
             n: [[o.sparsity, o.bits, o.lost, o.kl, o.bytes] for o in opts]
             for n, opts in plan.options.items()
         },
-        "asked_recipe": recipe,
+        "asked_recipe": recipe.to_dict(),
     }
 
 

@@ -15,7 +15,7 @@ the L1 or L2 norm of each channel's weights across its coupled group (Li et al.,
 Filters for Efficient ConvNets", ICLR 2017), or first-order Taylor, |weight x gradient|
 (Molchanov et al., "Importance Estimation for Neural Network Pruning", CVPR 2019).
 
-    cfg = ChannelsConfig.from_recipe(recipe["channels"])
+    cfg = ChannelsConfig.from_recipe(recipe.channels)
     record = thin_(model, example, cfg, retrain=..., gradients=...)   # model changed in place
     record["plan"]     # replayable: models.thin.apply_ rebuilds this shape from the spec
     remove_(model, example, "conv1", [0, 3])   # by hand: these channels and all coupled ones
@@ -33,7 +33,7 @@ follow raises InputError naming the fix (`channels.ignore`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -63,9 +63,10 @@ class ChannelsConfig:
     max_ratio: float = 0.9  # never remove more than this fraction of one layer's channels
 
     @classmethod
-    def from_recipe(cls, section: dict[str, Any]) -> ChannelsConfig:
-        keys = {k: v for k, v in section.items() if k != "enabled"}
-        keys["ignore"] = tuple(keys.get("ignore", ()))
+    def from_recipe(cls, section: Any) -> ChannelsConfig:
+        """From the recipe's [channels] section (compressor.recipe.ChannelsSection)."""
+        keys = {f.name: getattr(section, f.name) for f in fields(cls)}
+        keys["ignore"] = tuple(keys["ignore"])
         return cls(**keys)
 
 

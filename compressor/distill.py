@@ -147,12 +147,12 @@ def synthetic_inputs(x: np.ndarray, kind: str, size: float, seed: int) -> np.nda
     return np.clip(out, x.min(), x.max())
 
 
-def check_transfer(d: dict[str, Any], data: Dataset) -> None:
+def check_transfer(d: Any, data: Dataset) -> None:
     """Refuse a synthetic transfer set (mixup, MUNGE) on int64 token ids: both make inputs by
     blending or perturbing values, which ids are not."""
-    if data.is_tokens and d["transfer"] != "none":
+    if data.is_tokens and d.transfer != "none":
         raise InputError(
-            f"distill.transfer = {d['transfer']!r}: synthetic inputs blend or perturb input "
+            f"distill.transfer = {d.transfer!r}: synthetic inputs blend or perturb input "
             f'values, but --data {data.spec} is int64 token ids; use transfer = "none" '
             "(distill.labels still makes labels scarce)"
         )
@@ -322,7 +322,7 @@ def hint_train(
 
 def distill_student(
     teacher: nn.Module,
-    d: dict[str, Any],
+    d: Any,  # the recipe's [distill] section (compressor.recipe.DistillSection)
     data: Dataset,
     retrain: Callable[..., None],
     accuracy: Callable[[nn.Module], float],
@@ -333,19 +333,19 @@ def distill_student(
     the data it trained on (the transfer set, when the recipe asks for one: later stages must
     keep to it, or scarce labels would not stay scarce). Hints use the first teacher."""
     check_transfer(d, data)
-    members = [teacher] + [checkpoint.load(p).build_model() for p in d["teachers"]]
+    members = [teacher] + [checkpoint.load(p).build_model() for p in d.teachers]
     x = data.x_train[:2]
     classes = []
     for i, m in enumerate(members):
-        data_mod.check_fits(m, data, "teacher" if i == 0 else str(d["teachers"][i - 1]))
+        data_mod.check_fits(m, data, "teacher" if i == 0 else str(d.teachers[i - 1]))
         with torch.no_grad():
             classes.append(m.eval()(x).shape[1])
     if len(set(classes)) > 1:
         raise InputError(
             f"distill: the ensemble's teachers predict {classes} classes; they must agree"
         )
-    data_mod.check_kind(d["student"], data, "distill.student")
-    spec = zoo.resolve_spec(d["student"], dict(d["student_kwargs"]), data.in_shape, classes[0])
+    data_mod.check_kind(d.student, data, "distill.student")
+    spec = zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, classes[0])
     student = zoo.build(spec, seed=0)
     data_mod.check_fits(student, data, spec.name)
     with torch.no_grad():
@@ -366,28 +366,28 @@ def distill_student(
             "members": len(members),
         }
     }
-    if d["hint_student"]:
+    if d.hint_student:
         record["hint"] = hint_train(
             student,
             members[0],
-            d["hint_student"],
-            d["hint_teacher"],
+            d.hint_student,
+            d.hint_teacher,
             data,
             retrain,
-            d["hint_epochs"],
-            d["lr"],
+            d.hint_epochs,
+            d.lr,
         )
     train_on = data
-    if d["transfer"] != "none" or d["labels"] < 1:
+    if d.transfer != "none" or d.labels < 1:
         train_on, record["transfer"] = transfer_set(
-            ensemble, data, d["transfer"], d["transfer_size"], d["labels"], seed=seed
+            ensemble, data, d.transfer, d.transfer_size, d.labels, seed=seed
         )
     student.train()
     retrain(
         student,
-        d["epochs"],
-        d["lr"],
-        loss_with_teacher(ensemble, d["temperature"], d["alpha"]),
+        d.epochs,
+        d.lr,
+        loss_with_teacher(ensemble, d.temperature, d.alpha),
         train_on,
     )
     record["student"] = {

@@ -48,8 +48,9 @@ class GuardConfig:
             raise InputError(f"guard.strict = {self.strict!r} is impossible; true or false")
 
     @classmethod
-    def from_recipe(cls, g: dict[str, Any]) -> GuardConfig:
-        return cls(max_stage_drop=g["max_stage_drop"], strict=g["strict"])
+    def from_recipe(cls, g: Any) -> GuardConfig:
+        """From the recipe's [guard] section (compressor.recipe.GuardSection)."""
+        return cls(max_stage_drop=g.max_stage_drop, strict=g.strict)
 
 
 def findings(report: dict[str, Any], cfg: GuardConfig) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from compresskit.compressor import archive, budget, channels, distill, envinfo, 
 from compresskit.compressor import report as report_mod
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.export import compat, int8, mobile
+from compresskit.compressor.recipe import Recipe
 from compresskit.models import checkpoint
 from compresskit.models.data import Dataset, check_kind, embedding_rows
 from compresskit.models.errors import InputError, StageError
@@ -57,9 +58,9 @@ OUTPUTS = (
 )
 
 
-def stem(recipe: dict[str, Any]) -> str:
+def stem(recipe: Recipe) -> str:
     """The outputs' name: "student" when the recipe distils into a new model, else "model"."""
-    return "student" if recipe["distill"]["student"] else "model"
+    return "student" if recipe.distill.student else "model"
 
 
 class _Clock:
@@ -133,7 +134,7 @@ def check_out_dir(out: Path, force: bool = False) -> Path:
 def shrink_to_folder(
     model: nn.Module,
     spec: ModelSpec,
-    recipe: dict[str, Any],
+    recipe: Recipe,
     hooks: shrink_mod.Hooks,
     out: Path,
     metadata: dict[str, Any],
@@ -151,35 +152,35 @@ def shrink_to_folder(
     clock = _Clock(hooks.info)
     hooks = clock.timed_retrain(hooks)
     calib = preflight(recipe, data, model)
-    if recipe["export"]["enabled"] and data is not None:
+    if recipe.export.enabled and data is not None:
         _probe_opset(model, recipe, data)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
     try:
         distilled = None
         teacher_name = spec.name
-        if recipe["distill"]["student"]:
+        if recipe.distill.student:
             if data is None:
                 raise InputError("distillation needs the data set")
             with clock.step("distill"):
                 model, spec, distilled, train_on = distill.distill_student(
                     model,
-                    recipe["distill"],
+                    recipe.distill,
                     data,
                     hooks.retrain,
                     hooks.test_accuracy,
-                    seed=recipe["train"]["seed"],
+                    seed=recipe.train.seed,
                 )
             if train_on is not data:
                 hooks = _keep_to(hooks, train_on)
         thinned = None
-        if recipe["channels"]["enabled"]:
+        if recipe.channels.enabled:
             if data is None:
                 raise InputError("channel pruning needs the data set")
             with clock.step("channels", "channels: removing whole channels"):
                 spec, thinned = _thin(model, spec, recipe, data, hooks)
         with clock.step("deep_compression"):
-            if recipe["budget"]["max_drop"] != "off":
+            if recipe.budget.max_drop != "off":
                 model, report = budget.search(
                     model, spec.to_dict(), recipe, hooks, tmp, metadata, archive_name=f"{name}.dcz"
                 )
@@ -207,16 +208,16 @@ def shrink_to_folder(
             else report["baseline"]["test_accuracy"]
         )
         _teacher_student(report, distilled, teacher_name, spec.name, model, final_acc)
-        if recipe["export"]["enabled"]:
+        if recipe.export.enabled:
             if data is None:
                 raise InputError("export needs the data set (calibration and parity)")
             report["onnx"] = _export(
-                model, recipe["export"], report, data, calib, tmp, out, clock, name
+                model, recipe.export, report, data, calib, tmp, out, clock, name
             )
             # What an app ships: the INT8 file, or the FP32 one where no INT8 file is written.
             kind = "int8" if "int8" in report["onnx"] else "fp32"
             shipped = tmp / f"{name}.{kind}.onnx"
-            if recipe["export"]["ort"]:
+            if recipe.export.ort:
                 with clock.step("ort", f"mobile: writing {name}.{kind}.ort, checking NNAPI/CoreML"):
                     ort_file = mobile.to_ort(shipped, tmp / f"{name}.{kind}.ort")
                     report["ort"] = {
@@ -225,7 +226,7 @@ def shrink_to_folder(
                         "config": str(out / Path(ort_file["config"]).name),
                     }
                     report["mobile"] = mobile.usability(shipped)
-            n = recipe["export"]["fixed_batch"]
+            n = recipe.export.fixed_batch
             if n:
                 fixed = mobile.fixed_batch(shipped, tmp / f"{name}.{kind}.fixed.onnx", n)
                 report["mobile_fixed_batch"] = {
@@ -249,7 +250,7 @@ def shrink_to_folder(
             report["archive"]["path"] = str(out / f"{name}.dcz")
         report["name"] = name
         report["deliverables"] = deliverables(report)
-        cfg = guard.GuardConfig.from_recipe(recipe["guard"])
+        cfg = guard.GuardConfig.from_recipe(recipe.guard)
         report["guard"] = {"max_stage_drop": cfg.max_stage_drop, "strict": cfg.strict}
         report["guard"]["findings"] = guard.findings(report, cfg)
         if cfg.strict and report["guard"]["findings"]:
@@ -274,48 +275,48 @@ def shrink_to_folder(
 
 
 def preflight(
-    recipe: dict[str, Any], data: Dataset | None, model: nn.Module | None = None
+    recipe: Recipe, data: Dataset | None, model: nn.Module | None = None
 ) -> np.ndarray | None:
     """Checks that would otherwise fail late, after minutes of training: the opset this ONNX
     Runtime runs, the calibration file's shape and dtype (int64 token ids within the model's
     vocabulary for a text model), a synthetic transfer set on token ids, a student for the
     other kind of input, the ensemble's checkpoints. Returns the calibration inputs when the
     recipe names a file."""
-    e = recipe["export"]
+    e = recipe.export
     calib = None
-    max_drop = recipe["budget"]["max_drop"]
+    max_drop = recipe.budget.max_drop
     if max_drop != "off":
         if data is None:
             raise InputError("--max-drop needs the data set (a validation split)")
         if not data.has_val:
             raise InputError(f"--max-drop needs a validation split: {data.split_note}")
         budget.check_validation(max_drop, len(data.y_val), data.spec)
-        if model is not None and not recipe["distill"]["student"]:
-            budget.settings(model, recipe, budget.BudgetConfig.from_recipe(recipe["budget"]))
+        if model is not None and not recipe.distill.student:
+            budget.settings(model, recipe, budget.BudgetConfig.from_recipe(recipe.budget))
     if data is not None:
-        distill.check_transfer(recipe["distill"], data)
-        if recipe["distill"]["student"]:
-            check_kind(recipe["distill"]["student"], data, "distill.student")
-    if e["enabled"]:
-        export.check_runtime_opset(e["opset"], e["ir_version"] or None)
-        if e["calibration_data"]:
+        distill.check_transfer(recipe.distill, data)
+        if recipe.distill.student:
+            check_kind(recipe.distill.student, data, "distill.student")
+    if e.enabled:
+        export.check_runtime_opset(e.opset, e.ir_version or None)
+        if e.calibration_data:
             flag = "--calibration / export.calibration_data"
             tokens = data is not None and data.is_tokens
-            calib = export.load_calibration(Path(e["calibration_data"]), flag, tokens)
+            calib = export.load_calibration(Path(e.calibration_data), flag, tokens)
             if data is not None and tuple(calib.shape[1:]) != tuple(data.in_shape):
                 raise InputError(
-                    f"{flag} {e['calibration_data']}: inputs of shape "
+                    f"{flag} {e.calibration_data}: inputs of shape "
                     f"{tuple(calib.shape[1:])}, the model takes {tuple(data.in_shape)}; "
                     "give samples shaped like the training data"
                 )
             # The exported model is the student when distilling: its vocabulary is not known yet.
             rows = embedding_rows(model) if model is not None and tokens else None
-            if rows is not None and not recipe["distill"]["student"] and calib.max() >= rows:
+            if rows is not None and not recipe.distill.student and calib.max() >= rows:
                 raise InputError(
-                    f"{flag} {e['calibration_data']}: token ids reach {calib.max()}, the model "
+                    f"{flag} {e.calibration_data}: token ids reach {calib.max()}, the model "
                     f"embeds {rows} ids (0..{rows - 1}); give ids the model was trained on"
                 )
-    for path in recipe["distill"]["teachers"]:
+    for path in recipe.distill.teachers:
         try:  # exists, is a checkpoint, holds no code; shapes are checked later
             checkpoint.load(path)
         except InputError as err:
@@ -323,18 +324,16 @@ def preflight(
     return calib
 
 
-def _probe_opset(model: nn.Module, recipe: dict[str, Any], data: Dataset) -> None:
+def _probe_opset(model: nn.Module, recipe: Recipe, data: Dataset) -> None:
     """An opset the exporter cannot write for this model is refused now, not after training.
     Opset 18 is the exporter's own: nothing to convert, nothing to probe."""
-    e, d = recipe["export"], recipe["distill"]
-    if e["opset"] == 18:
+    e, d = recipe.export, recipe.distill
+    if e.opset == 18:
         return
-    if d["student"]:  # the model that will be exported is the student, not the teacher
+    if d.student:  # the model that will be exported is the student, not the teacher
         from compresskit.models import zoo
 
-        spec = zoo.resolve_spec(
-            d["student"], dict(d["student_kwargs"]), data.in_shape, data.num_classes
-        )
+        spec = zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, data.num_classes)
         model = zoo.build(spec, seed=0)
     export.probe_opset(model, data.x_train[:2], export_config(e))
 
@@ -342,16 +341,16 @@ def _probe_opset(model: nn.Module, recipe: dict[str, Any], data: Dataset) -> Non
 def _thin(
     model: nn.Module,
     spec: ModelSpec,
-    recipe: dict[str, Any],
+    recipe: Recipe,
     data: Dataset,
     hooks: shrink_mod.Hooks,
 ) -> tuple[ModelSpec, dict[str, Any]]:
     """The channels stage: cut `model` in place; the spec gains the replayable plan."""
-    cfg = channels.ChannelsConfig.from_recipe(recipe["channels"])
-    t = recipe["train"]
+    cfg = channels.ChannelsConfig.from_recipe(recipe.channels)
+    t = recipe.train
     retrain = hooks.retrain
-    if t["distill"] > 0:  # retrain against the unthinned model's soft targets
-        loss = distill.loss_with_teacher(copy.deepcopy(model), t["temperature"], t["distill"])
+    if t.distill > 0:  # retrain against the unthinned model's soft targets
+        loss = distill.loss_with_teacher(copy.deepcopy(model), t.temperature, t.distill)
 
         def retrain(m, epochs, lr):
             hooks.retrain(m, epochs, lr, loss)
@@ -536,14 +535,14 @@ def _export(
 
     with clock.step("parity"):
         result = {"fp32": describe(fp32)}
-    if not e["int8"]:
+    if not e.int8:
         return result
     q = quant_config(e)
     # Calibration: a seeded random draw from the training set. Precision is chosen on the
     # validation split (up to CHECK_SAMPLES of it): inputs no model trained on, where a model
     # is as unsure as on new data, and never the test set the parity figures come from.
     pick = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
-    source = e["calibration_data"] or "training set"
+    source = e.calibration_data or "training set"
     # the user's own calibration inputs, or a seeded draw of training images
     calib = data.x_train[pick[: q.calibration]].numpy() if calib is None else calib[: q.calibration]
     check_from, split = data.split_note, "validation" if data.has_val else "training"
@@ -551,7 +550,7 @@ def _export(
         take = torch.randperm(len(data.y_val), generator=torch.Generator().manual_seed(0))
         check_x = data.x_val[take[:CHECK_SAMPLES]].numpy()
     else:  # too little data to hold any out: training images the calibration did not use
-        skip = 0 if e["calibration_data"] else q.calibration
+        skip = 0 if e.calibration_data else q.calibration
         check_x = data.x_train[pick[skip : skip + CHECK_SAMPLES]].numpy()
     if len(check_x) == 0:
         check_x, check_from = calib, "the calibration inputs (no other data left)"
@@ -621,17 +620,17 @@ def _load(path: Path):
 
 
 def export_config(e: dict[str, Any]) -> export.ExportConfig:
-    return export.ExportConfig(opset=e["opset"], ir_version=e["ir_version"] or None)
+    return export.ExportConfig(opset=e.opset, ir_version=e.ir_version or None)
 
 
 def quant_config(e: dict[str, Any]) -> int8.QuantConfig:
     return int8.QuantConfig(
-        calibration=e["calibration"],
-        method=e["method"],
-        target=e["target"],
-        scheme=e["scheme"],
-        reduce_range=e["reduce_range"],
-        min_agreement=e["min_agreement"],
+        calibration=e.calibration,
+        method=e.method,
+        target=e.target,
+        scheme=e.scheme,
+        reduce_range=e.reduce_range,
+        min_agreement=e.min_agreement,
     )
 
 

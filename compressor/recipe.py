@@ -35,14 +35,17 @@ name) to pruning or weight sharing; they are left dense by default.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import tomllib
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from compresskit.compressor.guard import GuardConfig
 from compresskit.models.errors import InputError
+from compresskit.models.fileio import atomic_path
 from compresskit.models.limits import MAX_NESTING, nesting_depth
 
 VERSION = 1
@@ -50,129 +53,306 @@ MAX_BITS = 12  # 4,096 shared values per layer; more is no longer weight *sharin
 BUDGET_DISTILL = 0.7  # train.distill's default when budget.max_drop is set
 MAX_RECIPE_BYTES = 2**20  # a recipe is a few hundred bytes; this bounds the parsers' work
 
-DEFAULTS: dict[str, Any] = {
-    "version": VERSION,
-    # distill: alpha of the soft-target loss against the dense model while retraining and
-    # fine-tuning (0 = plain cross-entropy, as the paper); temperature: Hinton's T.
-    "train": {"batch_size": 32, "optimizer": "adam", "seed": 0, "distill": 0.0, "temperature": 4.0},
-    # An accuracy budget (compressor.budget): max_drop = points of validation accuracy the
-    # result may lose; the search picks each layer's sparsity (of `sparsities`) and bits (of
-    # `bits`) for the smallest archive within it, trying `trials` full shrink runs. "off":
-    # the prune and quantize settings as written.
-    "budget": {
-        "max_drop": "off",
-        "trials": 6,
-        "sparsities": [0.0, 0.5, 0.7, 0.8, 0.9, 0.93, 0.95, 0.97, 0.98],
-        "bits": [2, 3, 4, 5, 6, 8],
-    },
-    # Distil the checkpoint (the teacher, with `teachers` as an ensemble) into `student` before
-    # Deep Compression; student = "" compresses the checkpoint's own model.
-    "distill": {
-        "student": "",
-        "student_kwargs": {},
-        "teachers": [],
-        "epochs": 10,
-        "lr": 3e-3,
-        "temperature": 4.0,
-        "alpha": 0.7,
-        # FitNets: first regress layer hint_student onto the teacher's hint_teacher ("" = off).
-        "hint_student": "",
-        "hint_teacher": "",
-        "hint_epochs": 3,
-        # Transfer set: keep a `labels` fraction of the training labels, label the rest and
-        # transfer_size x N synthetic inputs ("mixup" or "munge") with the teacher.
-        "transfer": "none",
-        "transfer_size": 1.0,
-        "labels": 1.0,
-    },
-    # Structured pruning before Deep Compression: whole channels, neurons and embedding
-    # dimensions removed until the model's MACs are target_macs of the original's (see
-    # compressor.channels). Off by default: it changes the architecture.
-    "channels": {
-        "enabled": False,
-        "target_macs": 0.5,
-        "importance": "l1",
-        "scope": "layer",
-        "rounds": 3,
-        "retrain_epochs": 1,
-        "lr": 3e-3,
-        "ignore": [],
-        "round_to": 0,
-        "max_ratio": 0.9,
-    },
-    "prune": {
-        "enabled": True,
-        # "default": per-layer fractions by role (see compressor.shrink.default_sparsity);
-        # "auto": the sensitivity analysis proposes them within `budget`.
-        "sparsity": "default",
-        "quality": None,
-        "scope": "layer",
-        "rounds": 3,
-        # Retrain at the teacher's peak learning rate: on digits/LeNet-300 this recovered the
-        # baseline accuracy on 3 of 3 seeds, where 1e-3 lost 0.3-0.8 points.
-        "retrain_epochs": 4,
-        "lr": 3e-3,
-        "budget": 0.02,
-        "include_bias": False,
-        # nn.Embedding tables too (off: the paper prunes Linear and Conv layers only)
-        "embeddings": False,
-    },
-    "quantize": {
-        "enabled": True,
-        # "kmeans": the paper's k-means then centroid fine-tuning; "soft": soft weight-sharing
-        # (Ullrich et al. 2017, compressor.softshare), retraining under a Gaussian-mixture
-        # prior with the prior_* keys below, snapped to its means, then the same fine-tuning.
-        "method": "kmeans",
-        "conv_bits": 8,
-        "fc_bits": 5,
-        "bits": {},
-        "mode": "centroids",
-        "prior_epochs": 6,
-        "prior_strength": 1.0,
-        "prior_width": 0.1,
-        "zero_width": 0.4,
-        "zero_mixing": 0.2,
-        "finetune_epochs": 3,
-        "lr": 1e-3,
-        # How tensors that are not shared are stored: biases, norms, and any shared layer whose
-        # dense record is smaller than its shared one (measured per layer).
-        "dense": "float16",
-        "embeddings": False,  # share the weights of nn.Embedding tables too
-    },
-    "huffman": {
-        "enabled": True,
-        "fc_gap_bits": 5,
-        "conv_gap_bits": 8,
-        # "auto": per layer, the gap width whose Huffman-coded size (with its code table) is
-        # smallest; "fixed": the fc/conv widths above, as the paper.
-        "gap_bits": "auto",
-    },
-    "export": {
-        "enabled": True,
-        "opset": 18,
-        # 0: the lowest IR that declares the opset (8 for opset 18: ONNX Runtime >= 1.14);
-        # 9 for ONNX Runtime 1.16-1.17
-        "ir_version": 0,
-        "int8": True,
-        "method": "minmax",
-        "calibration": 256,  # samples drawn from the training set...
-        "calibration_data": "",  # ...or a .npy file of inputs (samples first) to draw from
-        # "mobile": nothing is timed on the build machine, INT8 wherever min_agreement holds,
-        # the same bytes on every build; "host": also keep node groups in FP32 where timings on
-        # this machine say INT8 is slower beyond a 95% confidence interval
-        "target": "mobile",
-        "scheme": "u8s8",  # uint8 activations with int8 ("u8s8") or uint8 ("u8u8") weights
-        # 7-bit weights: "auto" turns them on for target host on an x86 CPU without VNNI
-        "reduce_range": "auto",
-        "min_agreement": 0.995,
-        "ort": True,  # also the .ort file for mobile ORT builds, and the NNAPI/CoreML verdicts
-        "fixed_batch": 0,  # N > 0: also MODEL.int8.fixed.onnx with batch N (NNAPI needs it)
-    },
-    # Guardrails (compressor.guard): a stage that costs more than max_stage_drop points of
-    # test accuracy, an INT8 file under its agreement floor, a student bigger than its
-    # teacher are said on stderr; strict = true (or --strict) fails the run, nothing written.
-    "guard": {"max_stage_drop": 2.0, "strict": False},
+# One frozen dataclass per [section], fields named and ordered as the file's keys. They are the
+# only place defaults live (DEFAULTS below is derived from them). Lists are held as tuples;
+# tables ({layer = value}) as dicts that the stages read and never change.
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """[train]: retraining and fine-tuning inside the stages (not `compress train`)."""
+
+    batch_size: int = 32
+    optimizer: str = "adam"  # "adam" | "sgd"
+    seed: int = 0
+    # alpha of the soft-target loss against the dense model while retraining and fine-tuning
+    # (0 = plain cross-entropy, as the paper); temperature: Hinton's T.
+    distill: float = 0.0
+    temperature: float = 4.0
+
+
+@dataclass(frozen=True)
+class BudgetSection:
+    """[budget]: an accuracy budget (compressor.budget). max_drop = points of validation
+    accuracy the result may lose; the search picks each layer's sparsity (of `sparsities`)
+    and bits (of `bits`) for the smallest archive within it, trying `trials` full shrink runs.
+    "off": the prune and quantize settings as written."""
+
+    max_drop: float | str = "off"
+    trials: int = 6
+    sparsities: tuple[float, ...] = (0.0, 0.5, 0.7, 0.8, 0.9, 0.93, 0.95, 0.97, 0.98)
+    bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+
+
+@dataclass(frozen=True)
+class DistillSection:
+    """[distill]: distil the checkpoint (the teacher, with `teachers` as an ensemble) into
+    `student` before Deep Compression; student = "" compresses the checkpoint's own model."""
+
+    student: str = ""
+    student_kwargs: dict[str, Any] = field(default_factory=dict)
+    teachers: tuple[str, ...] = ()
+    epochs: int = 10
+    lr: float = 3e-3
+    temperature: float = 4.0
+    alpha: float = 0.7
+    # FitNets: first regress layer hint_student onto the teacher's hint_teacher ("" = off).
+    hint_student: str = ""
+    hint_teacher: str = ""
+    hint_epochs: int = 3
+    # Transfer set: keep a `labels` fraction of the training labels, label the rest and
+    # transfer_size x N synthetic inputs ("mixup" or "munge") with the teacher.
+    transfer: str = "none"
+    transfer_size: float = 1.0
+    labels: float = 1.0
+
+
+@dataclass(frozen=True)
+class ChannelsSection:
+    """[channels]: structured pruning before Deep Compression: whole channels, neurons and
+    embedding dimensions removed until the model's MACs are target_macs of the original's
+    (see compressor.channels). Off by default: it changes the architecture."""
+
+    enabled: bool = False
+    target_macs: float = 0.5
+    importance: str = "l1"  # "l1" | "l2" | "taylor"
+    scope: str = "layer"  # "layer" | "global"
+    rounds: int = 3
+    retrain_epochs: int = 1
+    lr: float = 3e-3
+    ignore: tuple[str, ...] = ()
+    round_to: int = 0
+    max_ratio: float = 0.9
+
+
+@dataclass(frozen=True)
+class PruneSection:
+    """[prune]: magnitude pruning with retraining (Han et al. 2015). Give `sparsity` or
+    `quality` (threshold = quality x each layer's weight std), not both: set the other None."""
+
+    enabled: bool = True
+    # "default": per-layer fractions by role (see compressor.shrink.default_sparsity);
+    # "auto": the sensitivity analysis proposes them within `budget`; a fraction; or a table
+    # {layer = fraction} (layers it does not name get the default).
+    sparsity: str | float | dict[str, float] | None = "default"
+    quality: float | None = None
+    scope: str = "layer"  # "layer" | "global" (one threshold over all layers)
+    rounds: int = 3
+    # Retrain at the teacher's peak learning rate: on digits/LeNet-300 this recovered the
+    # baseline accuracy on 3 of 3 seeds, where 1e-3 lost 0.3-0.8 points.
+    retrain_epochs: int = 4
+    lr: float = 3e-3
+    budget: float = 0.02
+    include_bias: bool = False
+    # nn.Embedding tables too (off: the paper prunes Linear and Conv layers only)
+    embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class QuantizeSection:
+    """[quantize]: weight sharing. "kmeans": the paper's k-means then centroid fine-tuning;
+    "soft": soft weight-sharing (Ullrich et al. 2017, compressor.softshare), retraining under
+    a Gaussian-mixture prior with the prior_* keys, snapped to its means, then the same
+    fine-tuning."""
+
+    enabled: bool = True
+    method: str = "kmeans"
+    conv_bits: int = 8
+    fc_bits: int = 5
+    bits: dict[str, int] = field(default_factory=dict)  # {layer = bits} overrides
+    mode: str = "centroids"  # "centroids" | "weights" (what fine-tuning trains)
+    prior_epochs: int = 6
+    prior_strength: float = 1.0
+    prior_width: float = 0.1
+    zero_width: float = 0.4
+    zero_mixing: float = 0.2
+    finetune_epochs: int = 3
+    lr: float = 1e-3
+    # How tensors that are not shared are stored: biases, norms, and any shared layer whose
+    # dense record is smaller than its shared one (measured per layer).
+    dense: str = "float16"
+    embeddings: bool = False  # share the weights of nn.Embedding tables too
+
+
+@dataclass(frozen=True)
+class HuffmanSection:
+    """[huffman]: the .dcz archive: Huffman-coded cluster indices and relative (gap) indices."""
+
+    enabled: bool = True
+    fc_gap_bits: int = 5
+    conv_gap_bits: int = 8
+    # "auto": per layer, the gap width whose Huffman-coded size (with its code table) is
+    # smallest; "fixed": the fc/conv widths above, as the paper.
+    gap_bits: str = "auto"
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    """[export]: ONNX FP32, INT8 (ONNX Runtime static quantization) and the mobile .ort."""
+
+    enabled: bool = True
+    opset: int = 18
+    # 0: the lowest IR that declares the opset (8 for opset 18: ONNX Runtime >= 1.14);
+    # 9 for ONNX Runtime 1.16-1.17
+    ir_version: int = 0
+    int8: bool = True
+    method: str = "minmax"  # calibration: "minmax" | "entropy" | "percentile"
+    calibration: int = 256  # samples drawn from the training set...
+    calibration_data: str = ""  # ...or a .npy file of inputs (samples first) to draw from
+    # "mobile": nothing is timed on the build machine, INT8 wherever min_agreement holds,
+    # the same bytes on every build; "host": also keep node groups in FP32 where timings on
+    # this machine say INT8 is slower beyond a 95% confidence interval
+    target: str = "mobile"
+    scheme: str = "u8s8"  # uint8 activations with int8 ("u8s8") or uint8 ("u8u8") weights
+    # 7-bit weights: "auto" turns them on for target host on an x86 CPU without VNNI
+    reduce_range: bool | str = "auto"
+    min_agreement: float = 0.995
+    ort: bool = True  # also the .ort file for mobile ORT builds, and the NNAPI/CoreML verdicts
+    fixed_batch: int = 0  # N > 0: also MODEL.int8.fixed.onnx with batch N (NNAPI needs it)
+
+
+@dataclass(frozen=True)
+class GuardSection:
+    """[guard]: guardrails (compressor.guard). A stage that costs more than max_stage_drop
+    points of test accuracy, an INT8 file under its agreement floor, a student bigger than its
+    teacher are said on stderr; strict = true (or --strict) fails the run, nothing written."""
+
+    max_stage_drop: float = 2.0
+    strict: bool = False
+
+
+_SECTIONS: dict[str, type] = {
+    "train": TrainSection,
+    "budget": BudgetSection,
+    "distill": DistillSection,
+    "channels": ChannelsSection,
+    "prune": PruneSection,
+    "quantize": QuantizeSection,
+    "huffman": HuffmanSection,
+    "export": ExportSection,
+    "guard": GuardSection,
 }
+
+
+def _plain(v: Any) -> Any:
+    """A field's value as the file holds it: tuples as lists, tables copied."""
+    if isinstance(v, tuple | list):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def _held(v: Any) -> Any:
+    """A file's value as a section holds it: lists as tuples, tables copied."""
+    if isinstance(v, list | tuple):
+        return tuple(_held(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def _section_dict(section: Any) -> dict[str, Any]:
+    return {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What `compress shrink` does: one frozen section per stage, validated as a whole.
+
+    Build one from a file (`Recipe.load("recipe.toml")`, TOML, YAML or JSON by suffix), from
+    the file's table (`Recipe.from_dict({"prune": {"sparsity": 0.9}})`), or from sections
+    (`Recipe(prune=PruneSection(sparsity=0.9))`); change one with `recipe.replace(prune=...)`.
+    Each way checks every key and value before any work starts (`InputError` naming the key
+    and the fix). `dumps()` / `dump(path)` write it back; loading that gives an equal Recipe.
+
+    One difference between the two ways: a table that sets `budget.max_drop` and leaves
+    `train.distill` out gets distill = 0.7 (retraining against the dense model's outputs,
+    which a tight budget needs); sections built in Python take the field as written.
+    """
+
+    version: int = VERSION
+    train: TrainSection = field(default_factory=TrainSection)
+    budget: BudgetSection = field(default_factory=BudgetSection)
+    distill: DistillSection = field(default_factory=DistillSection)
+    channels: ChannelsSection = field(default_factory=ChannelsSection)
+    prune: PruneSection = field(default_factory=PruneSection)
+    quantize: QuantizeSection = field(default_factory=QuantizeSection)
+    huffman: HuffmanSection = field(default_factory=HuffmanSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    guard: GuardSection = field(default_factory=GuardSection)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise InputError(
+                    f"recipe: {name} is {type(value).__name__}, not a {cls.__name__}; build it "
+                    f"as {cls.__name__}(...) or the whole recipe with Recipe.from_dict({{...}})"
+                )
+        if self.version != VERSION:
+            raise InputError(
+                f"recipe: version {self.version!r}; this compress reads version {VERSION}"
+            )
+        _validate(self.to_dict(), "recipe")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recipe:
+        """Read a recipe file (.toml, .yaml/.yml or .json by suffix), resolved and checked."""
+        return load(path)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None = None, source: str = "recipe") -> Recipe:
+        """A recipe from a file's table: defaults overlaid with `raw`, checked as a whole."""
+        return resolve(raw, source)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (dicts, lists, numbers, strings), as JSON and the report hold it."""
+        out: dict[str, Any] = {"version": self.version}
+        for name in _SECTIONS:
+            out[name] = _section_dict(getattr(self, name))
+        return out
+
+    def dumps(self, format: str = "toml") -> str:
+        """The recipe as "toml" (what --dry-run prints), "json" or "yaml" text."""
+        if format == "toml":
+            return dumps(self)
+        if format == "json":
+            return json.dumps(self.to_dict(), indent=2) + "\n"
+        if format == "yaml":
+            import yaml
+
+            return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        raise InputError(f"recipe format {format!r}: one of toml, json, yaml")
+
+    def dump(self, path: str | Path) -> Path:
+        """Write the recipe to `path` (format by suffix, as `load` reads it), atomically."""
+        path = Path(path)
+        fmt = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(path.suffix, "toml")
+        with atomic_path(path) as tmp:
+            Path(tmp).write_text(self.dumps(fmt))
+        return path
+
+    def replace(self, **sections: Any) -> Recipe:
+        """A copy with whole sections replaced (`recipe.replace(prune=PruneSection(...))`),
+        checked again."""
+        return dataclasses.replace(self, **sections)
+
+
+def _build(resolved: dict[str, Any]) -> Recipe:
+    """The Recipe of a resolved, validated table."""
+    sections = {
+        name: cls(**{k: _held(v) for k, v in resolved[name].items()})
+        for name, cls in _SECTIONS.items()
+    }
+    return Recipe(version=resolved["version"], **sections)
+
+
+# The defaults as a file's table (what an empty recipe resolves to).
+DEFAULTS: dict[str, Any] = {"version": VERSION} | {
+    name: _section_dict(cls()) for name, cls in _SECTIONS.items()
+}
+
 
 _CHOICES = {
     ("train", "optimizer"): ("adam", "sgd"),
@@ -198,7 +378,7 @@ _REPLACED = {
 }
 
 
-def load(path: str | Path) -> dict[str, Any]:
+def load(path: str | Path) -> Recipe:
     """Read a recipe file (.toml, .yaml or .json) and resolve it against the defaults."""
     return resolve(read(path), source=str(path))
 
@@ -287,8 +467,8 @@ def _too_deep(path: Path) -> InputError:
     )
 
 
-def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> dict[str, Any]:
-    """Defaults overlaid with `raw`, validated as a whole."""
+def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> Recipe:
+    """Defaults overlaid with `raw` (a file's table), validated as a whole."""
     raw = raw or {}
     if not isinstance(raw, dict):
         raise InputError(f"{source}: a recipe is a table of sections")
@@ -331,7 +511,7 @@ def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> dict[s
         # plain retraining drifts the model by more than a tight budget (docs/benchmarks.md).
         out["train"]["distill"] = BUDGET_DISTILL
     _validate(out, source)
-    return out
+    return _build(out)
 
 
 def _bad(source: str, key: str, value: Any, fix: str) -> InputError:
@@ -478,7 +658,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise InputError(f"{source}: huffman codes the shared weights; enable quantize too")
     _validate_budget(r, source)
     try:
-        GuardConfig.from_recipe(r["guard"])
+        GuardConfig(**r["guard"])
     except InputError as e:
         raise InputError(f"{source}: {e}") from None
 
@@ -545,8 +725,11 @@ def _positive(r, source, section, key) -> None:
         raise _bad(source, f"{section}.{key}", v, "a positive number")
 
 
-def dumps(recipe: dict[str, Any]) -> str:
-    """The recipe as TOML (what --dry-run prints; loads back to the same recipe)."""
+def dumps(recipe: Recipe | dict[str, Any]) -> str:
+    """The recipe (or a report's copy of one) as TOML: what --dry-run prints; loads back to
+    the same recipe."""
+    if isinstance(recipe, Recipe):
+        recipe = recipe.to_dict()
     lines = [f"version = {recipe['version']}"]
     for section in list(DEFAULTS)[1:]:  # the sections, in DEFAULTS' order
         lines.append(f"\n[{section}]")

@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from compresskit.compressor import archive, distill, huffman, kmeans, prune, softshare, stats
+from compresskit.compressor.recipe import Recipe
 from compresskit.models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
@@ -86,7 +87,7 @@ def default_sparsity(model: nn.Module, embeddings: bool = False) -> dict[str, fl
 def shrink(
     model: nn.Module,
     spec: dict[str, Any],
-    recipe: dict[str, Any],
+    recipe: Recipe,
     hooks: Hooks,
     out_dir: Path,
     metadata: dict[str, Any] | None = None,
@@ -116,40 +117,40 @@ def shrink(
         return record
 
     stages: list[dict[str, Any]] = []
-    report: dict[str, Any] = {"baseline": baseline, "stages": stages, "recipe": recipe}
+    report: dict[str, Any] = {"baseline": baseline, "stages": stages, "recipe": recipe.to_dict()}
     hooks.info(
         f"baseline: {params:,} parameters, {baseline['bytes']:,} bytes, "
         f"test accuracy {baseline['test_accuracy']:.4f}"
     )
 
-    t = recipe["train"]
+    t = recipe.train
     base_loss = _cross_entropy
-    if t["distill"] > 0:  # retrain against the dense model's soft targets
+    if t.distill > 0:  # retrain against the dense model's soft targets
         teacher = copy.deepcopy(model)
-        base_loss = distill.loss_with_teacher(teacher, t["temperature"], t["distill"])
+        base_loss = distill.loss_with_teacher(teacher, t.temperature, t.distill)
         retrain = hooks.retrain
         hooks = dataclasses.replace(
             hooks,
             retrain=lambda m, e, lr, fn=None, data=None: retrain(m, e, lr, fn or base_loss, data),
         )
-    p = recipe["prune"]
-    if p["enabled"]:
+    p = recipe.prune
+    if p.enabled:
         ts = time.perf_counter()
         report["sensitivity"] = _prune(model, p, hooks)
         stages.append(_stage("prune", ts, model))
-    q = recipe["quantize"]
-    if q["enabled"]:
+    q = recipe.quantize
+    if q.enabled:
         ts = time.perf_counter()
-        report["histogram"] = _quantize(model, q, recipe["train"]["seed"], hooks, base_loss)
-        if recipe["huffman"]["enabled"]:
+        report["histogram"] = _quantize(model, q, recipe.train.seed, hooks, base_loss)
+        if recipe.huffman.enabled:
             dense = prefer_dense_(model, recipe)
             if dense:
-                hooks.info(f"stored dense ({q['dense']}), smaller than shared: {', '.join(dense)}")
+                hooks.info(f"stored dense ({q.dense}), smaller than shared: {', '.join(dense)}")
         stages.append(_stage("quantize", ts, model))
 
     entries, layer_info = _entries(model, recipe)
     _account(stages, entries, layer_info, baseline["bytes"], recipe)
-    if recipe["huffman"]["enabled"]:
+    if recipe.huffman.enabled:
         ts = time.perf_counter()
         path = out_dir / archive_name
         meta = {**(metadata or {}), "test_accuracy": stages[-1]["test_accuracy"]}
@@ -174,38 +175,36 @@ def _accuracy(model: nn.Module, hooks: Hooks, correct: torch.Tensor | None) -> f
     return int(correct.sum()) / len(correct)  # exact, as `evaluate` counts (not a float32 mean)
 
 
-def plan(model: nn.Module, recipe: dict[str, Any]) -> list[dict[str, Any]]:
+def plan(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
     """What `recipe` will do to each of `model`'s layers, before any work (`--dry-run`): its
     weights, the fraction pruning will remove and the bits weight sharing will give it. A
     sparsity decided during the run ("auto", `prune.quality`, an accuracy budget) reads as how
     it will be decided."""
     check_fits_recipe(model, recipe)
-    p, q = recipe["prune"], recipe["quantize"]
-    searched = recipe["budget"]["max_drop"] != "off"
-    found = kmeans.layers(model, p["embeddings"] or q["embeddings"])
-    if p["sparsity"] == "default":
-        fractions: Any = default_sparsity(model, p["embeddings"])
+    p, q = recipe.prune, recipe.quantize
+    searched = recipe.budget.max_drop != "off"
+    found = kmeans.layers(model, p.embeddings or q.embeddings)
+    if p.sparsity == "default":
+        fractions: Any = default_sparsity(model, p.embeddings)
     else:
-        fractions = p["sparsity"]
-    qcfg = kmeans.QuantizeConfig(
-        conv_bits=q["conv_bits"], fc_bits=q["fc_bits"], bits=dict(q["bits"])
-    )
+        fractions = p.sparsity
+    qcfg = kmeans.QuantizeConfig(conv_bits=q.conv_bits, fc_bits=q.fc_bits, bits=dict(q.bits))
     rows = []
     for name, layer in found.items():
         weights = getattr(model.get_submodule(layer.module), layer.param)
         if searched:
             sparsity: Any = "searched (--max-drop)"
-        elif not p["enabled"] or (layer.kind == "embedding" and not p["embeddings"]):
+        elif not p.enabled or (layer.kind == "embedding" and not p.embeddings):
             sparsity = 0.0
-        elif p["quality"] is not None:
-            sparsity = f"|w| < {p['quality']:g} std"
+        elif p.quality is not None:
+            sparsity = f"|w| < {p.quality:g} std"
         elif fractions == "auto":
             sparsity = "auto (sensitivity)"
         elif isinstance(fractions, dict):
             sparsity = fractions.get(name, fractions.get(prune.layer_name(name), 0.0))
         else:
             sparsity = fractions
-        shared = q["enabled"] and (layer.kind != "embedding" or q["embeddings"])
+        shared = q.enabled and (layer.kind != "embedding" or q.embeddings)
         rows.append(
             {
                 "layer": name,
@@ -218,25 +217,23 @@ def plan(model: nn.Module, recipe: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def check_fits_recipe(model: nn.Module, recipe: dict[str, Any]) -> None:
+def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
     """Refuse, before any work, a recipe that names layers the model lacks, or a model with
     nothing to compress."""
-    p, q = recipe["prune"], recipe["quantize"]
+    p, q = recipe.prune, recipe.quantize
     every = kmeans.layers(model, embeddings=True)
-    if (p["enabled"] or q["enabled"]) and not kmeans.layers(
-        model, p["embeddings"] or q["embeddings"]
-    ):
+    if (p.enabled or q.enabled) and not kmeans.layers(model, p.embeddings or q.embeddings):
         raise InputError(
             "the model has no prunable layers (Linear, Conv or MultiheadAttention): "
             "nothing to compress"
         )
     named = []
-    if isinstance(p["sparsity"], dict):
-        named += [("prune", k if k in every else prune.layer_name(k)) for k in p["sparsity"]]
-    named += [("quantize", k) for k in q["bits"]]
+    if isinstance(p.sparsity, dict):
+        named += [("prune", k if k in every else prune.layer_name(k)) for k in p.sparsity]
+    named += [("quantize", k) for k in q.bits]
     for section, layer in named:
         where = "prune.sparsity" if section == "prune" else "quantize.bits"
-        found = kmeans.layers(model, recipe[section]["embeddings"])
+        found = kmeans.layers(model, getattr(recipe, section).embeddings)
         if layer in every and layer not in found:
             raise InputError(
                 f"recipe {where} names layer {layer!r}, an embedding; set "
@@ -254,28 +251,28 @@ def check_fits_recipe(model: nn.Module, recipe: dict[str, Any]) -> None:
 
 def _prune(model: nn.Module, p: dict[str, Any], hooks: Hooks) -> dict[str, Any] | None:
     sens = None
-    sparsity = p["sparsity"]
+    sparsity = p.sparsity
     if sparsity == "default":
-        sparsity = default_sparsity(model, p["embeddings"])
+        sparsity = default_sparsity(model, p.embeddings)
     elif sparsity == "auto":
-        sens = prune.sensitivity(model, hooks.val_accuracy, p["budget"])
+        sens = prune.sensitivity(model, hooks.val_accuracy, p.budget)
         sparsity = sens.proposal
         hooks.info(
             "sensitivity proposal: " + ", ".join(f"{n} {s:.2f}" for n, s in sparsity.items())
         )
     cfg = prune.PruneConfig(
-        sparsity=sparsity if p["quality"] is None else None,
-        quality=p["quality"],
-        scope=p["scope"],
-        rounds=p["rounds"],
-        include_bias=p["include_bias"],
-        embeddings=p["embeddings"],
+        sparsity=sparsity if p.quality is None else None,
+        quality=p.quality,
+        scope=p.scope,
+        rounds=p.rounds,
+        include_bias=p.include_bias,
+        embeddings=p.embeddings,
     )
     stds = prune.weight_stds(model, cfg)
     for r, fraction in enumerate(prune.schedule(cfg.rounds), 1):
         prune.prune_(model, cfg, fraction, stds)
-        if p["retrain_epochs"]:
-            hooks.retrain(model, p["retrain_epochs"], p["lr"], None)
+        if p.retrain_epochs:
+            hooks.retrain(model, p.retrain_epochs, p.lr, None)
         total = sum(m.numel() for m in prune.masks_of(model).values())
         nnz = sum(int(m.sum()) for m in prune.masks_of(model).values())
         hooks.info(
@@ -294,12 +291,12 @@ def _quantize(
     model: nn.Module, q: dict[str, Any], seed: int, hooks: Hooks, base_loss: Callable
 ) -> dict[str, Any]:
     cfg = kmeans.QuantizeConfig(
-        conv_bits=q["conv_bits"],
-        fc_bits=q["fc_bits"],
-        bits=dict(q["bits"]),
-        mode=q["mode"],
+        conv_bits=q.conv_bits,
+        fc_bits=q.fc_bits,
+        bits=dict(q.bits),
+        mode=q.mode,
         seed=seed,
-        embeddings=q["embeddings"],
+        embeddings=q.embeddings,
     )
     weights = {
         name: _baked_value(model, layer.key)
@@ -308,19 +305,19 @@ def _quantize(
     largest = max(weights.items(), key=lambda kv: kv[1].numel())
     w = largest[1].detach().flatten()
     w = w[w != 0].numpy()
-    if q["method"] == "soft":
+    if q.method == "soft":
         soft = softshare.SoftShareConfig(
-            conv_bits=q["conv_bits"],
-            fc_bits=q["fc_bits"],
-            bits=dict(q["bits"]),
-            strength=q["prior_strength"],
-            width=q["prior_width"],
-            zero_width=q["zero_width"],
-            zero_mixing=q["zero_mixing"],
-            epochs=q["prior_epochs"],
-            lr=q["lr"],
+            conv_bits=q.conv_bits,
+            fc_bits=q.fc_bits,
+            bits=dict(q.bits),
+            strength=q.prior_strength,
+            width=q.prior_width,
+            zero_width=q.zero_width,
+            zero_mixing=q.zero_mixing,
+            epochs=q.prior_epochs,
+            lr=q.lr,
             seed=seed,
-            embeddings=q["embeddings"],
+            embeddings=q.embeddings,
         )
         if not hooks.train_samples:
             raise ValueError("soft weight-sharing needs Hooks.train_samples")
@@ -344,8 +341,8 @@ def _quantize(
         ).tolist(),
     }
     hooks.info(f"weight sharing: test accuracy before fine-tuning {hooks.test_accuracy(model):.4f}")
-    if q["finetune_epochs"]:
-        hooks.retrain(model, q["finetune_epochs"], q["lr"], None)
+    if q.finetune_epochs:
+        hooks.retrain(model, q.finetune_epochs, q.lr, None)
     kmeans.freeze_sharing_(model)
     histogram["centroids"] = kmeans.shared_of(model)[largest[0]].codebook.detach().tolist()
     _round_dense(model, q)
@@ -353,7 +350,7 @@ def _quantize(
 
 
 def _round_dense(model: nn.Module, q: dict[str, Any]) -> None:
-    if q["dense"] == "float16":
+    if q.dense == "float16":
         # Biases and norm statistics are stored as float16; round them in the model too, so
         # the archive decodes to exactly the model we measured.
         shared = set(kmeans.shared_params(model))
@@ -382,16 +379,16 @@ def _choose_gap_bits(positions: np.ndarray, numel: int, fixed: int, mode: str) -
     return min(GAP_BITS_SEARCH, key=cost)
 
 
-def prefer_dense_(model: nn.Module, recipe: dict[str, Any]) -> list[str]:
+def prefer_dense_(model: nn.Module, recipe: Recipe) -> list[str]:
     """Round to float16 the codebook of each shared layer whose dense float16 record would be
     smaller than its shared one, so that the dense record `_entries` then measures as smaller
     is exact and decodes to the model bit for bit. Returns those layers' names.
 
     Nothing to do with `quantize.dense = "float32"`: float32 storage is exact as it is.
     """
-    if recipe["quantize"]["dense"] != "float16":
+    if recipe.quantize.dense != "float16":
         return []
-    h = recipe["huffman"]
+    h = recipe.huffman
     layers = {layer.key: layer for layer in kmeans.layers(model, embeddings=True).values()}
     rounded = []
     for key, s in kmeans.shared_params(model).items():
@@ -399,7 +396,7 @@ def prefer_dense_(model: nn.Module, recipe: dict[str, Any]) -> list[str]:
         if codebook.numel() and bool(codebook.abs().max() > _FP16_MAX):
             continue  # float16 would overflow: stays shared, or dense float32 if smaller
         layer = layers[key]
-        shared = _shared_entry(key, s, _fixed_gap_bits(layer, h), h["gap_bits"])
+        shared = _shared_entry(key, s, _fixed_gap_bits(layer, h), h.gap_bits)
         as16 = torch.where(s.mask, codebook.half().float()[s.index], 0.0)
         dense = archive.Dense(key, as16, store_fp16=True)
         if archive.record_size(dense) < archive.record_size(shared):
@@ -410,7 +407,7 @@ def prefer_dense_(model: nn.Module, recipe: dict[str, Any]) -> list[str]:
 
 
 def _fixed_gap_bits(layer: prune.Layer, h: dict[str, Any]) -> int:
-    return h["conv_gap_bits"] if layer.kind == "conv" else h["fc_gap_bits"]
+    return h.conv_gap_bits if layer.kind == "conv" else h.fc_gap_bits
 
 
 def _shared_entry(key: str, s: kmeans.SharedWeights, fixed: int, mode: str) -> archive.Shared:
@@ -433,25 +430,25 @@ def _shared_record(
     )
 
 
-def record_bytes(layer: prune.Layer, value: torch.Tensor, recipe: dict[str, Any]) -> int:
+def record_bytes(layer: prune.Layer, value: torch.Tensor, recipe: Recipe) -> int:
     """Bytes the archive would spend on `layer`'s weight if it held `value` (a few distinct
     values, zeros pruned): the smaller of its shared and dense records, as `_entries` chooses
     (the dense one as float16 when `quantize.dense` asks for it)."""
-    h, dense16 = recipe["huffman"], recipe["quantize"]["dense"] == "float16"
+    h, dense16 = recipe.huffman, recipe.quantize.dense == "float16"
     value = value.detach().float()
     mask = value != 0
     codebook, kept_index = torch.unique(value[mask], return_inverse=True)
     index = torch.zeros(value.shape, dtype=torch.int64)
     index[mask] = kept_index
     fixed = _fixed_gap_bits(layer, h)
-    shared = _shared_record(layer.key, mask, codebook, index, fixed, h["gap_bits"])
+    shared = _shared_record(layer.key, mask, codebook, index, fixed, h.gap_bits)
     if dense16 and (not value.numel() or bool(value.abs().max() <= _FP16_MAX)):
         value = value.half().float()
     dense = archive.Dense(layer.key, value, store_fp16=dense16)
     return min(archive.record_size(shared), archive.record_size(dense))
 
 
-def _entries(model: nn.Module, recipe: dict[str, Any]):
+def _entries(model: nn.Module, recipe: Recipe):
     """Archive entries in state_dict order, and for every layer's weight (`kmeans.layers`) the
     facts the report needs (kept, bits, codebook size, gap widths and escapes at the fixed
     width; for a shared layer, both record sizes and which one is stored).
@@ -460,9 +457,9 @@ def _entries(model: nn.Module, recipe: dict[str, Any]):
     The dense record stores float16 only where that is exact (`prefer_dense_` makes it so), so
     either way the archive decodes to the model's values bit for bit.
     """
-    h = recipe["huffman"]
-    dense16 = recipe["quantize"]["dense"] == "float16"
-    embeddings = recipe["prune"]["embeddings"] or recipe["quantize"]["embeddings"]
+    h = recipe.huffman
+    dense16 = recipe.quantize.dense == "float16"
+    embeddings = recipe.prune.embeddings or recipe.quantize.embeddings
     shared = kmeans.shared_params(model)
     layers = {
         layer.key: layer
@@ -492,12 +489,12 @@ def _entries(model: nn.Module, recipe: dict[str, Any]):
             }
         if key in shared and layer is not None:
             s = shared[key]
-            entry = _shared_entry(key, s, info[key]["fixed_gap_bits"], h["gap_bits"])
+            entry = _shared_entry(key, s, info[key]["fixed_gap_bits"], h.gap_bits)
             k = len(entry.codebook)
             info[key].update(
                 bits=math.ceil(math.log2(max(k, 2))), codebook=k, gap_bits=entry.gap_bits
             )
-            if h["enabled"]:
+            if h.enabled:
                 entry = _smaller(entry, dense, info[key])
             entries.append(entry)
         else:
@@ -563,7 +560,7 @@ def _account(stages, entries, info, base: int, recipe) -> None:
     """Paper-style bytes for the P and P+Q stages: fixed-width codes, no Huffman. A pruned
     layer costs its kept weights (32 bits, or `bits` plus a 32-bit codebook once shared) and
     its relative indices at the fixed gap width, escapes included."""
-    dense16 = recipe["quantize"]["dense"] == "float16"
+    dense16 = recipe.quantize.dense == "float16"
     p_bits = q_bits = 0
     for e in entries:
         i = info.get(e.name)

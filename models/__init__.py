@@ -18,6 +18,7 @@ from compresskit.models.zoo import (
 
 __all__ = [
     "CompressError",
+    "Dataset",
     "InputError",
     "ModelSpec",
     "StageError",
@@ -25,8 +26,18 @@ __all__ = [
     "build",
     "count_parameters",
     "input_kind",
+    "load_data",
     "resolve",
     "resolve_spec",
     "state_shapes",
     "tiny",
 ]
+
+
+def __getattr__(name: str):
+    # Data loading imports scikit-learn: only when asked for.
+    if name in ("load_data", "Dataset"):
+        from compresskit.models import data
+
+        return data.load if name == "load_data" else data.Dataset
+    raise AttributeError(f"module 'compresskit.models' has no attribute {name!r}")

@@ -160,6 +160,8 @@ def load(spec: str, input_name: str | None = None) -> Dataset:
     `input_name`: the model's forward argument (`forward_input`), when the caller knows the
     model; an npz array of that name is then taken as the input too (see the module doc).
     """
+    if not isinstance(spec, str):
+        raise InputError(f"data {spec!r}: give a data spec string; use {SPECS_HELP}")
     kind, sep, arg = spec.partition(":")
     if kind == "digits":
         side = _parse_side(spec, arg) if sep else 8
@@ -685,6 +687,18 @@ def _forward_params(model: torch.nn.Module | type) -> list[inspect.Parameter]:
     if isinstance(model, type) and params and params[0].name == "self":
         params = params[1:]
     return params
+
+
+def input_name(name: str | None, consent: str | None) -> str | None:
+    """The forward argument of model `name` (e.g. `ids` for textcls): an npz array of that name
+    is the model's input, under every command alike. Code named by import path is imported
+    only with the user's consent (`consent`, the --model the user gave, naming it); without it
+    None, and building the model refuses next with the reason."""
+    if name is None or (":" in name and name != consent):
+        return None
+    from compresskit.models import zoo
+
+    return forward_input(zoo.resolve(name))
 
 
 def forward_input(model: torch.nn.Module | type) -> str | None:

@@ -18,6 +18,9 @@ FORBIDDEN = {
     "compressor": {"cli", "distrib", "click", "rich"},
     "distrib": {"cli", "compressor", "click", "rich"},
     "cli": set(),
+    # the Python API (compresskit/api.py) joins compressor and distrib as the CLI does, but is
+    # library code: no click, no printing
+    "compresskit": {"cli", "click", "rich"},
 }
 
 
@@ -43,7 +46,7 @@ def _imports(path):
         yield line, parts[1] if parts[0] == "compresskit" and len(parts) > 1 else parts[0]
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("package", [*PACKAGES, "compresskit"])
 def test_dependency_direction(package):
     bad = [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
@@ -59,7 +62,7 @@ def test_own_packages_are_imported_under_compresskit_only():
     package) instead of ours: every import of our own code names the `compresskit` root."""
     bad = [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
-        for folder in [*PACKAGES, "tests", "benchmarks"]
+        for folder in [*PACKAGES, "compresskit", "tests", "benchmarks"]
         for path in _modules(folder)
         for line, name in _imported(path)
         if name.split(".")[0] in PACKAGES
@@ -82,7 +85,7 @@ def _calls(tree, path):
     return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and id(n) not in skip]
 
 
-@pytest.mark.parametrize("package", ["compressor", "distrib", "models"])
+@pytest.mark.parametrize("package", ["compressor", "distrib", "models", "compresskit"])
 def test_library_never_prints_or_exits(package):
     bad = []
     for path in _modules(package):
@@ -101,6 +104,16 @@ def test_light_imports_do_not_load_onnx_or_sklearn():
         "import compresskit.models.zoo, compresskit.models.checkpoint, compresskit.distrib.trainer;"
         "heavy = [m for m in ('onnx', 'onnxruntime', 'sklearn', 'click') if m in sys.modules];"
         "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_import_compresskit_is_instant():
+    """The API's names load on first use: `import compresskit` alone loads no torch."""
+    code = (
+        "import sys, compresskit; assert sorted(compresskit.__all__) == compresskit.__all__;"
+        "print(','.join(m for m in ('torch', 'onnx', 'onnxruntime', 'sklearn') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

@@ -256,7 +256,7 @@ def test_search_respects_layers_the_recipe_fixes(tmp_path):
             "quantize": {"bits": {"4": 6}},
         }
     )
-    grid = budget.settings(model, r, budget.BudgetConfig.from_recipe(r["budget"]))
+    grid = budget.settings(model, r, budget.BudgetConfig.from_recipe(r.budget))
     assert {s for s, _ in grid["0"][1]} == {0.6}
     assert {b for _, b in grid["4"][1]} == {6}
     assert len(grid["2"][1]) == 9 * 6
@@ -268,7 +268,7 @@ def test_search_respects_layers_the_recipe_fixes(tmp_path):
         }
     )
     with pytest.raises(InputError, match="fix both for every layer"):
-        budget.settings(model, fixed, budget.BudgetConfig.from_recipe(fixed["budget"]))
+        budget.settings(model, fixed, budget.BudgetConfig.from_recipe(fixed.budget))
 
 
 @pytest.mark.parametrize(
@@ -294,10 +294,10 @@ def test_recipe_refuses_an_impossible_budget(raw, message):
 
 
 def test_a_budget_retrains_with_distillation_unless_told():
-    assert recipe_mod.resolve({})["train"]["distill"] == 0.0
-    assert recipe_mod.resolve({"budget": {"max_drop": 1}})["train"]["distill"] == 0.7
+    assert recipe_mod.resolve({}).train.distill == 0.0
+    assert recipe_mod.resolve({"budget": {"max_drop": 1}}).train.distill == 0.7
     told = recipe_mod.resolve({"budget": {"max_drop": 1}, "train": {"distill": 0.0}})
-    assert told["train"]["distill"] == 0.0
+    assert told.train.distill == 0.0
     # dry-run's TOML reads back to the same recipe
     r = recipe_mod.resolve({"budget": {"max_drop": 0.5, "bits": [3, 5]}})
     import tomllib

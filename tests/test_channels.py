@@ -203,7 +203,7 @@ def test_channels_after_prune_is_refused():
     with pytest.raises(InputError, match=r"\[channels\] comes after \[prune\]"):
         recipe.resolve(tomllib.loads(text))
     ok = recipe.resolve(tomllib.loads("[channels]\nenabled = true\n[prune]\nrounds = 1\n"))
-    assert ok["channels"]["enabled"] and ok["prune"]["rounds"] == 1
+    assert ok.channels.enabled and ok.prune.rounds == 1
 
 
 def test_ignore_naming_a_missing_layer_is_refused():

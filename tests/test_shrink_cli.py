@@ -430,7 +430,7 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
 
         monkeypatch.setattr(export, "_export", dynamo_only)
         monkeypatch.setattr(
-            "compresskit.cli.shrink.fit", lambda *a, **k: pytest.fail("trained before refusing")
+            "compresskit.api.fit", lambda *a, **k: pytest.fail("trained before refusing")
         )
         args += ["--opset", "13"]
     before = {p.name for p in tmp_path.iterdir()}

@@ -1,0 +1,59 @@
+"""compresskit: from a big PyTorch model to a tiny INT8 ONNX file a phone runs.
+
+The same operations as the `compress` command, as plain functions that return dataclasses
+(each with `.to_json()`), never print and never exit; bad input raises `InputError` with one
+line naming the problem and the fix:
+
+    import compresskit as ck
+
+    run = ck.train("lenet300", "digits", ck.TrainConfig(epochs=2), out="lenet300.pt")
+    report = ck.shrink(run, "digits", ck.Recipe(), out="lenet300-shrunk")
+    print(report.ratio, report.test_accuracy, report.ship)
+    result = ck.bench(report.files, "digits")
+
+`train` is `compresskit.distrib.train` (data-parallel strategies on torch.distributed),
+`bench` is `compresskit.compressor.bench`; `shrink` joins Deep Compression
+(`compresskit.compressor`) with the training loop it retrains with (`compresskit.distrib`), as
+the CLI does: the two packages never import each other, so the call that needs both lives here.
+
+Names are imported on first use, so `import compresskit` is instant and loads neither torch
+nor ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module that defines it (imported on first access: see __getattr__)
+_LAZY = {
+    "shrink": "compresskit.api",
+    "ShrinkReport": "compresskit.api",
+    "decode": "compresskit.api",
+    "train": "compresskit.distrib",
+    "TrainConfig": "compresskit.distrib",
+    "TrainResult": "compresskit.distrib",
+    "bench": "compresskit.compressor",
+    "BenchResult": "compresskit.compressor",
+    "Recipe": "compresskit.compressor",
+    "load_data": "compresskit.models",
+    "Dataset": "compresskit.models",
+    "ModelSpec": "compresskit.models",
+    "CompressError": "compresskit.models",
+    "InputError": "compresskit.models",
+    "StageError": "compresskit.models",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'compresskit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

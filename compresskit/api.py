@@ -1,0 +1,262 @@
+"""`compresskit.shrink`: Deep Compression (Han, Mao & Dally, ICLR 2016), distillation and INT8
+ONNX export of one model, as the `compress shrink` command runs them, from Python.
+
+It lives above both library packages because it joins them: the stages are
+`compresskit.compressor`'s, and the retraining they need is `compresskit.distrib`'s one
+training loop (`trainer.fit`), handed in as hooks, exactly as the CLI does. The CLI's
+`compress shrink` is this function plus flags, a progress display and tables.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from compresskit.compressor import pipeline
+from compresskit.compressor.recipe import Recipe
+from compresskit.compressor.shrink import Hooks
+from compresskit.distrib.trainer import (
+    Events,
+    TrainConfig,
+    correct,
+    cross_entropy_loss,
+    evaluate,
+    fit,
+)
+from compresskit.models import checkpoint, zoo
+from compresskit.models import data as data_mod
+from compresskit.models.data import Dataset
+from compresskit.models.errors import InputError
+from compresskit.models.zoo import ModelSpec
+
+__all__ = ["ShrinkReport", "decode", "shrink"]
+
+
+@dataclass(frozen=True)
+class ShrinkReport:
+    """What one shrink run wrote and measured (the full record is `report`, = report.json).
+
+    name            "model", or "student" when the recipe distilled into a new model
+    out             the folder holding every file
+    files           the files written, sorted
+    ship            the file to ship (the INT8 ONNX, or the FP32 one where INT8 was refused);
+                    `ship_mobile` the .ort for ONNX Runtime Mobile, when written
+    dense_bytes     the dense FP32 weights the ratios are measured against
+    archive_bytes   the Huffman-coded .dcz; `ratio` = dense_bytes / archive_bytes
+    baseline_accuracy, test_accuracy   the test set before and after (fractions)
+    findings        guardrail findings (compressor.guard): one dict per problem, [] when none
+    """
+
+    name: str
+    out: Path
+    files: tuple[Path, ...]
+    ship: str | None
+    ship_mobile: str | None
+    dense_bytes: int
+    archive_bytes: int | None
+    ratio: float | None
+    baseline_accuracy: float
+    test_accuracy: float
+    findings: tuple[dict[str, Any], ...]
+    report: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any]) -> ShrinkReport:
+        stages = report["stages"]
+        archive = report.get("archive")
+        deliverables = report.get("deliverables", {})
+        final = stages[-1]["test_accuracy"] if stages else report["baseline"]["test_accuracy"]
+        return cls(
+            name=report["name"],
+            out=Path(report["files"][0]).parent if report.get("files") else Path("."),
+            files=tuple(Path(f) for f in report.get("files", [])),
+            ship=deliverables.get("ship"),
+            ship_mobile=deliverables.get("ship_mobile"),
+            dense_bytes=report["baseline"]["bytes"],
+            archive_bytes=archive["bytes"] if archive else None,
+            ratio=archive["ratio"] if archive else None,
+            baseline_accuracy=report["baseline"]["test_accuracy"],
+            test_accuracy=final,
+            findings=tuple(report.get("guard", {}).get("findings", [])),
+            report=report,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole record, JSON-ready: what report.json in `out` holds."""
+        return self.report
+
+
+def _dataset(data: str | Dataset | None, default: str, input_name: str | None) -> Dataset:
+    if isinstance(data, Dataset):
+        return data
+    if data is None:
+        data = default
+    if not isinstance(data, str):
+        raise InputError(
+            f"data {data!r}: give a data spec such as 'digits', 'npz:FILE' or 'mnist:DIR', "
+            "or a Dataset from compresskit.load_data"
+        )
+    return data_mod.load(data, input_name)
+
+
+def _recipe(recipe: Recipe | None) -> Recipe:
+    if recipe is None:
+        return Recipe()
+    if not isinstance(recipe, Recipe):
+        raise InputError(
+            f"recipe is {type(recipe).__name__}, not a compresskit.Recipe; build one with "
+            "Recipe(...), Recipe.from_dict({...}) or Recipe.load(path)"
+        )
+    return recipe
+
+
+def _model_name(spec: str | ModelSpec | None) -> str | None:
+    return spec.name if isinstance(spec, ModelSpec) else spec
+
+
+def _load(
+    model: Any,
+    data: str | Dataset | None,
+    spec: str | ModelSpec | None,
+    model_kwargs: dict[str, Any] | None,
+    trust_model: bool,
+) -> tuple[nn.Module, ModelSpec, Dataset, dict[str, Any]]:
+    """(the model to compress, its spec, the data, the run's metadata) from what was given."""
+    if isinstance(model, nn.Module):
+        if spec is None:
+            raise InputError(
+                "shrink(model=<nn.Module>) needs spec='zoo name' or 'pkg.module:callable' (and "
+                "model_kwargs) naming how to build it: the archive and checkpoint record it so "
+                "the model can be rebuilt; or pass the checkpoint path"
+            )
+        ds = _dataset(data, "digits", data_mod.input_name(_model_name(spec), _model_name(spec)))
+        if isinstance(spec, ModelSpec):
+            resolved = spec
+        else:
+            resolved = zoo.resolve_spec(spec, dict(model_kwargs or {}), ds.in_shape, ds.num_classes)
+        shapes = zoo.state_shapes(resolved)
+        have = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if shapes is not None and shapes != have:
+            raise InputError(
+                f"spec {resolved.name!r} with {resolved.kwargs} builds a model whose weights "
+                "differ from the one given; pass the model_kwargs it was built with"
+            )
+        # The stages change the model in place; the caller's stays as it was.
+        net = copy.deepcopy(model)
+        data_mod.check_fits(net, ds, resolved.name)
+        return net, resolved, ds, {"data": ds.spec, "source": f"<{type(model).__name__}>"}
+    path = getattr(model, "checkpoint", model)  # a TrainResult names the file it wrote
+    if not isinstance(path, str | Path):
+        raise InputError(
+            f"model {model!r}: give a checkpoint path, a TrainResult from compresskit.train, "
+            "or an nn.Module with spec="
+        )
+    path = Path(path)
+    ck = checkpoint.load(path)
+    named = _model_name(spec)
+    if trust_model and named is None and ck.spec is not None and ck.spec.is_import_path:
+        named = ck.spec.name
+    consent = named  # the code the caller allowed to import
+    ds = _dataset(
+        data,
+        ck.metadata.get("data") or "digits",
+        data_mod.input_name(named or (ck.spec.name if ck.spec else None), consent),
+    )
+    resolved = ck.spec_for(named, dict(model_kwargs or {}), ds.in_shape, ds.num_classes)
+    net = ck.build_model(resolved, allow_import=named == resolved.name)
+    del ck  # its weights and optimizer state are copied into `net`
+    data_mod.check_fits(net, ds, resolved.name)
+    return net, resolved, ds, {"data": ds.spec, "source": str(path)}
+
+
+def shrink(
+    model: nn.Module | str | Path | Any,
+    data: str | Dataset | None = None,
+    recipe: Recipe | None = None,
+    *,
+    out: str | Path,
+    spec: str | ModelSpec | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    force: bool = False,
+    trust_model: bool = False,
+    progress: Events | None = None,
+    dataset: Dataset | None = None,
+) -> ShrinkReport:
+    """Compress one model as `recipe` says and write every output into the folder `out`.
+
+    model       a checkpoint path (what `compress train` / `compresskit.train` write), the
+                `TrainResult` `train` returned, or an `nn.Module` with `spec` (a zoo name or
+                "pkg.module:callable", plus `model_kwargs`) naming how to rebuild it; a module
+                is copied, never changed
+    data        a data spec ("digits", "npz:FILE", "mnist:DIR", "tokens") or a Dataset from
+                `compresskit.load_data`; default: the data the checkpoint was trained on
+    recipe      a `compresskit.Recipe` (default: `Recipe()`, the paper's settings)
+    out         the folder for NAME.dcz, NAME.pt, NAME.fp32/int8.onnx, NAME.int8.ort,
+                report.json/.md and plots; it must be new or empty unless `force`
+    spec        for a checkpoint, the model code to import (as `--model`); the checkpoint's
+                own import path is imported only with this or `trust_model`
+    progress    a `compresskit.distrib.Events` told about each epoch and step (default: silent)
+
+    Returns a `ShrinkReport`. Raises `InputError` for bad input (before any work) and
+    `StageError` when a stage fails its own check (then nothing is left in `out`).
+    """
+    recipe = _recipe(recipe)
+    out = Path(out)
+    pipeline.check_out_dir(out, force)
+    net, resolved, ds, meta = _load(model, dataset or data, spec, model_kwargs, trust_model)
+    hooks = _hooks(ds, recipe, progress)
+    report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
+    return ShrinkReport.from_report(report)
+
+
+def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
+    """The pipeline's hooks: `distrib`'s training loop and evaluation on `ds`."""
+    train = recipe.train
+    x_val, y_val = ds.decision_split()  # held out of training: what stages decide on
+
+    def retrain(m: nn.Module, epochs: int, lr: float, loss_fn=None, data=None) -> None:
+        cfg = TrainConfig(
+            epochs=epochs,
+            lr=lr,
+            batch_size=train.batch_size,
+            optimizer=train.optimizer,
+            seed=train.seed,
+        )
+        fit(m, data or ds, cfg, events=events, loss_fn=loss_fn or cross_entropy_loss)
+
+    info: Callable[[str], None] = events.info if events is not None else (lambda message: None)
+    return Hooks(
+        retrain=retrain,
+        test_accuracy=lambda m: evaluate(m, ds.x_test, ds.y_test)[1],
+        val_accuracy=lambda m: evaluate(m, x_val, y_val)[1],
+        val_data=(x_val, y_val),
+        test_correct=lambda m: correct(m, ds.x_test, ds.y_test),
+        info=info,
+        train_samples=len(ds.y_train),
+    )
+
+
+def decode(
+    archive: str | Path,
+    out: str | Path | None = None,
+    *,
+    model: str | None = None,
+    max_elements: int | None = None,
+    sha256: str | None = None,
+) -> dict[str, Any]:
+    """Rebuild a .pt checkpoint from a .dcz archive, bit for bit (as `compress decode`).
+
+    `model`: the "pkg.module:callable" the archive names, to import it and check the tensors
+    build it (without it the tensors are decoded and no code is imported). `sha256`: refuse
+    the archive unless its SHA-256 is this. Returns the record `compress decode --json` prints.
+    """
+    archive = Path(archive)
+    target = Path(out) if out is not None else archive.with_suffix(".decoded.pt")
+    return pipeline.decode_to_checkpoint(
+        archive, target, allow_import=model, max_elements=max_elements, sha256=sha256
+    )
