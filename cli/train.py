@@ -1,4 +1,4 @@
-"""`compress train`: flags -> TrainJob -> distrib.job.run -> a table or one JSON object."""
+"""`compress train`: flags -> `compresskit.distrib.train` -> a table or one JSON object."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import click
 from compresskit.cli import render
 from compresskit.cli.main import Interrupted, OutPath, emit_json, json_option, log_option
 from compresskit.distrib import launch
-from compresskit.distrib.job import TrainJob, run, run_ensemble
+from compresskit.distrib import train as run_train
+from compresskit.distrib.job import TrainJob, default_out, run_ensemble
 from compresskit.distrib.paramserver import PSConfig
 from compresskit.distrib.pipeline import BALANCES, PipelineConfig
 from compresskit.distrib.pipeline import SCHEDULES as PIPELINE_SCHEDULES
@@ -307,31 +308,48 @@ def train(
         grad_compression=grad_compression,
         device=device,
     )
-    job = TrainJob(
-        model=model,
-        model_kwargs=parse_kwargs(model_kwargs),
-        data=data,
-        config=config,
-        out=out or Path(f"{model.rsplit(':', 1)[-1].rsplit('.', 1)[-1].lower()}.pt"),
-        resume=resume,
-        explicit=explicit,
-        workers=workers,
-        timeout_s=timeout,
-        ps=_ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler),
-        pipeline=pipe,
-    )
+    kwargs = parse_kwargs(model_kwargs)
+    out = out or default_out(model)
+    ps = _ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler)
     factory = functools.partial(render.TrainProgress, quiet=quiet)
     if ensemble != 1:
+        job = TrainJob(
+            model=model,
+            model_kwargs=kwargs,
+            data=data,
+            config=config,
+            out=out,
+            resume=resume,
+            explicit=explicit,
+            workers=workers,
+            timeout_s=timeout,
+            ps=ps,
+            pipeline=pipe,
+        )
         _ensemble(job, ensemble, factory, as_json)
         return
     progress = render.TrainProgress(quiet=quiet)
     try:
-        result = run(job, progress, factory)
+        result = run_train(
+            model,
+            data,
+            config,
+            model_kwargs=kwargs,
+            out=out,
+            strategy=ps or pipe or strategy,
+            workers=workers,
+            resume=resume,
+            timeout_s=timeout,
+            progress=progress,
+            progress_factory=factory,
+            explicit=explicit,
+            return_model=False,
+        )
     except KeyboardInterrupt:
         progress.close()
         kept = ""
         if progress.last_checkpoint is not None:  # written by this run, not an older file
-            kept = f"; last good checkpoint: {job.out} (continue with --resume)"
+            kept = f"; last good checkpoint: {out} (continue with --resume)"
         raise Interrupted(f"interrupted{kept}") from None
     finally:
         progress.close()
@@ -340,29 +358,9 @@ def train(
     for warning in (result.strategy or {}).get("warnings", []):
         render.stderr.print(f"warning: {warning}", style="bold yellow")
     if as_json:
-        last = result.history[-1] if result.history else None
-        emit_json(
-            {
-                "checkpoint": str(job.out),
-                "workers": result.workers,
-                "strategy": strategy if result.workers > 1 or result.strategy else "single",
-                "steps_per_s": result.steps / result.seconds if result.seconds else None,
-                "samples_per_s": result.samples / result.seconds if result.seconds else None,
-                "comm_bytes": result.comm_bytes,
-                **_ps_json(result),
-                **_pipeline_json(result),
-                "test_accuracy": result.test_accuracy,
-                "test_loss": last.test_loss if last else None,
-                "epochs": result.epochs,
-                "steps": result.steps,
-                "samples": result.samples,
-                "seconds": round(result.seconds, 3),
-                "resumed_from": list(result.resumed_from) if result.resumed_from else None,
-                "history": [vars(r) for r in result.history],
-            }
-        )
+        emit_json(result.to_json())
     else:
-        render.train_summary(result, job.out)
+        render.train_summary(result, out)
 
 
 def _ps_config(strategy, workers, servers, staleness, warmup, straggler) -> PSConfig | None:
@@ -398,25 +396,6 @@ def _ps_config(strategy, workers, servers, staleness, warmup, straggler) -> PSCo
         sync_warmup_epochs=warmup,
         straggler=lag,
     )
-
-
-def _ps_json(result) -> dict:
-    s = result.strategy
-    if not s or s.get("kind") == "pipeline":
-        return {}
-    return {
-        "servers": s["servers"],
-        "staleness": s["staleness"],
-        "bytes_per_step": s["bytes_per_step"],
-        "warnings": s.get("warnings", []),
-        "staleness_histogram": s.get("staleness_histogram", {}),
-        "idle_fraction": s.get("idle_fraction", {}),
-        "lost_workers": s.get("lost_workers", []),
-        "updates": s.get("updates"),
-        "samples_per_worker": s.get("samples_per_worker", {}),
-        "max_clock_gap": s.get("max_clock_gap"),
-        "straggler": s["straggler"],
-    }
 
 
 _PIPELINE_FLAGS = ("stages", "microbatches", "split", "pipeline_schedule", "balance")
@@ -460,22 +439,6 @@ def _pipeline_config(
     return PipelineConfig(
         stages=stages, microbatches=microbatches, schedule=schedule, split=names, balance=balance
     )
-
-
-def _pipeline_json(result) -> dict:
-    s = result.strategy
-    if not s or s.get("kind") != "pipeline":
-        return {}
-    keys = ("stages", "microbatches", "split", "auto_split", "balance", "stage_parameters")
-    return {
-        **{k: s[k] for k in keys},
-        "pipeline_schedule": s["schedule"],
-        "stage_flops": s["stage_flops"],
-        "bubble_theory": s["bubble_theory"],
-        "bubble_measured": s["bubble_measured"],
-        "idle_fraction": s["idle_fraction"],
-        "bytes_per_step": s["bytes_per_step"],
-    }
 
 
 def _ensemble(job: TrainJob, members: int, factory, as_json: bool) -> None:

@@ -12,7 +12,7 @@ line naming the problem and the fix:
     result = ck.bench(report.files, "digits")
 
 `train` is `compresskit.distrib.train` (data-parallel strategies on torch.distributed),
-`bench` is `compresskit.compressor.bench`; `shrink` joins Deep Compression
+`bench` is `compresskit.compressor.bench` (module `benching`); `shrink` joins Deep Compression
 (`compresskit.compressor`) with the training loop it retrains with (`compresskit.distrib`), as
 the CLI does: the two packages never import each other, so the call that needs both lives here.
 

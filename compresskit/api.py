@@ -66,14 +66,14 @@ class ShrinkReport:
     report: dict[str, Any] = field(repr=False)
 
     @classmethod
-    def from_report(cls, report: dict[str, Any]) -> ShrinkReport:
+    def from_report(cls, report: dict[str, Any], out: Path) -> ShrinkReport:
         stages = report["stages"]
         archive = report.get("archive")
         deliverables = report.get("deliverables", {})
         final = stages[-1]["test_accuracy"] if stages else report["baseline"]["test_accuracy"]
         return cls(
             name=report["name"],
-            out=Path(report["files"][0]).parent if report.get("files") else Path("."),
+            out=out,
             files=tuple(Path(f) for f in report.get("files", [])),
             ship=deliverables.get("ship"),
             ship_mobile=deliverables.get("ship_mobile"),
@@ -140,6 +140,8 @@ def _load(
         else:
             resolved = zoo.resolve_spec(spec, dict(model_kwargs or {}), ds.in_shape, ds.num_classes)
         shapes = zoo.state_shapes(resolved)
+        if shapes is None:  # not buildable on the meta device: build it, for build's reason
+            shapes = {k: tuple(v.shape) for k, v in zoo.build(resolved).state_dict().items()}
         have = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if shapes is not None and shapes != have:
             raise InputError(
@@ -211,7 +213,7 @@ def shrink(
     net, resolved, ds, meta = _load(model, dataset or data, spec, model_kwargs, trust_model)
     hooks = _hooks(ds, recipe, progress)
     report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
-    return ShrinkReport.from_report(report)
+    return ShrinkReport.from_report(report, out)
 
 
 def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:

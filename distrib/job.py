@@ -1,18 +1,22 @@
 """`compress train` as a library call: build the model for the data, resume if asked, fit.
 
-`run(TrainJob)` is what the CLI calls; the data-parallel launcher will call it once per rank.
+`train(...)` is the documented entry point (`compresskit.distrib.train`): plain arguments in, a
+`TrainResult` out. It builds a `TrainJob` and runs it with `run(TrainJob)`, which the
+data-parallel launcher calls once per rank; `compress train` calls `train` too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from compresskit.distrib import launch, paramserver, pipeline
 from compresskit.distrib.paramserver import PSConfig
@@ -26,18 +30,22 @@ from compresskit.distrib.trainer import (
     optimizer_for,
 )
 from compresskit.models import checkpoint, data, zoo
+from compresskit.models.data import SPECS_HELP, Dataset
 from compresskit.models.errors import InputError
 from compresskit.models.fileio import check_writable
 
 # Settings a resumed run may change: the rest must match the checkpoint's.
 _RESUME_MAY_CHANGE = {"epochs", "eval_batch_size", "device", "checkpoint_every", "grad_compression"}
+# What `train(strategy=...)` takes by name.
+STRATEGIES = ("allreduce", "ps-sync", "ps-async", "ps-ssp", "pipeline")
+_DEFAULT_CONFIG = TrainConfig()
 
 
 @dataclass(frozen=True)
 class TrainJob:
     model: str = "lenet300"
     model_kwargs: dict[str, Any] = field(default_factory=dict)
-    data: str = "digits"
+    data: str | Dataset = "digits"  # a --data spec, or a data set already loaded
     config: TrainConfig = field(default_factory=TrainConfig)
     out: Path = Path("lenet300.pt")
     resume: bool = False
@@ -48,6 +56,237 @@ class TrainJob:
     # Names of the settings the user gave explicitly (CLI flags); a resumed run checks them
     # against the checkpoint and takes every other setting from it.
     explicit: frozenset[str] = frozenset()
+
+
+def default_out(model: str) -> Path:
+    """The checkpoint a run of `model` writes when no `out` is given: NAME.pt in the working
+    folder, NAME being the zoo name or, for an import path, the class or function name in
+    lower case (`mypkg.nets:Net` -> net.pt), as `compress train` names it."""
+    return Path(f"{model.rsplit(':', 1)[-1].rsplit('.', 1)[-1].lower()}.pt")
+
+
+def train(
+    model: str | nn.Module,
+    data: str | Dataset = "digits",
+    config: TrainConfig = _DEFAULT_CONFIG,
+    *,
+    model_kwargs: dict[str, Any] | None = None,
+    out: str | os.PathLike | None = None,
+    strategy: str | PSConfig | PipelineConfig = "allreduce",
+    workers: int | None = None,
+    resume: bool = False,
+    timeout_s: float = 300.0,
+    progress: Events | None = None,
+    progress_factory: Callable[[], Events] | None = None,
+    explicit: Collection[str] | None = None,
+    return_model: bool = True,
+) -> TrainResult:
+    """Train a model on a data set, as `compress train` does, and return what the run did.
+
+    Never prints or exits: progress goes to `progress` (silent by default), failures are
+    exceptions (`compresskit.models.errors.InputError` for bad input, one line saying how to
+    fix it; `StageError` for a run that failed, e.g. diverged or lost a worker).
+
+    Args:
+        model: what to train. A zoo name ("lenet300", "lenet5", "mlp", ...; see
+            `compresskit.models.available()`), an import path "pkg.module:attr" naming an
+            `nn.Module` class or a function that returns a module (the working folder is
+            searched first, so "mynets:build_net" finds ./mynets.py), or an `nn.Module`
+            instance. A name is built for the data (its `in_shape` and `num_classes`
+            parameters filled in), trained, and checkpointed to `out`. An instance is trained
+            in place, in this process, and no checkpoint is written: it cannot be rebuilt in
+            other processes or from a file, so `out`, `resume`, `model_kwargs`, workers > 1
+            and the other strategies need the model by name.
+        data: a data spec as `--data` takes it ("digits", "digits:28", "mnist:DIR",
+            "npz:FILE", "tokens[:L[:V]]") or a `compresskit.models.data.Dataset` already
+            loaded.
+        config: how to train (epochs, batch size, optimizer, learning rate, seed, ...): a
+            `TrainConfig`; the default trains 10 epochs with Adam.
+        model_kwargs: constructor keyword arguments for a model given by name.
+        out: the checkpoint to write (resumable; written at each epoch's end and every
+            `config.checkpoint_every` steps). Default: `default_out(model)`, NAME.pt in the
+            working folder.
+        strategy: "allreduce" (data parallel with all-reduce; one process when workers is 1),
+            "ps-sync", "ps-async" or "ps-ssp" (a parameter server: `workers` workers and
+            half as many servers, rounded up), "pipeline" (`workers` stages), or a
+            `PSConfig` / `PipelineConfig` for every setting of those strategies.
+        workers: data-parallel processes (the batch size is per worker); default 1, or the
+            PSConfig's workers, or the PipelineConfig's stages.
+        resume: continue from `out` if it exists, with the settings stored there. Settings
+            counted as given (`explicit`) must match the stored ones, except epochs, device,
+            checkpoint_every, grad_compression and eval_batch_size, which may change.
+        timeout_s: process-group timeout: a dead or stuck worker ends the run after at most
+            this many seconds.
+        progress: an `Events` whose callbacks see the epochs, steps and checkpoints of this
+            process's run. With several processes, rank 0 reports from its own process: it
+            gets `progress_factory()` there, or a pickled copy of `progress`.
+        progress_factory: makes rank 0's `Events` inside its process (several processes).
+        explicit: with `resume`, the settings to check against the checkpoint ("model",
+            "model_kwargs", "data" and `TrainConfig` field names); the others are taken from
+            it. Default: the model, the model_kwargs and data when given, and every
+            `config` field that differs from `TrainConfig()`'s.
+        return_model: put the trained model in `result.model` (for a run in several
+            processes, rank 0's weights are read back from the checkpoint). False leaves
+            it None.
+
+    Returns:
+        The `TrainResult`: history, test accuracy, steps, samples, seconds, checkpoint path,
+        the strategy's figures, and `model`, the trained model. `to_json()` is what
+        `compress train --json` prints. Under torchrun every rank returns its own result;
+        rank 0's is the one that reports.
+
+    Raises:
+        InputError: a model, data spec, config, strategy or file that cannot work, e.g.
+            `config` not a `TrainConfig`, an import path that does not build an `nn.Module`,
+            data that does not fit the model, `out` not writable, or an instance with
+            workers > 1.
+        StageError: the run failed (diverged, a worker died or timed out).
+    """
+    if not isinstance(config, TrainConfig):
+        raise InputError(
+            f"config must be a compresskit.distrib.TrainConfig, got {type(config).__name__}; "
+            "e.g. TrainConfig(epochs=5, batch_size=64)"
+        )
+    if not isinstance(data, str | Dataset):
+        raise InputError(
+            f"data must be a data spec ({SPECS_HELP}) or a "
+            f"compresskit.models.data.Dataset, got {type(data).__name__}"
+        )
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise InputError(
+            f"model_kwargs must be a dict of constructor arguments, got "
+            f"{type(model_kwargs).__name__}"
+        )
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
+        raise InputError(f"workers must be a whole number, got {type(workers).__name__}")
+    if isinstance(model, nn.Module):
+        return _train_instance(
+            model, data, config, model_kwargs, out, strategy, workers, resume, progress
+        )
+    if not isinstance(model, str):
+        raise InputError(
+            "model must be a zoo name (e.g. 'lenet300'), an import path 'pkg.module:callable' "
+            f"or a torch.nn.Module instance, got {type(model).__name__}"
+        )
+    workers, ps, pipe = _strategy(strategy, workers)
+    if explicit is None:
+        explicit = {"model"} | {
+            f.name
+            for f in dataclasses.fields(TrainConfig)
+            if getattr(config, f.name) != getattr(_DEFAULT_CONFIG, f.name)
+        }
+        if model_kwargs is not None:
+            explicit.add("model_kwargs")
+        if not isinstance(data, str) or data != "digits":
+            explicit.add("data")
+    job = TrainJob(
+        model=model,
+        model_kwargs=dict(model_kwargs or {}),
+        data=data,
+        config=config,
+        out=Path(out) if out is not None else default_out(model),
+        resume=resume,
+        workers=workers,
+        timeout_s=timeout_s,
+        ps=ps,
+        pipeline=pipe,
+        explicit=frozenset(explicit),
+    )
+    if progress_factory is None and progress is not None:
+        progress_factory = functools.partial(_same, progress)
+    result = run(job, progress, progress_factory)
+    if (
+        return_model
+        and result is not None
+        and result.model is None
+        and launch.is_rank_zero()
+        and result.checkpoint is not None
+        and Path(result.checkpoint).is_file()
+    ):
+        # Trained in other processes: rank 0's weights, from the checkpoint it wrote.
+        result.model = checkpoint.load(result.checkpoint).build_model(allow_import=True)
+    if not return_model and result is not None:
+        result.model = None
+    return result
+
+
+def _same(events: Events) -> Events:
+    """`progress` in rank 0's process (a pickled copy: its callbacks run there)."""
+    return events
+
+
+def _strategy(
+    strategy: str | PSConfig | PipelineConfig, workers: int | None
+) -> tuple[int, PSConfig | None, PipelineConfig | None]:
+    """(workers, parameter-server config, pipeline config) for `train(strategy=...)`."""
+    if isinstance(strategy, PSConfig):
+        return (strategy.workers if workers is None else workers), strategy, None
+    if isinstance(strategy, PipelineConfig):
+        return (strategy.stages if workers is None else workers), None, strategy
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise InputError(
+            f"strategy {strategy!r}: give one of {', '.join(STRATEGIES)}, a "
+            "compresskit.distrib.paramserver.PSConfig or a compresskit.distrib.pipeline."
+            "PipelineConfig"
+        )
+    workers = 1 if workers is None else workers
+    if strategy.startswith("ps-"):
+        mode = strategy.removeprefix("ps-")
+        if workers < 2:
+            raise InputError(
+                f"strategy {strategy!r} with workers={workers}: give workers=2 or more (with "
+                f"half as many servers), or strategy=PSConfig(mode={mode!r}, workers=..., "
+                "servers=...)"
+            )
+        return workers, PSConfig(mode=mode, workers=workers, servers=-(-workers // 2)), None
+    if strategy == "pipeline":
+        if workers < 2:
+            raise InputError(
+                f"strategy 'pipeline' with workers={workers}: give workers=K for K stages (one "
+                "process each), or strategy=PipelineConfig(stages=K, ...)"
+            )
+        return workers, None, PipelineConfig(stages=workers)
+    return workers, None, None
+
+
+def _train_instance(
+    model: nn.Module,
+    spec: str | Dataset,
+    config: TrainConfig,
+    model_kwargs,
+    out,
+    strategy,
+    workers: int | None,
+    resume: bool,
+    progress: Events | None,
+) -> TrainResult:
+    """`train` of an nn.Module instance: in place, in this process, no checkpoint."""
+    name = type(model).__name__
+    fix = (
+        "pass the model by name (a zoo name or 'pkg.module:callable' that builds it) so "
+        "that each process can build it"
+    )
+    if (workers or 1) > 1 or strategy != "allreduce":
+        what = f"workers={workers}" if (workers or 1) > 1 else f"strategy={strategy!r}"
+        raise InputError(f"{what}: a model instance ({name}) trains in this process only; {fix}")
+    if launch.DistEnv.from_torchrun() is not None:
+        raise InputError(f"torchrun: a model instance ({name}) trains in one process; {fix}")
+    for given, what in (
+        (out is not None, "out"),
+        (resume, "resume"),
+        (model_kwargs is not None, "model_kwargs"),
+    ):
+        if given:
+            raise InputError(
+                f"{what}: a model instance ({name}) is trained in place, without a checkpoint "
+                "(a checkpoint records how to build its model); pass the model by name, or "
+                "save result.model.state_dict() yourself"
+            )
+    ds = _load(spec, data.forward_input(model))
+    data.check_fits(model, ds, name)
+    result = fit(model, ds, config, events=progress)
+    result.model = model
+    return result
 
 
 def run(
@@ -81,7 +320,7 @@ def run(
         fn = functools.partial(_rank_main, job, events_factory)
         backend = "nccl" if gpu else "gloo"  # NCCL on GPUs, gloo on CPUs
         return launch.run(fn, job.workers, job.timeout_s, backend=backend)
-    return _run(job, events)
+    return _run(job, events, keep_model=True)
 
 
 def _run_ps(job: TrainJob, events_factory) -> TrainResult:
@@ -200,13 +439,21 @@ def _rank_main(job: TrainJob, events_factory, rank: int, world: int) -> TrainRes
             close()
 
 
-def _run(job: TrainJob, events: Events | None, rank: int = 0) -> TrainResult | None:
+def _run(
+    job: TrainJob, events: Events | None, rank: int = 0, keep_model: bool = False
+) -> TrainResult | None:
+    """One rank's run. `keep_model`: put the trained model in the result (in this process
+    only: a result that crosses processes leaves it out)."""
     events = events or Events()
     job, ds, model, spec, resume = _prepare(job, events)
     events.info(
         f"data {ds.describe()}; model {spec.name}, {zoo.count_parameters(model):,} parameters"
     )
-    meta = {"data": job.data, "seed": job.config.seed, "parameters": zoo.count_parameters(model)}
+    meta = {
+        "data": _spec(job.data),
+        "seed": job.config.seed,
+        "parameters": zoo.count_parameters(model),
+    }
     if job.pipeline is not None:
         meta["strategy"] = "pipeline"
         return pipeline.fit(
@@ -242,7 +489,7 @@ def _run(job: TrainJob, events: Events | None, rank: int = 0) -> TrainResult | N
             resume_at=at,
             store=launch.store(),
         )
-    return fit(
+    result = fit(
         model,
         ds,
         job.config,
@@ -251,6 +498,9 @@ def _run(job: TrainJob, events: Events | None, rank: int = 0) -> TrainResult | N
         events=events,
         updater=updater,
     )
+    if keep_model:
+        result.model = model
+    return result
 
 
 def _prepare(job: TrainJob, events: Events):
@@ -260,7 +510,7 @@ def _prepare(job: TrainJob, events: Events):
         job, ck = stored
         # Built first: building checks the consent to import code the checkpoint names.
         model = ck.build_model(allow_import="model" in job.explicit)
-        ds = data.load(job.data, data.forward_input(model))
+        ds = _load(job.data, data.forward_input(model))
         data.check_fits(model, ds, job.model)
         spec, resume = ck.spec, ck.train_state
         if resume["epoch"] >= job.config.epochs:
@@ -271,13 +521,22 @@ def _prepare(job: TrainJob, events: Events):
                 f"of {job.config.epochs} epochs"
             )
     else:
-        ds = data.load(job.data, _input_name(job.model))
+        ds = _load(job.data, _input_name(job.model))
         data.check_kind(job.model, ds)
         spec = zoo.resolve_spec(job.model, job.model_kwargs, ds.in_shape, ds.num_classes)
         model = zoo.build(spec, seed=job.config.seed)
         data.check_fits(model, ds, job.model)
         resume = None
     return job, ds, model, spec, resume
+
+
+def _load(spec: str | Dataset, input_name: str | None) -> Dataset:
+    """The data set a --data spec names, or the one given already loaded."""
+    return spec if isinstance(spec, Dataset) else data.load(spec, input_name)
+
+
+def _spec(d: str | Dataset) -> str:
+    return d.spec if isinstance(d, Dataset) else d
 
 
 def _input_name(model: str) -> str | None:
@@ -301,7 +560,7 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
     stored_cfg = TrainConfig.from_dict(ck.train_state["config"])
     stored = {
         "model": ck.spec.name,
-        "data": ck.metadata.get("data", job.data),
+        "data": ck.metadata.get("data", _spec(job.data)),
         **{f.name: getattr(stored_cfg, f.name) for f in dataclasses.fields(TrainConfig)},
     }
     stored["model_kwargs"] = {
@@ -310,7 +569,7 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
     stored["lr"] = stored_cfg.learning_rate  # compare what trains, not how it was written
     given = {
         "model": job.model,
-        "data": job.data,
+        "data": _spec(job.data),
         "model_kwargs": job.model_kwargs,
         **dataclasses.asdict(job.config),
         "lr": job.config.learning_rate,
@@ -330,4 +589,6 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
             f"more than --epochs {config.epochs}"
         )
     torch.manual_seed(config.seed)
-    return dataclasses.replace(job, model=ck.spec.name, data=stored["data"], config=config), ck
+    # A data set given already loaded stays the one trained on (its spec is what was checked).
+    ds = job.data if isinstance(job.data, Dataset) else stored["data"]
+    return dataclasses.replace(job, model=ck.spec.name, data=ds, config=config), ck

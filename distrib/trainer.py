@@ -30,6 +30,7 @@ from torch import nn
 from compresskit.models import checkpoint
 from compresskit.models.data import Dataset
 from compresskit.models.errors import InputError, StageError
+from compresskit.models.jsonable import plain
 from compresskit.models.zoo import ModelSpec
 
 OPTIMIZERS = ("sgd", "adam")
@@ -116,6 +117,9 @@ def _check(ok: bool, flag: str, value: Any, fix: str) -> None:
 
 @dataclass
 class EpochRecord:
+    """One epoch's figures: mean training loss and accuracy over its steps, then test loss
+    and accuracy after it, and its wall-clock seconds."""
+
     epoch: int  # 1-based
     train_loss: float
     train_accuracy: float
@@ -126,6 +130,12 @@ class EpochRecord:
 
 @dataclass
 class TrainResult:
+    """What a training run did: per-epoch figures, totals, where the checkpoint is, and (from
+    `compresskit.distrib.train`) the trained model.
+
+    `to_json()` is the object `compress train --json` prints.
+    """
+
     history: list[EpochRecord]
     test_accuracy: float
     epochs: int
@@ -137,6 +147,80 @@ class TrainResult:
     workers: int = 1
     comm_bytes: int = 0  # gradient bytes this rank sent to all-reduce (0 in one process)
     strategy: dict[str, Any] = field(default_factory=dict)  # parameter server: its figures
+    # The trained model (set by `distrib.train`; None from the loop itself and across
+    # processes). Not part of `to_json()`.
+    model: nn.Module | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def strategy_name(self) -> str:
+        """How the run trained: "single" (one process), "allreduce", "ps-sync", "ps-async",
+        "ps-ssp" or "pipeline"."""
+        s = self.strategy
+        if s.get("kind") == "pipeline":
+            return "pipeline"
+        if s:
+            return f"ps-{s['mode']}"
+        return "allreduce" if self.workers > 1 else "single"
+
+    def to_json(self) -> dict[str, Any]:
+        """The run as JSON values, exactly the object `compress train --json` prints: the
+        checkpoint path as a string, rates per second, the strategy's figures, the history as
+        a list of dicts; NaN (e.g. the accuracy of a run with no epoch left to train) is None.
+        """
+        last = self.history[-1] if self.history else None
+        return plain(
+            {
+                "checkpoint": str(self.checkpoint) if self.checkpoint is not None else None,
+                "workers": self.workers,
+                "strategy": self.strategy_name,
+                "steps_per_s": self.steps / self.seconds if self.seconds else None,
+                "samples_per_s": self.samples / self.seconds if self.seconds else None,
+                "comm_bytes": self.comm_bytes,
+                **_ps_json(self.strategy),
+                **_pipeline_json(self.strategy),
+                "test_accuracy": self.test_accuracy,
+                "test_loss": last.test_loss if last else None,
+                "epochs": self.epochs,
+                "steps": self.steps,
+                "samples": self.samples,
+                "seconds": round(self.seconds, 3),
+                "resumed_from": list(self.resumed_from) if self.resumed_from else None,
+                "history": [vars(r) for r in self.history],
+            }
+        )
+
+
+def _ps_json(s: dict[str, Any]) -> dict[str, Any]:
+    if not s or s.get("kind") == "pipeline":
+        return {}
+    return {
+        "servers": s["servers"],
+        "staleness": s["staleness"],
+        "bytes_per_step": s["bytes_per_step"],
+        "warnings": s.get("warnings", []),
+        "staleness_histogram": s.get("staleness_histogram", {}),
+        "idle_fraction": s.get("idle_fraction", {}),
+        "lost_workers": s.get("lost_workers", []),
+        "updates": s.get("updates"),
+        "samples_per_worker": s.get("samples_per_worker", {}),
+        "max_clock_gap": s.get("max_clock_gap"),
+        "straggler": s["straggler"],
+    }
+
+
+def _pipeline_json(s: dict[str, Any]) -> dict[str, Any]:
+    if not s or s.get("kind") != "pipeline":
+        return {}
+    keys = ("stages", "microbatches", "split", "auto_split", "balance", "stage_parameters")
+    return {
+        **{k: s[k] for k in keys},
+        "pipeline_schedule": s["schedule"],
+        "stage_flops": s["stage_flops"],
+        "bubble_theory": s["bubble_theory"],
+        "bubble_measured": s["bubble_measured"],
+        "idle_fraction": s["idle_fraction"],
+        "bytes_per_step": s["bytes_per_step"],
+    }
 
 
 class Events:

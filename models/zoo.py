@@ -150,11 +150,8 @@ def resolve(name: str) -> Callable[..., nn.Module]:
             f"model {name!r}: an import path reads pkg.module:Class or pkg.module:function"
         )
     module_name = _RENAMED_MODULES.get(module_name, module_name)
-    # A user's model file in the working folder should import as it would from `python -c`.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        module = _import_user_module(module_name)
     except ModuleNotFoundError as e:
         raise InputError(
             f"model {name!r}: cannot import {module_name!r} ({e}); "
@@ -182,6 +179,22 @@ def resolve(name: str) -> Callable[..., nn.Module]:
     if not callable(obj):
         raise InputError(f"model {name!r}: {attr} is {type(obj).__name__}, not {what}")
     return obj
+
+
+def _import_user_module(module_name: str) -> Any:
+    """Import `module_name` as it would import from `python -c` in the working folder: a
+    module file (or package) there comes first, even where another folder on sys.path holds
+    one of the same name (a project's own `models/` package, say, when the user's is
+    ./models.py). The working folder stays on sys.path, last, for what the module imports
+    later."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+    sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path.remove(cwd)  # the first entry: the one inserted above
 
 
 def _signature(ctor: Callable) -> inspect.Signature | None:

@@ -1,0 +1,279 @@
+"""`compress bench` as a library call: model files in, the measured grid out.
+
+`bench(paths, data)` turns model files (`.pt` checkpoints, `.onnx` / `.ort` files, `compress
+shrink` folders) into runnable variants (`compressor.variants`), measures them alike on every
+runtime asked for (`compressor.benchmark.measure`) and returns a `BenchResult`, whose
+`to_json()` is the object `compress bench --json` prints. The CLI parses its flags, calls
+this, and writes the table, `--report` and `--plot` from the result.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compresskit.compressor import benchmark, envinfo, variants
+from compresskit.compressor.variants import DEFAULT_PROVIDERS
+from compresskit.models import data as data_mod
+from compresskit.models import safeload, zoo
+from compresskit.models.data import SPECS_HELP, Dataset
+from compresskit.models.errors import InputError
+from compresskit.models.jsonable import plain
+
+
+@dataclass
+class BenchResult:
+    """What `bench` measured: one row per (model, runtime, precision, batch, threads) cell.
+
+    environment          CPU model and flags, cores, OS, package versions, GPU, date
+    peaks                per thread count (a string key), the measured FP32 matmul GFLOP/s and
+                         INT8 GOP/s the rows' `peak_fraction` is relative to
+    agreement_reference  the variant top-1 agreement is measured against (the first that
+                         ran on the data), or None without data
+    speedup_reference    the variant `speedup_vs_first` is relative to
+    runtimes             {"requested": [...], "default": bool, "absent": {provider: reason}}
+    results              the rows: p50/p90/p99 latency and its bootstrap CI (ms), throughput,
+                         cold start, bytes, parameters, MACs, GFLOP/s, accuracy, agreement
+    skipped              variants not measured, each with its reason
+    profiles             with `profile=True`, per ONNX model the per-operator time shares
+    """
+
+    environment: dict[str, Any]
+    peaks: dict[str, dict[str, float]]
+    agreement_reference: str | None
+    speedup_reference: str | None
+    runtimes: dict[str, Any]
+    results: list[dict[str, Any]]
+    skipped: list[dict[str, Any]]
+    profiles: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as JSON values, exactly the object `compress bench --json` prints (and
+        what `compressor.benchreport.markdown` / `plot` take): NaN is None, paths are strings.
+        """
+        return plain(
+            {
+                "environment": self.environment,
+                "peaks": self.peaks,
+                "agreement_reference": self.agreement_reference,
+                "speedup_reference": self.speedup_reference,
+                "runtimes": self.runtimes,
+                "results": self.results,
+                "skipped": self.skipped,
+                "profiles": self.profiles,
+            }
+        )
+
+
+def bench(
+    models: str | os.PathLike | Sequence[str | os.PathLike],
+    data: str | Dataset | None = None,
+    *,
+    batches: int | Sequence[int] = (1,),
+    threads: int | Sequence[int] = (1,),
+    providers: str | Sequence[str] | None = None,
+    min_runs: int = 50,
+    min_seconds: float = 1.0,
+    baselines: bool = False,
+    profile: bool = False,
+    model: str | None = None,
+    model_kwargs: dict[str, Any] | str | None = None,
+    trust_model: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Measure latency, throughput, size and accuracy of models across runtimes, alike: the
+    runners of one (batch, threads) cell run interleaved after warm-up, until both `min_runs`
+    and `min_seconds` are reached. What `compress bench` does; never prints or exits.
+
+    Args:
+        models: a path, or a list of paths: `.pt` checkpoints, `.onnx` or `.ort` files, or
+            `compress shrink` output folders (every model file in them).
+        data: a data spec ("digits", "npz:FILE", "tokens", ...) or a loaded
+            `compresskit.models.data.Dataset`: each variant's test accuracy and top-1
+            agreement with the first one are measured on its test split. None: latency
+            only (inputs are random either way).
+        batches: batch sizes to time (an int or a sequence), e.g. (1, 64).
+        threads: thread counts (0: all cores).
+        providers: runtimes, as a list or "torch,cpu": torch (PyTorch eager), cpu, cuda,
+            tensorrt (ONNX Runtime providers). Default: all of them; those absent here are
+            returned as skips with their reason.
+        min_runs: timed runs per cell, at least.
+        min_seconds: timed seconds per cell, at least.
+        baselines: also measure ONNX Runtime's quantize_dynamic and quantize_static of each
+            FP32 ONNX input (calibrated on `data`'s training images).
+        profile: add a per-operator profile of each ONNX model (ONNX Runtime's profiler).
+        model: for a bare state_dict, the model to build (a zoo name or
+            "pkg.module:callable"); naming a checkpoint's own import path also allows
+            importing that code.
+        model_kwargs: constructor arguments for `model` (a dict, or its JSON text).
+        trust_model: allow importing the code every checkpoint names.
+        progress: called with one line per step of the measurement (default: silent).
+
+    Returns:
+        A `BenchResult`; `to_json()` is what `compress bench --json` prints.
+
+    Raises:
+        InputError: a path that is missing or not a model, an unknown provider, a batch
+            size below 1, a data spec that cannot be read or does not fit the models, a
+            checkpoint that names code without consent (`model` or `trust_model`).
+    """
+    cfg = benchmark.BenchConfig(
+        batches=_ints(batches, "--batch"),
+        threads=_ints(threads, "--threads"),
+        min_runs=min_runs,
+        min_seconds=min_seconds,
+    )
+    # Without `providers` every runtime is asked for: the absent ones come back as skips
+    # without being tried, and the table names them in one line.
+    runtimes = variants.parse_providers(_providers(providers))
+    paths = variants.expand(_paths(models))
+    named = _model_name(paths, model)
+    consent = named if trust_model else model  # may the model's code be imported
+    ds = _data(data, named, consent)
+    info = progress or (lambda message: None)
+    with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
+        for p in paths:  # before onnx or ONNX Runtime reads any external data
+            if p.suffix == ".onnx":
+                safeload.check_onnx_external_data(p)
+        kwargs = _kwargs(model_kwargs)
+        described = variants.disambiguate(
+            [variants.load(p, model, ds, kwargs, trust=trust_model) for p in paths]
+        )
+        if baselines:
+            described += _baselines(described, ds, Path(tmp), info)
+        runnable, skipped = variants.variants(described, runtimes)
+        results, more, extra = benchmark.measure(runnable, cfg, ds, info)
+        profiles = _profiles(described, cfg, ds) if profile else {}
+    return BenchResult(
+        environment=envinfo.environment(),
+        **extra,
+        runtimes={
+            "requested": runtimes,
+            "default": providers is None,
+            "absent": benchmark.absent_runtimes(),
+        },
+        results=results,
+        skipped=skipped + more,
+        profiles=profiles,
+    )
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _ints(value: int | Sequence[int], flag: str) -> tuple[int, ...]:
+    if _whole(value):
+        return (int(value),)
+    if isinstance(value, Sequence) and not isinstance(value, str) and all(map(_whole, value)):
+        return tuple(int(v) for v in value)
+    name = "batches" if flag == "--batch" else "threads"
+    raise InputError(f"{name} {value!r}: give a whole number or a list of them, e.g. (1, 64)")
+
+
+def _providers(providers: str | Sequence[str] | None) -> str:
+    if providers is None:
+        return DEFAULT_PROVIDERS
+    if isinstance(providers, str):
+        return providers
+    if isinstance(providers, Sequence) and all(isinstance(p, str) for p in providers):
+        return ",".join(providers)
+    raise InputError(
+        f"providers {providers!r}: give runtime names, e.g. ['torch', 'cpu'] or 'torch,cpu'"
+    )
+
+
+def _paths(models: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    items = [models] if isinstance(models, str | os.PathLike) else models
+    if not isinstance(items, Sequence) or not all(isinstance(m, str | os.PathLike) for m in items):
+        raise InputError(
+            f"models {models!r}: give a path, or a list of paths, to .pt, .onnx or .ort files "
+            "or compress shrink folders"
+        )
+    if not items:
+        raise InputError(
+            "models: give one or more .pt, .onnx or .ort files or compress shrink folders"
+        )
+    return [Path(m) for m in items]
+
+
+def _data(data: str | Dataset | None, named: str | None, consent: str | None) -> Dataset | None:
+    """The data set, read for the model being measured (an npz array named after its forward
+    argument is its input)."""
+    if isinstance(data, Dataset):
+        return data
+    if data is not None and not isinstance(data, str):
+        raise InputError(
+            f"data must be a data spec ({SPECS_HELP}), a compresskit.models.data.Dataset or "
+            f"None, got {type(data).__name__}"
+        )
+    return data_mod.load(data, data_mod.input_name(named, consent)) if data else None
+
+
+def _kwargs(model_kwargs: dict[str, Any] | str | None) -> dict[str, Any]:
+    if isinstance(model_kwargs, dict):
+        return model_kwargs
+    if model_kwargs is None or isinstance(model_kwargs, str):
+        return zoo.parse_kwargs(model_kwargs)
+    raise InputError(
+        f"model_kwargs must be a dict (or a JSON object as text), got {type(model_kwargs).__name__}"
+    )
+
+
+def _baselines(described, ds, tmp: Path, info) -> list:
+    """ORT's own quantizers on each FP32 ONNX input, calibrated on training images."""
+    import numpy as np
+
+    from compresskit.compressor import export as export_mod
+
+    out = []
+    for m in described:
+        if m.format != "onnx" or m.precision != "fp32":
+            continue
+        if ds is not None:
+            pick = np.random.default_rng(0).permutation(len(ds.y_train))[:256]
+            calib = ds.x_train.numpy()[pick]
+        elif m.in_shape is not None:  # float32 images, or int64 ids the model embeds
+            calib = benchmark.inputs(m, 64, None, np.random.default_rng(0))
+        else:
+            raise InputError(f"--baselines: {m.path} has no fixed input shape; pass --data SPEC")
+        info(f"baselines: ORT quantize_dynamic and default quantize_static of {m.label}")
+        folder = tmp / str(len(out))  # one folder per input: equal names never overwrite
+        folder.mkdir()
+        for path in export_mod.ort_baselines(m.path, folder, calib):
+            b = variants.load(path)
+            b.label = f"{m.label} → {path.name.split('.')[-2]}"
+            b.source = m.path  # its INT8 is compared with the FP32 file it came from
+            out.append(b)
+    return out
+
+
+def _profiles(described, cfg, ds) -> dict:
+    import numpy as np
+
+    from compresskit.compressor import ortprofile
+
+    out = {}
+    for m in described:
+        if m.format != "onnx":
+            continue
+        x = benchmark.inputs(m, cfg.batches[0], ds, np.random.default_rng(0))
+        p = ortprofile.profile_ops(m.path, x, threads=benchmark.resolve_threads(cfg.threads[0]))
+        out[m.label] = {**p, "top": ortprofile.top_ops(p, 5)}
+    return out
+
+
+def _model_name(paths: list[Path], model: str | None) -> str | None:
+    """The PyTorch model being measured: `model`, else the first checkpoint's recorded one."""
+    if model is not None:
+        return model
+    from compresskit.models import checkpoint
+
+    first = next((p for p in paths if p.suffix == ".pt"), None)
+    spec = checkpoint.load(first).spec if first is not None else None
+    return spec.name if spec is not None else None

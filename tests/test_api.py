@@ -1,0 +1,130 @@
+"""The Python API (compresskit.shrink and friends), called only through documented names, and
+the README's "From Python" example run as written."""
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import compresskit as ck
+from compresskit.compressor import ExportSection, PruneSection, QuantizeSection
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+# Few epochs and no ONNX: these tests are about the API's plumbing, not the figures.
+FAST = ck.Recipe(
+    prune=PruneSection(sparsity=0.6, rounds=1, retrain_epochs=2),
+    quantize=QuantizeSection(finetune_epochs=1),
+    export=ExportSection(enabled=False),
+)
+
+FACTORY = """\
+from torch import nn
+
+
+def build_net(in_shape, num_classes, hidden=32):
+    c, h, w = in_shape
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(),
+                         nn.Linear(hidden, num_classes))
+
+
+def not_a_model(in_shape, num_classes):
+    return 3
+"""
+
+
+def test_readme_from_python_runs_as_written(tmp_path, monkeypatch, capsys):
+    text = README.read_text()
+    section = text[text.index("## From Python") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    ratio = float(re.search(r"^(\d+)x smaller", out, re.M).group(1))
+    assert ratio > 10  # 90% pruned, 4-bit shared: far below the dense FP32 bytes
+    assert "lenet300.pt" in out and "model.int8.onnx" in out
+    assert (tmp_path / "lenet300-shrunk" / "report.json").is_file()
+
+
+def test_factory_model_shrunk_through_the_api_and_the_cli(tmp_path, monkeypatch):
+    from compresskit.cli.main import main
+
+    (tmp_path / "mynets.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    main(
+        ["train", "--model", "mynets:build_net", "--data", "digits", "--epochs", "5", "-q"],
+        standalone_mode=False,
+    )
+    assert Path("build_net.pt").is_file()
+
+    report = ck.shrink("build_net.pt", "digits", FAST, out="api", spec="mynets:build_net")
+    assert isinstance(report, ck.ShrinkReport)
+    assert report.name == "model" and report.ratio > 5
+    assert report.test_accuracy > 0.5 and report.out.resolve() == tmp_path / "api"
+    assert {p.name for p in report.files} >= {"model.dcz", "model.pt", "report.json"}
+    assert report.to_json()["recipe"] == FAST.to_dict()
+
+    FAST.dump("fast.toml")
+    args = ["build_net.pt", "--model", "mynets:build_net", "--recipe", "fast.toml"]
+    main(["shrink", *args, "--out", "cli", "-q"], standalone_mode=False)
+    # one recipe, one seed: the CLI and the API write the same archive
+    assert Path("cli/model.dcz").read_bytes() == Path("api/model.dcz").read_bytes()
+
+    # the checkpoint names its code: without consent it is not imported
+    with pytest.raises(ck.InputError, match="pass --model mynets:build_net"):
+        ck.shrink("build_net.pt", "digits", FAST, out="refused")
+    assert not Path("refused").exists()
+    ck.shrink("build_net.pt", "digits", FAST, out="trusted", trust_model=True)
+
+
+def test_a_module_instance_is_copied_never_changed(tmp_path):
+    torch.manual_seed(0)
+    net = ck.train("lenet300", "digits", ck.TrainConfig(epochs=1), out=tmp_path / "t.pt").model
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    report = ck.shrink(net, "digits", FAST, out=tmp_path / "out", spec="lenet300")
+    assert report.ratio > 5
+    after = net.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # and the archive it wrote decodes to the compressed model's tensors
+    decoded = ck.decode(report.out / "model.dcz", tmp_path / "back.pt")
+    assert decoded["parameters"] == sum(p.numel() for p in net.parameters())
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda d: ck.shrink(d / "t.pt", "digits", {"prune": {}}, out=d / "o"), "not a compress"),
+        (lambda d: ck.shrink(d / "t.pt", 42, out=d / "o"), "give a data spec"),
+        (lambda d: ck.shrink(d / "t.pt", "digits:x", out=d / "o"), "digits:x"),
+        (lambda d: ck.shrink(nn.Linear(2, 2), "digits", out=d / "o"), "needs spec="),
+        (lambda d: ck.shrink(object(), "digits", out=d / "o"), "give a checkpoint path"),
+        (
+            lambda d: ck.shrink(
+                nn.Linear(64, 10), "digits", out=d / "o", spec="mynets:not_a_model"
+            ),
+            "returned int, not a torch.nn.Module",
+        ),
+        (lambda d: ck.load_data(3), "give a data spec string"),
+        (lambda d: ck.Recipe(prune={"sparsity": 0.9}), "not a PruneSection"),
+    ],
+)
+def test_bad_input_is_one_input_error(tmp_path, monkeypatch, call, message):
+    (tmp_path / "mynets.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ck.train("lenet300", "digits", ck.TrainConfig(epochs=1), out=tmp_path / "t.pt")
+    with pytest.raises(ck.InputError, match=re.escape(message)):
+        call(tmp_path)
+    assert not (tmp_path / "o").exists()
+
+
+def test_documented_names_resolve():
+    for name in ck.__all__:
+        assert getattr(ck, name) is not None
+    assert "shrink" in dir(ck)
+    with pytest.raises(AttributeError):
+        ck.nothing_here  # noqa: B018
+    assert textwrap.dedent(ck.shrink.__doc__ or "").strip()
