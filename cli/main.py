@@ -8,7 +8,6 @@ also the one JSON object on stdout: {"error": "...", "exit_code": N}.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
@@ -21,6 +20,7 @@ import click
 
 from compresskit.cli import entry
 from compresskit.models.errors import CompressError
+from compresskit.models.jsonable import finite
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -154,17 +154,7 @@ def input_name(name: str | None, model_flag: str | None) -> str | None:
 
 def emit_json(obj: dict[str, Any]) -> None:
     # NaN and infinity are not JSON: they become null.
-    click.echo(json.dumps(_finite(obj), indent=2, sort_keys=False, default=str, allow_nan=False))
-
-
-def _finite(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_finite(x) for x in v]
-    return v
+    click.echo(json.dumps(finite(obj), indent=2, sort_keys=False, default=str, allow_nan=False))
 
 
 class CompressGroup(click.Group):

@@ -67,10 +67,8 @@ class ShrinkReport:
 
     @classmethod
     def from_report(cls, report: dict[str, Any], out: Path) -> ShrinkReport:
-        stages = report["stages"]
         archive = report.get("archive")
         deliverables = report.get("deliverables", {})
-        final = stages[-1]["test_accuracy"] if stages else report["baseline"]["test_accuracy"]
         return cls(
             name=report["name"],
             out=out,
@@ -81,7 +79,7 @@ class ShrinkReport:
             archive_bytes=archive["bytes"] if archive else None,
             ratio=archive["ratio"] if archive else None,
             baseline_accuracy=report["baseline"]["test_accuracy"],
-            test_accuracy=final,
+            test_accuracy=report["student"]["test_accuracy"],  # of NAME.pt, after it all
             findings=tuple(report.get("guard", {}).get("findings", [])),
             report=report,
         )
@@ -187,7 +185,6 @@ def shrink(
     force: bool = False,
     trust_model: bool = False,
     progress: Events | None = None,
-    dataset: Dataset | None = None,
 ) -> ShrinkReport:
     """Compress one model as `recipe` says and write every output into the folder `out`.
 
@@ -210,7 +207,7 @@ def shrink(
     recipe = _recipe(recipe)
     out = Path(out)
     pipeline.check_out_dir(out, force)
-    net, resolved, ds, meta = _load(model, dataset or data, spec, model_kwargs, trust_model)
+    net, resolved, ds, meta = _load(model, data, spec, model_kwargs, trust_model)
     hooks = _hooks(ds, recipe, progress)
     report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
     return ShrinkReport.from_report(report, out)

@@ -23,7 +23,7 @@ from compresskit.compressor import archive, budget, channels, distill, envinfo, 
 from compresskit.compressor import report as report_mod
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.export import compat, int8, mobile
-from compresskit.compressor.recipe import Recipe
+from compresskit.compressor.recipe import ExportSection, Recipe
 from compresskit.models import checkpoint
 from compresskit.models.data import Dataset, check_kind, embedding_rows
 from compresskit.models.errors import InputError, StageError
@@ -477,7 +477,7 @@ def deliverables(report: dict[str, Any]) -> dict[str, Any]:
 
 def _export(
     model,
-    e: dict[str, Any],
+    e: ExportSection,
     report,
     data: Dataset,
     calib,
@@ -619,11 +619,11 @@ def _load(path: Path):
     return onnx.load(str(path))
 
 
-def export_config(e: dict[str, Any]) -> export.ExportConfig:
+def export_config(e: ExportSection) -> export.ExportConfig:
     return export.ExportConfig(opset=e.opset, ir_version=e.ir_version or None)
 
 
-def quant_config(e: dict[str, Any]) -> int8.QuantConfig:
+def quant_config(e: ExportSection) -> int8.QuantConfig:
     return int8.QuantConfig(
         calibration=e.calibration,
         method=e.method,

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from compresskit.compressor import archive, distill, huffman, kmeans, prune, softshare, stats
-from compresskit.compressor.recipe import Recipe
+from compresskit.compressor.recipe import HuffmanSection, PruneSection, QuantizeSection, Recipe
 from compresskit.models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
@@ -249,7 +249,7 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
 # --- stages ---------------------------------------------------------------------------------
 
 
-def _prune(model: nn.Module, p: dict[str, Any], hooks: Hooks) -> dict[str, Any] | None:
+def _prune(model: nn.Module, p: PruneSection, hooks: Hooks) -> dict[str, Any] | None:
     sens = None
     sparsity = p.sparsity
     if sparsity == "default":
@@ -288,7 +288,7 @@ def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
 
 
 def _quantize(
-    model: nn.Module, q: dict[str, Any], seed: int, hooks: Hooks, base_loss: Callable
+    model: nn.Module, q: QuantizeSection, seed: int, hooks: Hooks, base_loss: Callable
 ) -> dict[str, Any]:
     cfg = kmeans.QuantizeConfig(
         conv_bits=q.conv_bits,
@@ -349,7 +349,7 @@ def _quantize(
     return histogram
 
 
-def _round_dense(model: nn.Module, q: dict[str, Any]) -> None:
+def _round_dense(model: nn.Module, q: QuantizeSection) -> None:
     if q.dense == "float16":
         # Biases and norm statistics are stored as float16; round them in the model too, so
         # the archive decodes to exactly the model we measured.
@@ -406,7 +406,7 @@ def prefer_dense_(model: nn.Module, recipe: Recipe) -> list[str]:
     return rounded
 
 
-def _fixed_gap_bits(layer: prune.Layer, h: dict[str, Any]) -> int:
+def _fixed_gap_bits(layer: prune.Layer, h: HuffmanSection) -> int:
     return h.conv_gap_bits if layer.kind == "conv" else h.fc_gap_bits
 
 

@@ -192,7 +192,7 @@ def test_ctrl_c_does_not_point_at_an_older_file(run, tmp_path, monkeypatch):
 
 
 def test_json_has_no_nan():
-    from compresskit.cli.main import _finite
+    from compresskit.models.jsonable import finite as _finite  # what emit_json uses
 
     assert (
         json.dumps(_finite({"a": float("nan"), "b": [1.0, float("inf")]}))
