@@ -21,10 +21,20 @@ Filters for Efficient ConvNets", ICLR 2017), or first-order Taylor, |weight x gr
     remove_(model, example, "conv1", [0, 3])   # by hand: these channels and all coupled ones
 
 How much to cut: a global MACs target (`target_macs` of the original's), reached in `rounds`
-equal steps with retraining between them. Within a round torch-pruning removes the same
-fraction of each layer's channels ("layer" scope) or ranks channels across layers ("global"),
-in small increments until the round's MACs target is met. The output layer (the last Conv or
+equal steps with retraining between them. Within a round torch-pruning removes channels in
+small increments until the round's MACs target is met: the same fraction of each layer's
+channels ("layer" scope), channels ranked across layers ("global"), or per-layer fractions
+from a sensitivity analysis ("sensitivity": each layer cut alone on a copy, accuracy measured
+on held-out data, then the MACs bought where they cost the least accuracy; the rule
+`prune.sparsity = "auto"` follows for single weights). The output layer (the last Conv or
 Linear the forward runs) is never cut: its width is the class count.
+
+Attention: nn.MultiheadAttention loses head dimensions with its embedding width (its heads
+keep their count). Attention with separate q/k/v projections and a head size fixed in code
+(Hugging Face's ViT, BERT) loses whole heads only, `heads` of each layer's heads over the
+rounds, ranked by the importance of their q/k/v rows and output columns (Michel et al.,
+"Are Sixteen Heads Really Better than One?", NeurIPS 2019, remove heads by importance too);
+its head dimensions are never cut, since its forward views a projection as (heads, head size).
 
 Nothing here prints or exits; a bad setting raises InputError, a model the tracer cannot
 follow raises InputError naming the fix (`channels.ignore`).
@@ -32,10 +42,13 @@ follow raises InputError naming the fix (`channels.ignore`).
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,7 +57,9 @@ from compresskit.models import thin
 from compresskit.models.errors import InputError, one_line
 
 IMPORTANCE = ("l1", "l2", "taylor")
-SCOPES = ("layer", "global")
+SCOPES = ("layer", "global", "sensitivity")
+GRID = (0.2, 0.4, 0.6, 0.8)  # fractions of a layer's channels tried alone (sensitivity scope)
+HEADROOM = 1.25  # the allocation buys this much more than the goal: coupled cuts overlap
 STEPS = 50  # increments per round: each removes ~max_ratio/STEPS of a layer's channels
 
 
@@ -61,6 +76,7 @@ class ChannelsConfig:
     ignore: tuple[str, ...] = ()  # modules whose output channels are kept
     round_to: int = 0  # keep channel counts multiples of this (8 suits SIMD kernels); 0 = off
     max_ratio: float = 0.9  # never remove more than this fraction of one layer's channels
+    heads: float = 0.0  # fraction of each q/k/v attention layer's heads removed (whole heads)
 
     @classmethod
     def from_recipe(cls, section: Any) -> ChannelsConfig:
@@ -119,11 +135,22 @@ def _importance(cfg: ChannelsConfig):
     return tp.importance.GroupMagnitudeImportance(p=1 if cfg.importance == "l1" else 2)
 
 
-def _pruner(model: nn.Module, example: torch.Tensor, cfg: ChannelsConfig, ignored: list[str]):
+def _pruner(
+    model: nn.Module,
+    example: torch.Tensor,
+    cfg: ChannelsConfig,
+    ignored: list[str],
+    ratios: dict[str, float] | None = None,
+):
+    """torch-pruning's MetaPruner over `STEPS` increments up to `cfg.max_ratio` of each layer
+    (or `ratios[layer]`, the sensitivity scope's; layers it leaves out are not cut)."""
     import torch_pruning as tp
 
     modules = dict(model.named_modules())
     heads = {m: m.num_heads for m in modules.values() if isinstance(m, nn.MultiheadAttention)}
+    # q/k/v projections with a fixed head size: never cut their width here (whole heads go
+    # in _remove_heads); their inputs still follow the embedding width.
+    qkv = [modules[n] for projs, _ in thin.attention(model).values() for n in projs]
     try:
         with thin.tracing(model):
             return tp.pruner.MetaPruner(
@@ -131,9 +158,12 @@ def _pruner(model: nn.Module, example: torch.Tensor, cfg: ChannelsConfig, ignore
                 example,
                 importance=_importance(cfg),
                 global_pruning=cfg.scope == "global",
-                pruning_ratio=cfg.max_ratio,
+                pruning_ratio=cfg.max_ratio if ratios is None else 0.0,
+                pruning_ratio_dict=None
+                if ratios is None
+                else {modules[n]: r for n, r in ratios.items() if r > 0},
                 iterative_steps=STEPS,
-                ignored_layers=[modules[n] for n in ignored],
+                ignored_layers=[modules[n] for n in ignored] + qkv,
                 round_to=cfg.round_to or None,
                 num_heads=heads,
             )
@@ -171,6 +201,7 @@ def thin_(
     retrain: Callable[[nn.Module, int, float], None] | None = None,
     gradients: Callable[[nn.Module], None] | None = None,
     info: Callable[[str], None] = lambda message: None,
+    evaluate: Callable[[nn.Module], float] | None = None,
 ) -> dict[str, Any]:
     """Remove channels from `model` in place until its MACs are at most `cfg.target_macs` of
     what they were, in `cfg.rounds` rounds with `retrain(model, epochs, lr)` after each.
@@ -178,12 +209,15 @@ def thin_(
     `example`: a small batch of real inputs (shapes and dtype; 2 samples suffice).
     `gradients(model)`: fills each parameter's .grad from a few training batches; needed by
     Taylor importance, called before every increment.
+    `evaluate(model)`: accuracy on held-out data; needed by the sensitivity scope.
 
     Returns a plain-data record: MACs and parameters before and after, per-layer widths,
     per-round figures, and `plan`, the replayable channel plan (`models.thin`).
     """
     if cfg.importance == "taylor" and gradients is None:
         raise InputError("channels.importance = 'taylor' needs gradients from training data")
+    if cfg.scope == "sensitivity" and evaluate is None:
+        raise InputError("channels.scope = 'sensitivity' needs held-out data to evaluate on")
     one = example[:1]
     modules = dict(model.named_modules())
     unknown = [n for n in cfg.ignore if n not in modules]
@@ -198,12 +232,26 @@ def thin_(
     ignored = sorted({head, *cfg.ignore})
     macs0, params0 = torch_macs(model, one), _params(model)
     widths0 = widths(model)
+    heads0 = head_counts(model)
     plan: list[list[Any]] = []
     rounds = []
+    ratios = sens = None
+    if cfg.scope == "sensitivity":
+        sens = sensitivity(model, example, cfg, ignored, evaluate, gradients)
+        need = (1 - cfg.target_macs) * macs0
+        ratios = allocate(sens["baseline"], sens["curves"], sens["macs_saved"], need)
+        sens["ratios"] = ratios
+        info(
+            "channels: sensitivity: "
+            + ", ".join(f"{n} {f:.0%}" for n, f in ratios.items() if f > 0)
+        )
     macs = macs0
     for r in range(1, cfg.rounds + 1):
         goal = macs0 * (1 - (1 - cfg.target_macs) * r / cfg.rounds)
-        pruner = _pruner(model, example, cfg, ignored)
+        if cfg.heads > 0:
+            plan += _remove_heads(model, example, cfg, heads0, ignored, r, gradients)
+            macs = _macs_after_cut(model, one)
+        pruner = _pruner(model, example, cfg, ignored, ratios)
         steps = 0
         while macs > goal and steps < STEPS:
             if gradients is not None and cfg.importance == "taylor":
@@ -222,6 +270,7 @@ def thin_(
             retrain(model, cfg.retrain_epochs, cfg.lr)
         rounds.append({"round": r, "macs": macs, "goal": goal, "parameters": _params(model)})
     after = widths(model)
+    heads1 = head_counts(model)
     return {
         "macs": [macs0, macs],
         "macs_ratio": macs / macs0,
@@ -230,9 +279,193 @@ def thin_(
         "reached": macs <= macs0 * cfg.target_macs * (1 + 1e-9),
         "ignored": ignored,
         "layers": [{"name": n, "before": w, "after": after.get(n, w)} for n, w in widths0.items()],
+        "heads": [{"name": n, "before": h, "after": heads1.get(n, h)} for n, h in heads0.items()],
+        "sensitivity": sens,
         "rounds": rounds,
         "plan": {"example": thin.describe_example(example), "history": plan},
     }
+
+
+def head_counts(model: nn.Module) -> dict[str, int]:
+    """Heads of every attention module with q/k/v projections and a fixed head size."""
+    return {
+        name: model.get_submodule(qkv[0]).out_features // size
+        for name, (qkv, size) in thin.attention(model).items()
+    }
+
+
+def _remove_heads(
+    model: nn.Module,
+    example: torch.Tensor,
+    cfg: ChannelsConfig,
+    heads0: dict[str, int],
+    ignored: list[str],
+    round_no: int,
+    gradients: Callable[[nn.Module], None] | None,
+) -> list[list[Any]]:
+    """Round `round_no`'s share of whole-head removal: each attention layer loses its least
+    important heads until `cfg.heads x round_no / rounds` of its original heads are gone (at
+    least one head always stays). A head's importance is the group importance (L1/L2/Taylor
+    over its q/k/v rows and output-projection columns, every coupled layer summed) of its
+    channels, summed. Returns the plan entries."""
+    import torch_pruning as tp
+
+    skip = set(ignored)
+    found = {
+        n: v for n, v in thin.attention(model).items() if n not in skip and not skip & set(v[0])
+    }
+    if not found:
+        return []
+    if cfg.importance == "taylor" and gradients is not None:
+        model.zero_grad(set_to_none=True)
+        gradients(model)
+    imp = _importance(cfg)
+    with thin.tracing(model):
+        graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
+        for name, (qkv, size) in found.items():
+            q = model.get_submodule(qkv[0])
+            n_now = q.out_features // size
+            want = min(
+                heads0[name] - 1,
+                math.floor(cfg.heads * heads0[name] * round_no / cfg.rounds + 1e-9),
+            )
+            cut = want - (heads0[name] - n_now)
+            if cut <= 0:
+                continue
+            whole = graph.get_pruning_group(
+                q, tp.prune_linear_out_channels, list(range(q.out_features))
+            )
+            scores = imp(whole).detach().reshape(n_now, size).sum(1)
+            drop = torch.topk(scores, cut, largest=False).indices.tolist()
+            idxs = [h * size + i for h in sorted(drop) for i in range(size)]
+            graph.get_pruning_group(q, tp.prune_linear_out_channels, idxs).prune()
+        thin.sync_heads_(model)
+    model.zero_grad(set_to_none=True)
+    return [thin.entry(*h) for h in graph.pruning_history()]
+
+
+# --- sensitivity scope ------------------------------------------------------------------------
+
+
+def sensitivity(
+    model: nn.Module,
+    example: torch.Tensor,
+    cfg: ChannelsConfig,
+    ignored: list[str],
+    evaluate: Callable[[nn.Module], float],
+    gradients: Callable[[nn.Module], None] | None = None,
+) -> dict[str, Any]:
+    """Cut each prunable layer alone (with every channel coupled to it) by each fraction of
+    `GRID` up to `cfg.max_ratio`, on a copy, least important channels first; measure the copy
+    with `evaluate` (held-out data: never the test set) and its MACs. Layers whose coupled
+    group cannot be cut by a fraction (MultiheadAttention's head-multiple widths) are left
+    out. Returns {"baseline", "curves": {layer: {fraction: accuracy}}, "macs_saved"}."""
+    import torch_pruning as tp
+
+    one = example[:1]
+    modules = dict(model.named_modules())
+    names = {m: n for n, m in modules.items()}
+    skip = {modules[n] for n in ignored}
+    skip |= {modules[n] for projs, _ in thin.attention(model).values() for n in projs}
+    macs0 = torch_macs(model, one)
+    base = evaluate(model)
+    if cfg.importance == "taylor" and gradients is not None:
+        model.zero_grad(set_to_none=True)
+        gradients(model)
+    imp = _importance(cfg)
+    curves: dict[str, dict[float, float]] = {}
+    saved: dict[str, dict[float, int]] = {}
+    with thin.tracing(model):
+        graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
+        roots = []
+        for group in graph.get_all_groups(
+            ignored_layers=list(skip), root_module_types=[nn.Conv1d, nn.Conv2d, nn.Linear]
+        ):
+            root = group[0].dep.target.module
+            scores = None if root in skip else imp(group)
+            if scores is not None and names[root] not in {r[0] for r in roots}:
+                roots.append((names[root], scores.detach()))
+        for name, scores in roots:
+            # One copy per layer, cut deeper at each fraction: removed channels renumber the
+            # rest, so each cut names the survivors' current positions.
+            width = len(scores)
+            order = torch.argsort(scores).tolist()
+            twin = copy.deepcopy(model)
+            twin_graph = tp.DependencyGraph().build_dependency(twin, example_inputs=example)
+            target = twin.get_submodule(name)
+            fn = twin_graph.get_pruner_of_module(target).prune_out_channels
+            curves[name], saved[name], gone = {}, {}, []
+            for f in (g for g in GRID if g <= cfg.max_ratio):
+                k = int(width * f)
+                if k <= len(gone) or k >= width:
+                    continue
+                now = [c for c in range(width) if c not in set(gone)]
+                cut = order[len(gone) : k]
+                try:
+                    twin_graph.get_pruning_group(target, fn, [now.index(c) for c in cut]).prune()
+                except Exception:  # a width that must stay a multiple (MHA heads): leave it
+                    curves[name] = {}
+                    break
+                gone += cut
+                curves[name][f] = evaluate(twin)
+                saved[name][f] = macs0 - torch_macs(twin, one)
+    model.zero_grad(set_to_none=True)
+    curves = {n: c for n, c in curves.items() if c}
+    return {"baseline": base, "curves": curves, "macs_saved": {n: saved[n] for n in curves}}
+
+
+def allocate(
+    baseline: float,
+    curves: dict[str, dict[float, float]],
+    saved: dict[str, dict[float, int]],
+    need: float,
+    buckets: int = 2000,
+) -> dict[str, float]:
+    """Per-layer fractions to cut that save at least HEADROOM x `need` MACs (coupled layers'
+    savings overlap; the pruning loop stops at the real goal) at the least total accuracy
+    lost, treating layers' losses as additive: a multiple-choice knapsack, solved exactly by
+    dynamic programming over `buckets` steps of savings (each option's savings rounded down,
+    so the savings promised are met). A layer's loss at a fraction is its drop below
+    `baseline`, made monotone along its curve. If no choice saves enough, each layer's
+    largest saving. Layers left whole get 0."""
+    names = list(curves)
+    goal = HEADROOM * need
+    if goal <= 0 or not names:
+        return {n: 0.0 for n in names}
+    most = {n: max(saved[n], key=lambda f: saved[n][f], default=0.0) for n in names}
+    if sum(saved[n].get(f, 0) for n, f in most.items()) < goal:
+        return {n: float(f) for n, f in most.items()}
+    unit = goal / buckets
+    cost = np.full(buckets + 1, np.inf)
+    cost[0] = 0.0
+    trail = []  # per layer: (fraction chosen, bucket it came from), at each bucket
+    idx = np.arange(buckets + 1)
+    for n in names:
+        opts, worst = [(0.0, 0, 0.0)], 0.0
+        for f in sorted(curves[n]):
+            worst = max(worst, baseline - curves[n][f])
+            opts.append((f, min(buckets, int(saved[n][f] / unit + 1e-9)), worst))
+        new = np.full(buckets + 1, np.inf)
+        frac = np.zeros(buckets + 1)
+        came = np.zeros(buckets + 1, dtype=np.int64)
+        for f, gain, loss in opts:
+            # from bucket j to min(j + gain, buckets), at `loss` more
+            reach = np.full(buckets + 1, np.inf)
+            origin = idx - gain
+            reach[gain:] = cost[: buckets + 1 - gain] + loss
+            top = int(np.argmin(cost[buckets - gain :])) + buckets - gain
+            if cost[top] + loss < reach[buckets]:
+                reach[buckets], origin[buckets] = cost[top] + loss, top
+            better = reach < new - 1e-12
+            new[better], frac[better], came[better] = reach[better], f, origin[better]
+        trail.append((frac, came))
+        cost = new
+    end = buckets if np.isfinite(cost[buckets]) else int(np.flatnonzero(np.isfinite(cost)).max())
+    chosen = {}
+    for n, (frac, came) in zip(reversed(names), reversed(trail), strict=True):
+        chosen[n] = float(frac[end])
+        end = int(came[end])
+    return {n: chosen[n] for n in names}
 
 
 def _macs_after_cut(model: nn.Module, one: torch.Tensor) -> int:

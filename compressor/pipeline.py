@@ -370,7 +370,13 @@ def _thin(
 
     before = hooks.test_accuracy(model)
     record = channels.thin_(
-        model, x[:2], cfg, retrain=retrain, gradients=gradients, info=hooks.info
+        model,
+        x[:2],
+        cfg,
+        retrain=retrain,
+        gradients=gradients,
+        info=hooks.info,
+        evaluate=hooks.val_accuracy,
     )
     record["test_accuracy"] = [before, hooks.test_accuracy(model)]
     # The plan must rebuild this very shape from the spec: checked here, not at decode time.

@@ -12,7 +12,7 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
     [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha,
                 hint_student, hint_teacher, hint_epochs, transfer, transfer_size, labels
     [channels]  enabled = false, target_macs = 0.5, importance ("l1" | "l2" | "taylor"), scope,
-                rounds, retrain_epochs, lr, ignore = [layer, ...], round_to, max_ratio
+                rounds, retrain_epochs, lr, ignore = [layer, ...], round_to, max_ratio, heads
     [prune]     enabled, sparsity ("default" | "auto" | 0.9 | {layer = 0.9}) or quality,
                 scope, rounds, retrain_epochs, lr, budget, include_bias, embeddings = false
     [quantize]  enabled, method = "kmeans" | "soft", conv_bits = 8, fc_bits = 5,
@@ -116,13 +116,18 @@ class ChannelsSection:
     enabled: bool = False
     target_macs: float = 0.5
     importance: str = "l1"  # "l1" | "l2" | "taylor"
-    scope: str = "layer"  # "layer" | "global"
+    # "layer": one fraction for every layer; "global": channels ranked across layers;
+    # "sensitivity": per-layer fractions from each layer cut alone on the validation split
+    scope: str = "layer"
     rounds: int = 3
     retrain_epochs: int = 1
     lr: float = 3e-3
     ignore: tuple[str, ...] = ()
     round_to: int = 0
     max_ratio: float = 0.9
+    # fraction of each attention layer's heads removed whole (q/k/v attention with a fixed
+    # head size: Hugging Face ViT/BERT); 0 keeps every head
+    heads: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -358,7 +363,7 @@ _CHOICES = {
     ("train", "optimizer"): ("adam", "sgd"),
     ("prune", "scope"): ("layer", "global"),
     ("channels", "importance"): ("l1", "l2", "taylor"),
-    ("channels", "scope"): ("layer", "global"),
+    ("channels", "scope"): ("layer", "global", "sensitivity"),
     ("quantize", "method"): ("kmeans", "soft"),
     ("quantize", "mode"): ("centroids", "weights"),
     ("quantize", "dense"): ("float16", "float32"),
@@ -541,6 +546,8 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise _bad(source, "channels.target_macs", c["target_macs"], "a fraction in (0, 1]")
     if not (_number(c["max_ratio"]) and 0 < c["max_ratio"] < 1):
         raise _bad(source, "channels.max_ratio", c["max_ratio"], "a fraction in (0, 1)")
+    if not (_number(c["heads"]) and 0 <= c["heads"] < 1):
+        raise _bad(source, "channels.heads", c["heads"], "a fraction in [0, 1)")
     _int(r, source, "channels", "rounds", 1, 100)
     _int(r, source, "channels", "retrain_epochs", 0)
     _int(r, source, "channels", "round_to", 0, 1024)

@@ -199,6 +199,19 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
             f"{c['archive_ratio_vs_original']:.1f}× smaller"
         )
     lines[-1] += "."
+    sens = c.get("sensitivity")
+    if sens:
+        lines += [
+            "",
+            "Per-layer fractions from the sensitivity analysis (each layer cut alone and "
+            f"measured on the decision data, from {sens['baseline']:.2%}): "
+            + ", ".join(f"{n} {f:.0%}" for n, f in sens["ratios"].items() if f > 0)
+            + ".",
+        ]
+    heads = [h for h in c.get("heads", []) if h["after"] != h["before"]]
+    if heads:
+        lines += ["", "| attention | heads before | after |", "|---|---|---|"]
+        lines += [f"| {h['name']} | {h['before']} | {h['after']} |" for h in heads]
     cut = [r for r in c["layers"] if r["after"] != r["before"]]
     if cut:
         lines += ["", "| layer | channels before | after |", "|---|---|---|"]

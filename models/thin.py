@@ -23,6 +23,11 @@ from torch import nn
 from compresskit.models.errors import InputError, one_line
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
+# Attention with separate query/key/value projections and a head size fixed in code (Hugging
+# Face's ViT, BERT, ...): its forward views a projection as (-1 heads, head size), so only whole
+# heads may go, never head dimensions (cutting those would shift channels between heads).
+QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
+HEAD_SIZE = ("head_dim", "attention_head_size")
 MAX_ENTRIES = 100_000  # a plan holds one entry per pruned group per increment: hundreds
 
 
@@ -39,6 +44,34 @@ def tracing(model: nn.Module):
             yield
     finally:
         model.train(was)
+
+
+def attention(model: nn.Module) -> dict[str, tuple[tuple[str, str, str], int]]:
+    """The model's attention modules with separate q/k/v `nn.Linear` projections and a fixed
+    head size: {module name: ((q, k, v) full names, head size)}."""
+    found = {}
+    for name, m in model.named_modules():
+        size = next((getattr(m, a) for a in HEAD_SIZE if isinstance(getattr(m, a, None), int)), 0)
+        if size < 1:
+            continue
+        for qkv in QKV:
+            projs = [getattr(m, p, None) for p in qkv]
+            if all(isinstance(p, nn.Linear) and p.out_features % size == 0 for p in projs):
+                found[name] = (tuple(f"{name}.{p}" if name else p for p in qkv), size)
+                break
+    return found
+
+
+def sync_heads_(model: nn.Module) -> None:
+    """After whole heads went: each attention module's head count (and `all_head_size`, where
+    it has one) read from its query projection's width, so the module describes itself."""
+    for name, (qkv, size) in attention(model).items():
+        m = model.get_submodule(name)
+        width = model.get_submodule(qkv[0]).out_features
+        if isinstance(getattr(m, "num_attention_heads", None), int):
+            m.num_attention_heads = width // size
+        if isinstance(getattr(m, "all_head_size", None), int):
+            m.all_head_size = width
 
 
 def entry(name: str, out_channels: bool, idxs: Any) -> list[Any]:
@@ -109,6 +142,7 @@ def apply_(model: nn.Module, plan: Any, name: str = "model") -> nn.Module:
                         f"layer {layer!r}, or an index past them"
                     )
                 graph.load_pruning_history([[layer, out, idxs]])
+        sync_heads_(model)
     except InputError:
         raise
     except Exception as e:

@@ -316,3 +316,156 @@ def test_shrink_with_channels_end_to_end(run, tmp_path):
     x = torch.from_numpy(np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32))
     with torch.no_grad():
         assert torch.equal(a.eval()(x), b.eval()(x))
+
+
+# --- whole attention heads and the sensitivity scope ----------------------------------------
+
+
+class QKVAttention(nn.Module):
+    """Attention as Hugging Face writes it (ViT, BERT): separate q/k/v projections, a head size
+    fixed in code and the head count left to the view (-1)."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.num_attention_heads, self.head_dim = heads, dim // heads
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.o_proj = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        shape = (*h.shape[:-1], -1, self.head_dim)
+        q, k, v = (
+            p(h).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        a = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o_proj(a.transpose(1, 2).reshape(*h.shape[:-1], -1))
+
+
+class TinyEncoder(nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, dim)
+        self.attn = QKVAttention(dim, heads)
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 32), nn.GELU(), nn.Linear(32, dim))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = h + self.attn(h)
+        h = h + self.mlp(self.norm(h))
+        return self.head(h.mean(1))
+
+
+def test_whole_heads_whose_output_is_zeroed_leave_the_outputs_unchanged():
+    torch.manual_seed(0)
+    model, x = TinyEncoder().eval(), torch.randn(3, 5, 6)
+    assert thin.attention(model) == {"attn": (("attn.q_proj", "attn.k_proj", "attn.v_proj"), 4)}
+    with torch.no_grad():  # heads 1 and 3 reach the output only through these columns
+        model.attn.o_proj.weight[:, 4:8] = 0
+        model.attn.o_proj.weight[:, 12:16] = 0
+        masked = model(x)
+    plan = channels.remove_(model, x[:2], "attn.q_proj", [*range(4, 8), *range(12, 16)])
+    thin.sync_heads_(model)
+    assert [p.weight.shape for p in (model.attn.q_proj, model.attn.k_proj, model.attn.v_proj)] == [
+        (8, 16)
+    ] * 3
+    assert model.attn.o_proj.weight.shape == (16, 8) and model.attn.num_attention_heads == 2
+    with torch.no_grad():
+        assert torch.allclose(model(x), masked, atol=1e-6, rtol=0)
+    # Replayed on a fresh model: the same shapes, and the head count follows.
+    fresh = thin.apply_(TinyEncoder(), {"example": thin.describe_example(x), "history": plan})
+    assert fresh.attn.num_attention_heads == 2
+    fresh.load_state_dict(model.state_dict())
+
+
+def test_heads_go_whole_and_head_dimensions_are_never_cut():
+    torch.manual_seed(0)
+    model, x = TinyEncoder().eval(), torch.randn(3, 5, 6)
+    cfg = channels.ChannelsConfig(target_macs=0.6, rounds=2, retrain_epochs=0, heads=0.5)
+    record = channels.thin_(model, x[:2], cfg)
+    assert record["heads"] == [{"name": "attn", "before": 4, "after": 2}]
+    assert model.attn.num_attention_heads == 2
+    for p in (model.attn.q_proj, model.attn.k_proj, model.attn.v_proj):
+        assert p.out_features == 2 * 4  # two whole heads of size 4
+    assert record["reached"] and model(x).shape == (3, 3)
+    # Without `heads` the attention keeps every head and every head dimension, while the
+    # embedding width and the MLP are still cut.
+    model = TinyEncoder().eval()
+    record = channels.thin_(model, x[:2], dataclasses.replace(cfg, heads=0.0))
+    assert record["heads"] == [{"name": "attn", "before": 4, "after": 4}]
+    assert model.attn.q_proj.out_features == 16 and model.attn.q_proj.in_features < 16
+
+
+def test_heads_with_the_hugging_face_vit():
+    hf = pytest.importorskip("compresskit.models.hf")
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = hf.vit_tiny(
+        in_shape=(3, 16, 16), num_classes=4, hidden_size=32, num_layers=2, num_heads=4, mlp_size=64
+    ).eval()
+    x = torch.randn(3, 3, 16, 16)
+    cfg = channels.ChannelsConfig(target_macs=0.7, rounds=2, retrain_epochs=0, heads=0.5)
+    record = channels.thin_(model, x[:2], cfg)
+    assert [h["after"] for h in record["heads"]] == [2, 2]
+    att = model.net.vit.layers[0].attention
+    assert att.num_attention_heads == 2 and att.q_proj.out_features == 2 * att.head_dim
+    assert model(x).shape == (3, 4)
+
+
+def test_allocation_against_a_brute_force_optimum():
+    # Synthetic curves: accuracy after cutting each layer alone, and the MACs each cut saves.
+    import itertools
+
+    base = 0.9
+    curves = {
+        "a": {0.2: 0.9, 0.4: 0.89, 0.6: 0.85, 0.8: 0.7},
+        "b": {0.2: 0.88, 0.4: 0.8, 0.6: 0.7, 0.8: 0.5},
+        "c": {0.2: 0.9, 0.4: 0.9, 0.6: 0.899, 0.8: 0.89},
+    }
+    saved = {
+        "a": {0.2: 100, 0.4: 200, 0.6: 300, 0.8: 400},
+        "b": {0.2: 300, 0.4: 600, 0.6: 900, 0.8: 1200},
+        "c": {0.2: 50, 0.4: 100, 0.6: 150, 0.8: 200},
+    }
+    need = 400 / channels.HEADROOM
+    got = channels.allocate(base, curves, saved, need)
+    cost = lambda pick: sum(base - curves[n][f] for n, f in pick.items() if f)  # noqa: E731
+    gain = lambda pick: sum(saved[n][f] for n, f in pick.items() if f)  # noqa: E731
+    options = [0.0, *channels.GRID]
+    best = min(
+        (dict(zip(curves, fs)) for fs in itertools.product(options, repeat=3)
+         if gain(dict(zip(curves, fs))) >= 400),
+        key=cost,
+    )  # fmt: skip
+    assert gain(got) >= 400
+    assert cost(got) == pytest.approx(cost(best), abs=1e-9)
+    # A smaller need is met by the layers that cost nothing: the sensitive one stays whole.
+    small = channels.allocate(base, curves, saved, 200 / channels.HEADROOM)
+    assert small["b"] == 0.0 and gain(small) >= 200 and cost(small) == 0
+    # More than every layer can give: the allocation that saves the most.
+    assert channels.allocate(base, curves, saved, 10**6) == {"a": 0.8, "b": 0.8, "c": 0.8}
+    # Nothing to buy: no layer is stepped.
+    assert channels.allocate(base, curves, saved, 0) == {"a": 0.0, "b": 0.0, "c": 0.0}
+
+
+def test_sensitivity_scope_measures_each_layer_and_reaches_the_target():
+    model, x = tiny("resnet_se")
+    y = torch.randint(0, 10, (4,))
+    calls = []
+
+    def evaluate(m):
+        calls.append(1)
+        with torch.no_grad():
+            return float((m.eval()(x).argmax(1) == y).float().mean())
+
+    cfg = channels.ChannelsConfig(target_macs=0.6, rounds=2, retrain_epochs=0, scope="sensitivity")
+    with pytest.raises(InputError, match="held-out"):
+        channels.thin_(tiny("resnet_se")[0], x[:2], cfg)
+    record = channels.thin_(model, x[:2], cfg, evaluate=evaluate)
+    sens = record["sensitivity"]
+    assert sens["curves"] and set(sens["ratios"]) == set(sens["curves"])
+    assert all(set(c) <= set(channels.GRID) for c in sens["curves"].values())
+    assert all(v > 0 for s in sens["macs_saved"].values() for v in s.values())
+    assert len(calls) >= 1 + sum(len(c) for c in sens["curves"].values())
+    assert record["reached"] and torch_macs(model, x[:1]) <= 0.6 * record["macs"][0]
+    json.dumps(record)
