@@ -19,7 +19,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from compresskit.compressor import archive, budget, channels, distill, envinfo, export, guard
+from compresskit.compressor import (
+    archive,
+    budget,
+    channels,
+    distill,
+    envinfo,
+    export,
+    guard,
+    speedup,
+)
 from compresskit.compressor import report as report_mod
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.export import compat, int8, mobile
@@ -173,10 +182,12 @@ def shrink_to_folder(
                 )
             if train_on is not data:
                 hooks = _keep_to(hooks, train_on)
-        thinned = None
+        thinned = unthinned = None
         if recipe.channels.enabled:
             if data is None:
                 raise InputError("channel pruning needs the data set")
+            if recipe.channels.latency and recipe.export.enabled:
+                unthinned = copy.deepcopy(model).eval()  # timed against the thinned files
             with clock.step("channels", "channels: removing whole channels"):
                 spec, thinned = _thin(model, spec, recipe, data, hooks)
         with clock.step("deep_compression"):
@@ -214,6 +225,13 @@ def shrink_to_folder(
             report["onnx"] = _export(
                 model, recipe.export, report, data, calib, tmp, out, clock, name
             )
+            if unthinned is not None and thinned is not None:
+                what = "channels: timing the unthinned and thinned files (ORT CPU, 1 thread)"
+                with clock.step("channels_latency", what):
+                    thinned["latency"] = _channel_latency(
+                        unthinned, recipe.export, report, data, calib, tmp, name
+                    )
+                del unthinned
             # What an app ships: the INT8 file, or the FP32 one where no INT8 file is written.
             kind = "int8" if "int8" in report["onnx"] else "fp32"
             shipped = tmp / f"{name}.{kind}.onnx"
@@ -547,10 +565,9 @@ def _export(
     # Calibration: a seeded random draw from the training set. Precision is chosen on the
     # validation split (up to CHECK_SAMPLES of it): inputs no model trained on, where a model
     # is as unsure as on new data, and never the test set the parity figures come from.
-    pick = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
+    pick = _calibration_order(data)
     source = e.calibration_data or "training set"
-    # the user's own calibration inputs, or a seeded draw of training images
-    calib = data.x_train[pick[: q.calibration]].numpy() if calib is None else calib[: q.calibration]
+    calib = _calibration(q, data, calib)
     check_from, split = data.split_note, "validation" if data.has_val else "training"
     if data.has_val:
         take = torch.randperm(len(data.y_val), generator=torch.Generator().manual_seed(0))
@@ -617,6 +634,38 @@ def _export(
             },
         }
     return result
+
+
+def _calibration_order(data: Dataset) -> torch.Tensor:
+    return torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
+
+
+def _calibration(q: int8.QuantConfig, data: Dataset, calib: np.ndarray | None) -> np.ndarray:
+    """The user's own calibration inputs, or a seeded draw of training samples."""
+    if calib is not None:
+        return calib[: q.calibration]
+    return data.x_train[_calibration_order(data)[: q.calibration]].numpy()
+
+
+def _channel_latency(
+    unthinned: nn.Module, e: ExportSection, report, data: Dataset, calib, tmp: Path, name: str
+) -> dict[str, Any]:
+    """The unthinned model's FP32 and INT8 files against the thinned ones, timed side by side
+    (`compressor.speedup`)."""
+    q = quant_config(e)
+    has_int8 = "int8" in report["onnx"]
+    return speedup.compare(
+        unthinned,
+        tmp / f"{name}.fp32.onnx",
+        tmp / f"{name}.int8.onnx" if has_int8 else None,
+        data.x_test[: speedup.BATCHES[-1]].numpy(),
+        report["onnx"]["int8"]["scheme"] if has_int8 else None,
+        _calibration(q, data, calib),
+        tmp,
+        export_config(e),
+        q,
+        e.ir_version or None,
+    )
 
 
 def _load(path: Path):

@@ -12,7 +12,8 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
     [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha,
                 hint_student, hint_teacher, hint_epochs, transfer, transfer_size, labels
     [channels]  enabled = false, target_macs = 0.5, importance ("l1" | "l2" | "taylor"), scope,
-                rounds, retrain_epochs, lr, ignore = [layer, ...], round_to, max_ratio, heads
+                rounds, retrain_epochs, lr, ignore = [layer, ...], round_to, max_ratio, heads,
+                latency = true
     [prune]     enabled, sparsity ("default" | "auto" | 0.9 | {layer = 0.9}) or quality,
                 scope, rounds, retrain_epochs, lr, budget, include_bias, embeddings = false
     [quantize]  enabled, method = "kmeans" | "soft", conv_bits = 8, fc_bits = 5,
@@ -128,6 +129,9 @@ class ChannelsSection:
     # fraction of each attention layer's heads removed whole (q/k/v attention with a fixed
     # head size: Hugging Face ViT/BERT); 0 keeps every head
     heads: float = 0.0
+    # with [export]: time the unthinned and thinned ONNX files (FP32, INT8; batch 1 and 64)
+    # side by side into the report (costs one more export and quantization)
+    latency: bool = True
 
 
 @dataclass(frozen=True)
@@ -532,6 +536,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         ("prune", "enabled"),
         ("quantize", "enabled"),
         ("huffman", "enabled"),
+        ("channels", "latency"),
         ("prune", "include_bias"),
         ("prune", "embeddings"),
         ("quantize", "embeddings"),

@@ -208,6 +208,24 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
             + ", ".join(f"{n} {f:.0%}" for n, f in sens["ratios"].items() if f > 0)
             + ".",
         ]
+    lat = c.get("latency")
+    if lat and lat.get("rows"):
+        lines += [
+            "",
+            f"Measured ORT CPU latency, p50, {lat['threads']} thread, the four files "
+            f"interleaved in one run (CPU flags: {', '.join(lat['cpu_flags']) or 'none listed'}"
+            f"; unthinned INT8: {lat['int8_before']}):",
+            "",
+            "| batch | precision | unthinned ms | thinned ms | speed-up |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['batch']} | {r['precision'].upper()} | {r['before_ms']:.3f} | "
+            f"{r['after_ms']:.3f} | {r['speedup']:.2f}× |"
+            for r in lat["rows"]
+        ]
+    elif lat and lat.get("error"):
+        lines += ["", f"Latency before and after was not measured: {lat['error']}."]
     heads = [h for h in c.get("heads", []) if h["after"] != h["before"]]
     if heads:
         lines += ["", "| attention | heads before | after |", "|---|---|---|"]

@@ -306,6 +306,10 @@ def test_shrink_with_channels_end_to_end(run, tmp_path):
     assert c["archive_ratio_vs_original"] > report["archive"]["ratio"]
     assert (out / "channels_per_layer.png").stat().st_size > 0
     assert "## Channels removed" in (out / "report.md").read_text()
+    # No INT8 file asked for: the FP32 files alone are timed, before and after.
+    rows = c["latency"]["rows"]
+    assert [(r["batch"], r["precision"]) for r in rows] == [(1, "fp32"), (64, "fp32")]
+    assert not any(p.name.startswith(".unthinned") for p in out.iterdir())
     assert onnx_macs(out / "model.fp32.onnx", 1) == c["macs"][1]
     result = run("decode", out / "model.dcz", "--out", tmp_path / "dec.pt")
     assert result.exit_code == 0, result.output
@@ -432,11 +436,8 @@ def test_allocation_against_a_brute_force_optimum():
     cost = lambda pick: sum(base - curves[n][f] for n, f in pick.items() if f)  # noqa: E731
     gain = lambda pick: sum(saved[n][f] for n, f in pick.items() if f)  # noqa: E731
     options = [0.0, *channels.GRID]
-    best = min(
-        (dict(zip(curves, fs)) for fs in itertools.product(options, repeat=3)
-         if gain(dict(zip(curves, fs))) >= 400),
-        key=cost,
-    )  # fmt: skip
+    picks = [dict(zip(curves, fs, strict=True)) for fs in itertools.product(options, repeat=3)]
+    best = min((pick for pick in picks if gain(pick) >= 400), key=cost)
     assert gain(got) >= 400
     assert cost(got) == pytest.approx(cost(best), abs=1e-9)
     # A smaller need is met by the layers that cost nothing: the sensitive one stays whole.
@@ -469,3 +470,40 @@ def test_sensitivity_scope_measures_each_layer_and_reaches_the_target():
     assert len(calls) >= 1 + sum(len(c) for c in sens["curves"].values())
     assert record["reached"] and torch_macs(model, x[:1]) <= 0.6 * record["macs"][0]
     json.dumps(record)
+
+
+def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp_path):
+    ck = tmp_path / "lenet5.pt"
+    result = run(
+        "train", "--model", "lenet5", "--data", "digits", "--epochs", "2", "--batch-size", "64",
+        "--out", ck, "-q",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rec = tmp_path / "thin.toml"
+    rec.write_text(
+        "[train]\nbatch_size = 64\n"
+        "[channels]\nenabled = true\ntarget_macs = 0.5\nrounds = 1\nretrain_epochs = 1\n"
+        'scope = "sensitivity"\n'
+        "[prune]\nenabled = false\n[quantize]\nenabled = false\n[huffman]\nenabled = false\n"
+        '[export]\nort = false\ntarget = "mobile"\n'
+    )
+    out = tmp_path / "out"
+    result = run("shrink", ck, "--recipe", rec, "--out", out, "--json", "-q")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    c = report["channels"]
+    sens = c["sensitivity"]
+    assert c["reached"] and any(f > 0 for f in sens["ratios"].values())
+    assert set(sens["ratios"]) <= {"conv1", "conv2", "fc1", "fc2"}
+    lat = c["latency"]
+    assert "int8" in report["onnx"], report.get("int8_not_written")
+    assert [(r["batch"], r["precision"]) for r in lat["rows"]] == [
+        (1, "fp32"), (1, "int8"), (64, "fp32"), (64, "int8"),
+    ]  # fmt: skip
+    for r in lat["rows"]:
+        assert r["before_ms"] > 0 and r["after_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["before_ms"] / r["after_ms"])
+    md = (out / "report.md").read_text()
+    assert "| batch | precision | unthinned ms | thinned ms | speed-up |" in md
+    assert "sensitivity analysis" in md
+    assert not any(p.name.startswith(".unthinned") for p in out.iterdir())
