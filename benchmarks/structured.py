@@ -52,7 +52,9 @@ def compress(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def recipe(path: Path, channels: bool, deep: bool, retrain: int, round_to: int = 0) -> Path:
+def recipe(
+    path: Path, channels: bool, deep: bool, retrain: int, round_to: int = 0, scope: str = "layer"
+) -> Path:
     lines = ["[train]", "batch_size = 64"]
     if channels:
         lines += [
@@ -62,6 +64,7 @@ def recipe(path: Path, channels: bool, deep: bool, retrain: int, round_to: int =
             "rounds = 3",
             f"retrain_epochs = {retrain}",
             f"round_to = {round_to}",
+            f'scope = "{scope}"',
         ]
     if deep:
         lines += ["[prune]", "rounds = 1", f"retrain_epochs = {retrain}"]
@@ -83,6 +86,7 @@ def main() -> None:
     ap.add_argument("--retrain", type=int, default=2, help="epochs per round of retraining")
     ap.add_argument("--archive", action="store_true", help="also the Deep Compression runs")
     ap.add_argument("--round-to", type=int, default=8, help="channels.round_to (0 = off)")
+    ap.add_argument("--scope", default="layer", help="channels.scope: layer | global | sensitivity")
     ap.add_argument("--workdir", default=None)
     opts = ap.parse_args()
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="structured-"))
@@ -117,7 +121,9 @@ def one(name: str, work: Path, opts) -> None:
         runs |= {"deep": (False, True), "thin+deep": (True, True)}
     reports = {}
     for label, (ch, deep) in runs.items():
-        rec = recipe(work / f"{name}-{label}.toml", ch, deep, opts.retrain, opts.round_to)
+        rec = recipe(
+            work / f"{name}-{label}.toml", ch, deep, opts.retrain, opts.round_to, opts.scope
+        )
         out = work / f"{name}-{label}"
         compress("shrink", ck, "--data", data, "--recipe", rec, "--out", out, *extra)
         reports[label] = json.loads((out / "report.json").read_text())
@@ -138,9 +144,12 @@ def one(name: str, work: Path, opts) -> None:
     drop = 100 * (acc_d - acc_t)
     print(f"\n## {name} ({model}, data {data}, teacher {epochs} epochs; {c['macs'][0]:,} MACs)")
     print(
-        f"channels: 3 rounds x {opts.retrain} retraining epochs, round_to {opts.round_to}; "
-        f"{time.perf_counter() - t:.0f} s"
+        f"channels: 3 rounds x {opts.retrain} retraining epochs, round_to {opts.round_to}, "
+        f"scope {opts.scope}; {time.perf_counter() - t:.0f} s"
     )
+    if c.get("sensitivity"):
+        ratios = c["sensitivity"]["ratios"]
+        print("sensitivity fractions: " + ", ".join(f"{n} {f:.0%}" for n, f in ratios.items()))
     print("\n| | MACs | parameters | INT8 test acc | FP32 b1 | INT8 b1 | FP32 b64 | INT8 b64 |")
     print("|---|---|---|---|---|---|---|---|")
     for label, macs, params, acc in (
@@ -160,6 +169,12 @@ def one(name: str, work: Path, opts) -> None:
         print(f"INT8 speed-up at batch {b}: {s:.2f}x (target >= {TARGET_SPEEDUP}x)")
     ok &= drop <= MAX_DROP_POINTS
     print(f"accuracy drop: {drop:+.2f} points (target <= {MAX_DROP_POINTS})")
+    rows = c.get("latency", {}).get("rows", [])
+    if rows:  # the shrink report's own timing (the unthinned INT8 file: every node INT8)
+        print(
+            "shrink report's speed-ups: "
+            + ", ".join(f"{r['precision']} b{r['batch']} {r['speedup']:.2f}x" for r in rows)
+        )
     if opts.archive:
         deep, both = reports["deep"], reports["thin+deep"]
         orig = 4 * c["parameters"][0]
