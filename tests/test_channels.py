@@ -280,26 +280,44 @@ def test_an_unthinned_spec_keeps_its_bytes():
     assert zoo.ModelSpec.from_dict(spec.to_dict()) == spec
 
 
-def test_shrink_with_channels_end_to_end(run, tmp_path):
-    # The CLI path: train, thin by half the MACs, Deep Compression on the thinner model, FP32
-    # ONNX; the archive decodes (replaying the plan) to the shipped weights bit for bit.
+def _lenet5_teacher(run, tmp_path):
     ck = tmp_path / "lenet5.pt"
     result = run(
         "train", "--model", "lenet5", "--data", "digits", "--epochs", "2", "--batch-size", "64",
         "--out", ck, "-q",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    return ck
+
+
+# Half the MACs in one round of one retraining epoch (each test adds its other sections).
+THIN = (
+    "[train]\nbatch_size = 64\n"
+    "[channels]\nenabled = true\ntarget_macs = 0.5\nrounds = 1\nretrain_epochs = 1\n"
+)
+
+
+def _shrink(run, ck, tmp_path, recipe_text: str):
+    """compress shrink with this recipe: the output folder and its report."""
     rec = tmp_path / "thin.toml"
-    rec.write_text(
-        "[train]\nbatch_size = 64\n"
-        "[channels]\nenabled = true\ntarget_macs = 0.5\nrounds = 1\nretrain_epochs = 1\n"
-        "[prune]\nrounds = 1\nretrain_epochs = 0\n[quantize]\nfinetune_epochs = 0\n"
-        "[export]\nint8 = false\nort = false\n"
-    )
+    rec.write_text(recipe_text)
     out = tmp_path / "out"
     result = run("shrink", ck, "--recipe", rec, "--out", out, "--json", "-q")
     assert result.exit_code == 0, result.output
-    report = json.loads((out / "report.json").read_text())
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_shrink_with_channels_end_to_end(run, tmp_path):
+    # The CLI path: train, thin by half the MACs, Deep Compression on the thinner model, FP32
+    # ONNX; the archive decodes (replaying the plan) to the shipped weights bit for bit.
+    ck = _lenet5_teacher(run, tmp_path)
+    out, report = _shrink(
+        run,
+        ck,
+        tmp_path,
+        THIN + "[prune]\nrounds = 1\nretrain_epochs = 0\n[quantize]\nfinetune_epochs = 0\n"
+        "[export]\nint8 = false\nort = false\n",
+    )
     c = report["channels"]
     assert c["reached"] and c["macs"][1] <= 0.5 * c["macs"][0]
     assert report["baseline"]["parameters"] == c["parameters"][1] < c["parameters"][0]
@@ -473,24 +491,15 @@ def test_sensitivity_scope_measures_each_layer_and_reaches_the_target():
 
 
 def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp_path):
-    ck = tmp_path / "lenet5.pt"
-    result = run(
-        "train", "--model", "lenet5", "--data", "digits", "--epochs", "2", "--batch-size", "64",
-        "--out", ck, "-q",
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    rec = tmp_path / "thin.toml"
-    rec.write_text(
-        "[train]\nbatch_size = 64\n"
-        "[channels]\nenabled = true\ntarget_macs = 0.5\nrounds = 1\nretrain_epochs = 1\n"
-        'scope = "sensitivity"\n'
+    ck = _lenet5_teacher(run, tmp_path)
+    out, report = _shrink(
+        run,
+        ck,
+        tmp_path,
+        THIN + 'scope = "sensitivity"\n'
         "[prune]\nenabled = false\n[quantize]\nenabled = false\n[huffman]\nenabled = false\n"
-        '[export]\nort = false\ntarget = "mobile"\n'
+        '[export]\nort = false\ntarget = "mobile"\n',
     )
-    out = tmp_path / "out"
-    result = run("shrink", ck, "--recipe", rec, "--out", out, "--json", "-q")
-    assert result.exit_code == 0, result.output
-    report = json.loads((out / "report.json").read_text())
     c = report["channels"]
     sens = c["sensitivity"]
     assert c["reached"] and any(f > 0 for f in sens["ratios"].values())
