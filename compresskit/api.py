@@ -125,6 +125,11 @@ def _load(
     trust_model: bool,
 ) -> tuple[nn.Module, ModelSpec, Dataset, dict[str, Any]]:
     """(the model to compress, its spec, the data, the run's metadata) from what was given."""
+    if spec is not None and not isinstance(spec, (str, ModelSpec)):
+        raise InputError(
+            f"spec must be a zoo name or 'pkg.module:callable' (a string; its arguments go in "
+            f"model_kwargs) or a ModelSpec, not {type(spec).__name__}"
+        )
     if isinstance(model, nn.Module):
         if spec is None:
             raise InputError(

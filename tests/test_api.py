@@ -100,6 +100,10 @@ def test_a_module_instance_is_copied_never_changed(tmp_path):
         (lambda d: ck.shrink(d / "t.pt", 42, out=d / "o"), "give a data spec"),
         (lambda d: ck.shrink(d / "t.pt", "digits:x", out=d / "o"), "digits:x"),
         (lambda d: ck.shrink(nn.Linear(2, 2), "digits", out=d / "o"), "needs spec="),
+        (
+            lambda d: ck.shrink(nn.Linear(64, 10), "digits", out=d / "o", spec={"name": "x"}),
+            "spec must be a zoo name",
+        ),
         (lambda d: ck.shrink(object(), "digits", out=d / "o"), "give a checkpoint path"),
         (
             lambda d: ck.shrink(
