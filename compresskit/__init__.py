@@ -22,8 +22,7 @@ nor ONNX Runtime.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from compresskit import _lazy
 
 # name -> the module that defines it (imported on first access: see __getattr__)
 _LAZY = {
@@ -47,13 +46,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'compresskit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())

@@ -13,8 +13,7 @@ recipe on a model.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from compresskit import _lazy
 
 _RECIPE = "compresskit.compressor.recipe"
 # name -> the module that defines it (imported on first access: see __getattr__)
@@ -39,13 +38,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'compresskit.compressor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())

@@ -16,8 +16,9 @@ The names below are imported on first use, so `import compresskit.distrib` stays
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from compresskit import _lazy
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time `__getattr__` imports them
     from compresskit.distrib.job import train
@@ -47,15 +48,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module on first access (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())
