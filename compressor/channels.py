@@ -399,10 +399,11 @@ def sensitivity(
                 k = int(width * f)
                 if k <= len(gone) or k >= width:
                     continue
-                now = [c for c in range(width) if c not in set(gone)]
+                removed = set(gone)
+                position = {c: i for i, c in enumerate(c for c in range(width) if c not in removed)}
                 cut = order[len(gone) : k]
                 try:
-                    twin_graph.get_pruning_group(target, fn, [now.index(c) for c in cut]).prune()
+                    twin_graph.get_pruning_group(target, fn, [position[c] for c in cut]).prune()
                 except Exception:  # a width that must stay a multiple (MHA heads): leave it
                     curves[name] = {}
                     break

@@ -49,6 +49,7 @@ def compare(
 
     files: dict[str, list[Path]] = {"fp32": [], "int8": []}
     made: list[Path] = []
+    flags = envinfo.cpu_flags()
     try:
         example = torch.from_numpy(x[:2])
         before = export.export_onnx(unthinned, example, tmp / ".unthinned.fp32.onnx", export_cfg)
@@ -59,11 +60,8 @@ def compare(
             made.append(prepared)
             with export.errors_only():
                 q = int8.Quantizer(prepared, calib, quant.method)
-                rr = int8.resolve_reduce_range(quant, envinfo.cpu_flags())
-                chosen = next(
-                    (s for s in (int8.scheme_for(quant, rr), int8.ORT_DEFAULT) if s.name == scheme),
-                    int8.scheme_for(quant, rr),
-                )
+                ours = int8.scheme_for(quant, int8.resolve_reduce_range(quant, flags))
+                chosen = int8.ORT_DEFAULT if scheme == int8.ORT_DEFAULT.name else ours
                 model = q.build(chosen, ir_version=ir_version)
             import onnx
 
@@ -73,15 +71,14 @@ def compare(
             files["int8"] = [path, int8_file]
         rows = []
         for b in BATCHES:
-            batch = np.resize(x, (b, *x.shape[1:])).astype(x.dtype)
+            batch = np.resize(x, (b, *x.shape[1:]))
             kinds = [k for k in ("fp32", "int8") if files[k]]
             calls = [benchmark.onnx_runner(p, batch, threads=1) for k in kinds for p in files[k]]
             ms = benchmark.p50_ms(calls, SECONDS)
             for i, k in enumerate(kinds):
                 b0, b1 = ms[2 * i], ms[2 * i + 1]
-                rows.append({"batch": b, "precision": k, "before_ms": b0, "after_ms": b1,
-                             "speedup": b0 / b1})  # fmt: skip
-        flags = envinfo.cpu_flags()
+                row = {"batch": b, "precision": k, "before_ms": b0, "after_ms": b1}
+                rows.append({**row, "speedup": b0 / b1})
         return {
             "rows": rows,
             "threads": 1,
