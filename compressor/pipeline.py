@@ -604,7 +604,13 @@ def _export(
         "bias_corrected": sel.bias_corrected,
         "min_agreement": q.min_agreement,
         "calibration": {"source": source, "samples": len(calib), "method": q.method},
-        "checked_on": {"split": split, "source": check_from, "samples": len(check_x)},
+        "checked_on": {
+            "split": split,
+            "source": check_from,
+            "samples": len(check_x),
+            # top two FP32 logits within 1e-4 of the logit scale: either class agrees
+            "fp32_ties": choice.ties,
+        },
         "fp32_nodes": sel.fp32_nodes,
         "int8_nodes": sel.int8_nodes,
         "quantizable_nodes": choice.quantizable,

@@ -575,6 +575,8 @@ def _checked_on(int8: dict[str, Any]) -> str:
     c = int8.get("checked_on")
     if c is None:  # a report written before the validation split
         return "held-out training inputs"
+    n = c.get("fp32_ties", 0)
+    tied = f", {n} of them an FP32 tie (either top class agrees)" if n else ""
     if c["split"] == "validation":
-        return f"{c['samples']:,} validation inputs"
-    return f"{c['samples']:,} inputs ({c['source']})"
+        return f"{c['samples']:,} validation inputs{tied}"
+    return f"{c['samples']:,} inputs ({c['source']}){tied}"

@@ -331,10 +331,59 @@ def test_fallback_bisects_to_the_fewest_nodes_in_log_builds():
     model, out, _, back = I._fall_back(order, candidate, reference, cfg, before=0.5)
     assert back == order[:21] and model == "model-21"
     assert I.agreement(out, reference) >= cfg.min_agreement
-    assert len(calls) <= 2 * 7  # 1, 2, 4, ..., 32, then bisection in (16, 32]: not 74 builds
+    # 1, 2, 4, ..., 32, then bisection in (16, 32], then the shrink's budget: not 74 builds
+    assert len(calls) <= 2 * 7 + I._budget(74)
     # Every node needed: the whole list, the all-FP32 graph, holds.
     order, candidate, reference, calls = _fake_search(5, 5)
     assert I._fall_back(order, candidate, reference, cfg, before=0.5)[3] == order
+
+
+def test_fallback_finds_one_culprit_the_order_puts_last():
+    # A ViT's patch embedding: the smallest own error (last in the order), yet the one node
+    # whose INT8 error flips a check sample. The prefix search needs all 26; the shrink finds it.
+    cfg = I.QuantConfig()
+    order, candidate, reference, calls = _fake_search(26, {"n25"})
+    model, out, _, back = I._fall_back(order, candidate, reference, cfg, before=0.5)
+    assert back == ["n25"] and model == "model-1"
+    assert I.agreement(out, reference) >= cfg.min_agreement
+    assert len(calls) <= 2 * 5 + I._budget(26)
+    # Two culprits far apart in the order: the prefix that holds is n0..n20; within its budget
+    # the shrink drops part of it and keeps both culprits.
+    order, candidate, reference, _ = _fake_search(26, {"n3", "n20"})
+    back = I._fall_back(order, candidate, reference, cfg, before=0.5)[3]
+    assert {"n3", "n20"} <= set(back) and len(back) < 21
+
+
+def test_shrink_set_stays_within_its_budget():
+    order, candidate, reference, calls = _fake_search(64, 40)  # no subset of 40 holds
+    back, found = I._shrink_set(order[:40], candidate, reference, I.QuantConfig(), budget=5)
+    assert back == order[:40] and found is None and len(calls) == 5
+
+
+def test_agreement_counts_fp32_ties_as_agreeing_and_nothing_else():
+    # Sample 0: the reference's top two 1e-5 apart on a logit scale of 10 (a tie, tolerance
+    # 1e-3); sample 1: 0.5 apart. Picking the runner-up agrees on the tie only.
+    reference = np.array([[10.0, 9.99999, 0.0], [10.0, 9.5, 0.0], [0.0, 1.0, 2.0]])
+    got = np.array([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert I.tie_tolerance(reference) == pytest.approx(1e-3)
+    assert I.disagrees(got, reference, I.tie_tolerance(reference)).tolist() == [False, True, False]
+    assert I.agreement(got, reference) == pytest.approx(2 / 3)
+    assert I.ties(reference) == 1
+    # Exact argmax agreement where nothing ties; the third class of a tie still disagrees.
+    assert I.agreement(reference, reference) == 1.0
+    assert I.agreement(np.array([[0.0, 0.0, 1.0]]), reference[:1]) == 0.0
+
+    # The early-stopping run counts the same disagreements as `agreement`.
+    class Sess:
+        def get_inputs(self):
+            return [type("I", (), {"name": "x"})()]
+
+        def run(self, _, feed):
+            return [got[feed["x"]]]
+
+    idx = np.arange(3)
+    assert I._outputs_above(Sess(), idx, reference, floor=0.6, batch=1) is not None
+    assert I._outputs_above(Sess(), idx, reference, floor=0.7, batch=1) is None
 
 
 def test_fallback_that_cannot_reach_the_floor_is_a_stage_error():
@@ -401,18 +450,21 @@ def test_floor_holds_with_the_harmful_node_back_in_fp32_few_builds_silently(
     assert not [r for r in caplog.records if "onnxruntime" in r.pathname]
     sel = choice.selection
     assert sel.agreement_before_fallback < 0.97 <= sel.agreement
-    # the output layer goes first, then the harmful one: the largest own error
-    assert list(sel.fp32_nodes) == ["fc5", "fc0"]
+    # the output layer goes first, then the harmful one (the largest own error): the prefix
+    # [fc5, fc0] holds, and the shrink finds fc0 alone is enough
+    assert list(sel.fp32_nodes) == ["fc0"]
     assert sel.fp32_nodes["fc0"].startswith("accuracy: top-1 agreement")
-    assert sel.int8_nodes == 4 and choice.model is not None
+    assert sel.int8_nodes == 5 and choice.model is not None
     record = choice.candidates[[c["scheme"] for c in choice.candidates].index(sel.scheme.name)]
-    # ours: all INT8, prefixes of 1 (fails) and 2 (holds) made by surgery, then the file for
-    # the prefix found built by the quantizer; the old search built 6 models to score the
-    # nodes and 1 a node fallen back
-    assert record["builds"] == 2 and record["searched"] == 2
+    # ours: all INT8, prefixes of 1 (fails) and 2 (holds), then [fc5] and [fc0] alone, made by
+    # surgery; then the file for the nodes found built by the quantizer. The old search built
+    # 6 models to score the nodes and 1 a node fallen back.
+    assert record["builds"] == 2 and record["searched"] == 4
     assert len(builds) == sum(c["builds"] for c in choice.candidates)
-    assert all(c["builds"] <= 2 and c["searched"] <= 2 * 3 for c in choice.candidates)
-    assert record["min_agreement"] == 0.97 and record["fallen_back"] == 2
+    assert all(
+        c["builds"] <= 2 and c["searched"] <= 2 * 3 + I._budget(6) for c in choice.candidates
+    )
+    assert record["min_agreement"] == 0.97 and record["fallen_back"] == 1
     assert record["agreement_before_fallback"] < 0.97 and record["check_samples"] == 300
     got = I.outputs(I.session(choice.model.SerializeToString(), optimized=False), x[100:])
     ref = I.outputs(I.session(fp32.read_bytes(), optimized=False), x[100:])
