@@ -346,7 +346,9 @@ def test_fallback_finds_one_culprit_the_order_puts_last():
     model, out, _, back = I._fall_back(order, candidate, reference, cfg, before=0.5)
     assert back == ["n25"] and model == "model-1"
     assert I.agreement(out, reference) >= cfg.min_agreement
-    assert len(calls) <= 2 * 5 + I._budget(26)
+    # prefixes 1, 2, 4, 8, 16 fail and 26 holds, bisection tries 21, 23, 24, 25 (fail); then
+    # the shrink, tail chunk first, holds at every halving: 13, 6, 3, 1 nodes
+    assert calls == [1, 2, 4, 8, 16, 26, 21, 23, 24, 25, 13, 6, 3, 1]
     # Two culprits far apart in the order: the prefix that holds is n0..n20; within its budget
     # the shrink drops part of it and keeps both culprits.
     order, candidate, reference, _ = _fake_search(26, {"n3", "n20"})
@@ -456,10 +458,10 @@ def test_floor_holds_with_the_harmful_node_back_in_fp32_few_builds_silently(
     assert sel.fp32_nodes["fc0"].startswith("accuracy: top-1 agreement")
     assert sel.int8_nodes == 5 and choice.model is not None
     record = choice.candidates[[c["scheme"] for c in choice.candidates].index(sel.scheme.name)]
-    # ours: all INT8, prefixes of 1 (fails) and 2 (holds), then [fc5] and [fc0] alone, made by
-    # surgery; then the file for the nodes found built by the quantizer. The old search built
-    # 6 models to score the nodes and 1 a node fallen back.
-    assert record["builds"] == 2 and record["searched"] == 4
+    # ours: all INT8, prefixes of 1 (fails) and 2 (holds), then [fc0] alone (the tail first),
+    # made by surgery; then the file for the nodes found built by the quantizer. The old
+    # search built 6 models to score the nodes and 1 a node fallen back.
+    assert record["builds"] == 2 and record["searched"] == 3
     assert len(builds) == sum(c["builds"] for c in choice.candidates)
     assert all(
         c["builds"] <= 2 and c["searched"] <= 2 * 3 + I._budget(6) for c in choice.candidates
