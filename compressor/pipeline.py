@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compresskit import _mem
 from compresskit.compressor import (
     archive,
     budget,
@@ -91,6 +92,7 @@ class _Clock:
         try:
             yield
         finally:
+            _mem.trim()  # what the step freed goes back to the OS (compresskit._mem)
             self.steps[name] = self.steps.get(name, 0.0) + time.perf_counter() - t
 
     def timed_retrain(self, hooks: shrink_mod.Hooks) -> shrink_mod.Hooks:

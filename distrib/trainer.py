@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compresskit import _mem
 from compresskit.models import checkpoint
 from compresskit.models.data import Dataset
 from compresskit.models.errors import InputError, StageError
@@ -453,6 +454,7 @@ def fit(
             )
             torch.distributed.all_reduce(totals)
             state["loss_sum"], state["correct"], state["seen"] = totals.tolist()
+        _mem.trim()  # the epoch's freed memory back to the OS: peak RSS (compresskit._mem)
         gathered = None
         if updater is not None:
             if epoch == cfg.epochs - 1:
