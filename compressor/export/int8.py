@@ -28,10 +28,9 @@ decides which Conv/Gemm/MatMul nodes keep INT8 and cleans what the quantizer lea
   holds, then delta debugging within that prefix (`_shrink_set`, about 2 log2 N more
   candidates) for the few nodes that matter when the order missed them: own error is not the
   error that reaches the logits. Each candidate is made from the all-INT8 file by graph
-  surgery (`Quantizer.without`, ~0.05 s; the quantizer's rewrite took 2 s on
-  EfficientNet-B0) and costs one run over the
-  check inputs, cut short once the floor is out of reach; the file for the nodes found is then
-  built by the quantizer and checked once more.
+  surgery (`Quantizer.without`, ~0.05 s; the quantizer's rewrite took 2 s on EfficientNet-B0)
+  and costs one run over the check inputs, cut short once the floor is out of reach; the file
+  for the nodes found is then built by the quantizer and checked once more.
   The old chooser built and ran one model per node to score it, then one per node fallen back:
   138 builds and 139 sessions on a 4-block ViT, which then shipped at 0.965 < 0.995.
   Nothing depends on timing or on the order of a set: two builds write the same bytes. If even
@@ -221,10 +220,9 @@ def agreement(got: np.ndarray, reference: np.ndarray) -> float:
 
 def ties(reference: np.ndarray) -> int:
     """How many samples of `reference` have their top two classes tied (`disagrees`)."""
-    if reference.shape[-1] < 2 or reference.size == 0:
+    if reference.size == 0 or reference.shape[-1] < 2:  # one class: nothing to tie with
         return 0
-    top2 = np.partition(reference, -2, axis=-1)[..., -2:]
-    return int(np.sum(top2[..., 1] - top2[..., 0] <= tie_tolerance(reference)))
+    return int(np.sum(_top2_gap(reference) <= tie_tolerance(reference)))
 
 
 # --- ORT's quantizer, kept quiet ---------------------------------------------------------------
