@@ -603,6 +603,9 @@ def _export(
         "decided_on": choice.semantics,
         "candidates": choice.candidates,
         "check_agreement": sel.agreement,
+        # every check sample's FP32 margin paired with every sample's INT8 change of it: the
+        # agreement to expect on new inputs, which the floor must hold too (int8.meets)
+        "check_expected_agreement": sel.expected,
         "bias_corrected": sel.bias_corrected,
         "min_agreement": q.min_agreement,
         "calibration": {"source": source, "samples": len(calib), "method": q.method},

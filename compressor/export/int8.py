@@ -38,6 +38,13 @@ decides which Conv/Gemm/MatMul nodes keep INT8 and cleans what the quantizer lea
 * **Ties are not disagreements.** A check sample whose FP32 top two logits lie within the FP32
   file's own tolerance (1e-4 of the logit scale) agrees whichever of the two INT8 picks
   (`disagrees`); the report counts such samples (`checked_on.fp32_ties`).
+* **The floor holds on new inputs, not only on the check's.** The search stops at the first
+  node set whose flips on the check inputs fit the floor, and so fits them: MobileNetV2's file
+  held 1.0 on 160 validation inputs and 0.9875 on the test set. A candidate holds the floor
+  when both the agreement counted on the check inputs and the agreement expected on new ones
+  do (`meets`); the expected one pairs every check sample's FP32 margin with every sample's
+  INT8 change of its margin (`expected_agreement`, n^2 pairs for n samples), and tracked the
+  test set on the model matrix (MobileNetV2 0.9908 vs 0.9875, ViT-tiny 0.9930 vs 0.9925).
 * **Bias correction.** Each INT8 Conv/Gemm's bias, or the bias Add after an INT8 MatMul (a
   Linear on (N, L, D) tensors), absorbs the mean shift quantization puts on its output channels
   (`correct_bias`; the channel is axis 1 for Conv/Gemm, the last axis for MatMul), kept only when
@@ -216,6 +223,46 @@ def agreement(got: np.ndarray, reference: np.ndarray) -> float:
     if got.size == 0:
         return float("nan")
     return 1.0 - float(np.mean(disagrees(got, reference, tie_tolerance(reference))))
+
+
+def expected_agreement(got: np.ndarray, reference: np.ndarray) -> float:
+    """Top-1 agreement of `got` with `reference` expected on new inputs: every sample's FP32
+    top-two gap paired with every sample's change of its margin under `got` (FP32's top class
+    over the closest other class), both relative to the sample's largest |logit|: the flip
+    rate if the error did not depend on the margin.
+
+    Why: a check of n samples counts the flips that happened to land on it, and the fallback
+    search, which stops at the first node set whose count fits the floor, fits that count. On
+    MobileNetV2 the file chosen held 1.0 on its 160 validation samples and 0.9875 on the 400
+    test images; this estimate, n x n pairs instead of n samples, gave 0.9908 on the same 160
+    (ViT-tiny 0.9930 vs 0.9925 on test, EfficientNet-B0 0.9963 vs 0.9975). FP32 ties
+    (`disagrees`) agree, as in `agreement`."""
+    if got.size == 0:
+        return float("nan")
+    classes = reference.shape[-1]
+    if classes < 2:
+        return 1.0
+    ref, out = reference.reshape(-1, classes), got.reshape(-1, classes)
+    rows = np.arange(len(ref))
+    second, first = np.argsort(ref, axis=1, kind="stable")[:, -2:].T
+    scale = np.abs(ref).max(axis=1)
+    scale = np.where(scale > 0, scale, 1.0)
+    gap = (ref[rows, first] - ref[rows, second]) / scale
+    # the margin of FP32's top class over its closest rival under `got` (any class, not only
+    # FP32's runner-up): negative exactly where this sample flipped
+    rival = out.copy()
+    rival[rows, first] = -np.inf
+    change = (out[rows, first] - rival.max(axis=1)) / scale - gap
+    gap = gap[gap * scale > tie_tolerance(reference)]  # ties agree whatever INT8 picks
+    # flips of sample i: the changes that take its gap below zero (gap_i + change_j < 0)
+    flips = np.searchsorted(np.sort(change), -gap, side="left").sum()
+    return 1.0 - float(flips) / (len(ref) * len(ref))
+
+
+def meets(got: np.ndarray, reference: np.ndarray, floor: float) -> bool:
+    """Whether `got` holds top-1 agreement `floor` with `reference`: both the agreement counted
+    on these samples and the one expected on new inputs (`expected_agreement`)."""
+    return agreement(got, reference) >= floor and expected_agreement(got, reference) >= floor
 
 
 def ties(reference: np.ndarray) -> int:
@@ -1118,6 +1165,8 @@ class Selection:
     fallen_back: int = 0  # nodes returned to FP32 to hold min_agreement
     builds: int = 0  # quantized models built (Quantizer.build calls) for this scheme
     searched: int = 0  # fallback candidates made by surgery (Quantizer.without) and checked
+    expected: float = 1.0  # agreement expected on new inputs (`expected_agreement`)
+    expected_before_fallback: float = 1.0
 
 
 @dataclass
@@ -1171,6 +1220,8 @@ def choose(
             "mse": s.mse,
             "bias_corrected": s.bias_corrected,
             "agreement_before_fallback": s.agreement_before_fallback,
+            "expected_agreement": s.expected,
+            "expected_before_fallback": s.expected_before_fallback,
             "fallen_back": s.fallen_back,
             "min_agreement": cfg.min_agreement,
             "check_samples": len(check_x),
@@ -1256,9 +1307,9 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         c_out = run(corrected)
         if _closeness(c_out, reference) > _closeness(got, reference):
             model, got, n_bias, use_bias = corrected, c_out, n, True
-    before = agreement(got, reference)
+    before, before_expected = agreement(got, reference), expected_agreement(got, reference)
     fallen: list[str] = []
-    if before < cfg.min_agreement:
+    if not meets(got, reference, cfg.min_agreement):
 
         def candidate(back: Sequence[str], floor: float | None, exact: bool = False):
             nonlocal searched
@@ -1274,18 +1325,21 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
             {n: e for n, e in errors.items() if n in int8}, q.nodes, output_layers(q.model)
         )
         order += [n for n in int8 if n not in order]
-        model, got, n_bias, fallen = _fall_back(order, candidate, reference, cfg, before)
+        model, got, n_bias, fallen = _fall_back(
+            order, candidate, reference, cfg, min(before, before_expected)
+        )
         # The search ran on surgery-made candidates; the quantizer's own file for the nodes
         # found ships when it holds the floor too (it did on every model measured), else the
         # candidate that held, as checked.
         exact, out, nb = candidate(fallen, None, exact=True)
-        if agreement(out, reference) >= cfg.min_agreement:
+        if meets(out, reference, cfg.min_agreement):
             model, got, n_bias = exact, out, nb
         why = (
-            f"accuracy: top-1 agreement {before:.4f} < min_agreement {cfg.min_agreement} with "
-            f"every node in INT8; the output layers, then the nodes of largest own error "
-            f"(normalised MSE), narrowed to {len(fallen)} by delta debugging, back in FP32 "
-            f"give {agreement(got, reference):.4f}"
+            f"accuracy: top-1 agreement {before:.4f} (expected on new inputs "
+            f"{before_expected:.4f}) < min_agreement {cfg.min_agreement} with every node in "
+            f"INT8; the output layers, then the nodes of largest own error (normalised MSE), "
+            f"narrowed to {len(fallen)} by delta debugging, back in FP32 give "
+            f"{agreement(got, reference):.4f} (expected {expected_agreement(got, reference):.4f})"
         )
         excluded.update({n: why for n in fallen})
     agree, mse = agreement(got, reference), float(np.mean((got - reference) ** 2))
@@ -1312,6 +1366,8 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         len(fallen),
         builds,
         searched,
+        expected_agreement(got, reference) if n_int8 else 1.0,
+        before_expected,
     )
 
 
@@ -1402,9 +1458,9 @@ def _fall_back(order: list[str], candidate, reference, cfg, before: float):
     def holds(k: int) -> bool:
         last = k == len(order)  # run in full: its agreement is the error message's figure
         m, out, nb = candidate(order[:k], None if last else cfg.min_agreement)
-        if out is None or agreement(out, reference) < cfg.min_agreement:
+        if out is None or not meets(out, reference, cfg.min_agreement):
             if last and out is not None:
-                held[-1] = (agreement(out, reference),)
+                held[-1] = (min(agreement(out, reference), expected_agreement(out, reference)),)
             return False
         held[k] = (m, out, nb)
         return True
@@ -1463,7 +1519,7 @@ def _shrink_set(back: list[str], candidate, reference, cfg, budget: int):
 
     def holds(nodes: list[str]):
         m, out, nb = candidate(nodes, cfg.min_agreement)
-        if out is None or agreement(out, reference) < cfg.min_agreement:
+        if out is None or not meets(out, reference, cfg.min_agreement):
             return None
         return m, out, nb
 
