@@ -307,7 +307,7 @@ def _plan(
     """The per-layer plan for --dry-run, or None without a checkpoint to read it from."""
     if not model_path.is_file():
         return None
-    ck = checkpoint.load(model_path)
+    ck = checkpoint.load(model_path, train_state=False)
     if recipe.distill.student or recipe.channels.enabled:
         return None  # the layers Deep Compression sees do not exist yet
     named = model or (ck.spec.name if ck.spec is not None else None)

@@ -162,7 +162,7 @@ def _load(
             "or an nn.Module with spec="
         )
     path = Path(path)
-    ck = checkpoint.load(path)
+    ck = checkpoint.load(path, train_state=False)
     named = _model_name(spec)
     if trust_model and named is None and ck.spec is not None and ck.spec.is_import_path:
         named = ck.spec.name

@@ -275,5 +275,5 @@ def _model_name(paths: list[Path], model: str | None) -> str | None:
     from compresskit.models import checkpoint
 
     first = next((p for p in paths if p.suffix == ".pt"), None)
-    spec = checkpoint.load(first).spec if first is not None else None
+    spec = checkpoint.load(first, train_state=False).spec if first is not None else None
     return spec.name if spec is not None else None

@@ -174,7 +174,7 @@ def _prepare_torch(variant, x: np.ndarray) -> Prepared:
     from compresskit.models import checkpoint
 
     t0 = time.perf_counter()
-    net = checkpoint.load(variant.model.path).build_model(
+    net = checkpoint.load(variant.model.path, train_state=False).build_model(
         variant.model.spec,
         allow_import=True,  # already allowed when the model was described
     )

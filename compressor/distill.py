@@ -333,7 +333,7 @@ def distill_student(
     the data it trained on (the transfer set, when the recipe asks for one: later stages must
     keep to it, or scarce labels would not stay scarce). Hints use the first teacher."""
     check_transfer(d, data)
-    members = [teacher] + [checkpoint.load(p).build_model() for p in d.teachers]
+    members = [teacher] + [checkpoint.load(p, train_state=False).build_model() for p in d.teachers]
     x = data.x_train[:2]
     classes = []
     for i, m in enumerate(members):

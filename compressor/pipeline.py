@@ -338,7 +338,7 @@ def preflight(
                 )
     for path in recipe.distill.teachers:
         try:  # exists, is a checkpoint, holds no code; shapes are checked later
-            checkpoint.load(path)
+            checkpoint.load(path, train_state=False)
         except InputError as err:
             raise InputError(f"--teacher / distill.teachers: {err}") from None
     return calib

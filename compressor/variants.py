@@ -148,7 +148,7 @@ def load(
     size = path.stat().st_size
     label = path.name
     if path.suffix == ".pt":
-        ck = checkpoint.load(path)
+        ck = checkpoint.load(path, train_state=False)
         spec = ck.spec
         if spec is None:
             if not model:

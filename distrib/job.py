@@ -204,7 +204,9 @@ def train(
         and Path(result.checkpoint).is_file()
     ):
         # Trained in other processes: rank 0's weights, from the checkpoint it wrote.
-        result.model = checkpoint.load(result.checkpoint).build_model(allow_import=True)
+        result.model = checkpoint.load(result.checkpoint, train_state=False).build_model(
+            allow_import=True
+        )
     if not return_model and result is not None:
         result.model = None
     return result

@@ -1,3 +1,6 @@
+import gc
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +26,27 @@ def test_round_trip_keeps_spec_weights_and_metadata(tmp_path):
     # The file itself is loadable by plain torch with weights_only=True.
     raw = torch.load(path, weights_only=True)
     assert raw["format"] == "compress.checkpoint" and raw["format_version"] == 1
+
+
+@pytest.mark.parametrize("zipped", [True, False])
+def test_loading_without_the_training_state_reads_only_the_weights(tmp_path, zipped):
+    model = tiny("lenet5")
+    moments = {"exp_avg": torch.randn(1000, 100)}  # the size of Adam's state, never read
+    path = tmp_path / "m.pt"
+    obj = {"format": "compress.checkpoint", "format_version": 1, "model": SPEC.to_dict()}
+    obj |= {"state_dict": model.state_dict(), "metadata": {}, "train_state": moments}
+    torch.save(obj, path, _use_new_zipfile_serialization=zipped)
+    full, lean = checkpoint.load(path), checkpoint.load(path, train_state=False)
+    assert torch.equal(full.train_state["exp_avg"], moments["exp_avg"])
+    assert lean.train_state is None and lean.spec == SPEC
+    assert _same(lean.build_model().state_dict(), model.state_dict())
+    torch.save(model.state_dict(), tmp_path / "sd.pt", _use_new_zipfile_serialization=zipped)
+    bare = checkpoint.load(tmp_path / "sd.pt", train_state=False)
+    assert _same(bare.state_dict, model.state_dict())
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # copied out of the mapping: neither file is mapped once load returns
+        gc.collect()
+        assert str(path) not in maps.read_text() and "sd.pt" not in maps.read_text()
 
 
 def test_bare_state_dict_loads_when_model_is_named(tmp_path):
