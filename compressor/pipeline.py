@@ -604,8 +604,9 @@ def _export(
         "candidates": choice.candidates,
         "check_agreement": sel.agreement,
         # every check sample's FP32 margin paired with every sample's INT8 change of it: the
-        # agreement to expect on new inputs, which the floor must hold too (int8.meets)
+        # agreement to expect on new inputs; its 95% lower bound must hold the floor too
         "check_expected_agreement": sel.expected,
+        "check_expected_lower_bound": sel.expected_low,
         "bias_corrected": sel.bias_corrected,
         "min_agreement": q.min_agreement,
         "calibration": {"source": source, "samples": len(calib), "method": q.method},

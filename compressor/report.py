@@ -572,8 +572,11 @@ def save_figure(fig, path: Path) -> Path:
 
 def _expected(int8: dict[str, Any]) -> str:
     """The agreement expected on new inputs, for the INT8 sentence (absent in older reports)."""
-    e = int8.get("check_expected_agreement")
-    return "" if e is None else f", {e:.2%} expected on new inputs (every margin x every change)"
+    e, low = int8.get("check_expected_agreement"), int8.get("check_expected_lower_bound")
+    if e is None:
+        return ""
+    bound = "" if low is None else f", 95% lower bound {low:.2%}"
+    return f", {e:.2%} expected on new inputs (every margin x every change{bound})"
 
 
 def _checked_on(int8: dict[str, Any]) -> str:

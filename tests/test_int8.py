@@ -396,8 +396,13 @@ def test_expected_agreement_pairs_every_gap_with_every_change_by_hand():
     reference = np.array([[4.0, 3.0, 0.0], [2.0, 0.0, 1.0], [0.0, 5.0, 0.0]])
     got = np.array([[4.0, 3.0, 0.0], [2.0, 0.0, 1.6], [0.0, 5.0, 0.0]])
     assert I.agreement(got, reference) == 1.0
-    assert I.expected_agreement(got, reference) == pytest.approx(8 / 9)
-    assert not I.meets(got, reference, 0.9) and I.meets(got, reference, 0.88)
+    estimate, low = I.expected_agreement(got, reference)
+    assert estimate == pytest.approx(8 / 9)
+    # The bound: a_i (share of changes that flip margin i) = 1/3, 0, 0; b_j (share of margins
+    # change j flips) = 0, 1/3, 0; var(a + b) = 1/27 (n - 1 in the denominator); se =
+    # sqrt(1/27 / 3) = 1/9.
+    assert low == pytest.approx(8 / 9 - I.Z95 / 9)
+    assert not I.meets(got, reference, 0.71) and I.meets(got, reference, 0.70)
     # against the pairs counted one by one, on random logits
     rng = np.random.default_rng(0)
     ref = rng.standard_normal((50, 4))
@@ -410,15 +415,19 @@ def test_expected_agreement_pairs_every_gap_with_every_change_by_hand():
     change = margin / scale - gap
     assert sum(change + gap < 0) == round(50 * (1 - I.agreement(out, ref))) > 0  # own flips
     flips = sum(g + c < 0 for g in gap for c in change)
-    assert I.expected_agreement(out, ref) == pytest.approx(1 - flips / 2500)
-    assert I.expected_agreement(ref, ref) == 1.0  # no change, no flip
+    estimate, low = I.expected_agreement(out, ref)
+    assert estimate == pytest.approx(1 - flips / 2500)
+    # the standard error against a bootstrap over the 50 samples
+    draws = [I.expected_agreement(out[i], ref[i])[0] for i in rng.integers(0, 50, (400, 50))]
+    assert (estimate - low) / I.Z95 == pytest.approx(np.std(draws), rel=0.2)
+    assert I.expected_agreement(ref, ref) == (1.0, 1.0)  # no change, no flip
     # FP32 ties agree whatever the change; a flip to the third class counts (sample 1's margin
     # falls from 1 to -1: paired with its own gap it flips, with the tie's change of 0 not);
     # one class cannot flip; no outputs: NaN
     tied = np.array([[1.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
-    assert I.expected_agreement(tied[:, [1, 0, 2]], tied) == pytest.approx(1 - 1 / 4)
-    assert I.expected_agreement(np.ones((3, 1)), np.zeros((3, 1))) == 1.0
-    assert np.isnan(I.expected_agreement(np.zeros((0, 3)), np.zeros((0, 3))))
+    assert I.expected_agreement(tied[:, [1, 0, 2]], tied)[0] == pytest.approx(1 - 1 / 4)
+    assert I.expected_agreement(np.ones((3, 1)), np.zeros((3, 1))) == (1.0, 1.0)
+    assert np.isnan(I.expected_agreement(np.zeros((0, 3)), np.zeros((0, 3)))).all()
 
 
 def test_fallback_that_cannot_reach_the_floor_is_a_stage_error():
@@ -489,9 +498,10 @@ def test_floor_holds_with_the_harmful_node_back_in_fp32_few_builds_silently(
     # [fc5, fc0] holds. fc0 alone holds 0.97 on these 300 samples but not the agreement
     # expected on new inputs (the head's INT8 noise still reaches the logits): both stay FP32.
     assert list(sel.fp32_nodes) == ["fc5", "fc0"]
-    assert sel.fp32_nodes["fc0"].startswith("accuracy: top-1 agreement")
+    assert sel.fp32_nodes["fc0"].startswith("accuracy: with every node in INT8, top-1 agreement")
     assert sel.int8_nodes == 4 and choice.model is not None
-    assert min(sel.agreement, sel.expected) >= 0.97 > sel.expected_before_fallback
+    assert min(sel.agreement, sel.expected_low) >= 0.97 > sel.expected_low_before_fallback
+    assert sel.expected >= sel.expected_low
     record = choice.candidates[[c["scheme"] for c in choice.candidates].index(sel.scheme.name)]
     # ours: all INT8, prefixes of 1 (fails) and 2 (holds), then [fc0] and [fc5] alone (the
     # tail first; both fail), made by surgery; then the file for the nodes found built by the
