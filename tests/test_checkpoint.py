@@ -1,4 +1,5 @@
 import gc
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,14 +29,26 @@ def test_round_trip_keeps_spec_weights_and_metadata(tmp_path):
     assert raw["format"] == "compress.checkpoint" and raw["format_version"] == 1
 
 
-@pytest.mark.parametrize("zipped", [True, False])
-def test_loading_without_the_training_state_reads_only_the_weights(tmp_path, zipped):
+@pytest.mark.parametrize("zipped, alignment", [(True, 64), (True, 1), (False, 64)])
+def test_loading_without_the_training_state_reads_only_the_weights(tmp_path, zipped, alignment):
+    from torch.utils.serialization import config
+
+    # alignment 1: records at odd offsets, as zip files written before torch 2.1 lay them out
+    with config.patch({"save.storage_alignment": alignment}):
+        _lean_load(tmp_path, zipped, alignment)
+
+
+def _lean_load(tmp_path, zipped, alignment):
     model = tiny("lenet5")
     moments = {"exp_avg": torch.randn(1000, 100)}  # the size of Adam's state, never read
     path = tmp_path / "m.pt"
     obj = {"format": "compress.checkpoint", "format_version": 1, "model": SPEC.to_dict()}
     obj |= {"state_dict": model.state_dict(), "metadata": {}, "train_state": moments}
     torch.save(obj, path, _use_new_zipfile_serialization=zipped)
+    if zipped:  # the layout asked for
+        names = zipfile.ZipFile(path).namelist()
+        record = next(n for n in names if n.endswith("/.storage_alignment"))
+        assert zipfile.ZipFile(path).read(record) == str(alignment).encode()
     full, lean = checkpoint.load(path), checkpoint.load(path, train_state=False)
     assert torch.equal(full.train_state["exp_avg"], moments["exp_avg"])
     assert lean.train_state is None and lean.spec == SPEC
