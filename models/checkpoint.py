@@ -248,8 +248,7 @@ def load(
     if not path.is_file():
         raise InputError(f"{path}: no such checkpoint file")
     check_sizes(path, max_elements)
-    with open(path, "rb") as f:
-        mapped = not train_state and f.read(4) == b"PK\x03\x04"  # mmap needs the zip format
+    mapped = not train_state and _is_zip(path)  # mmap needs torch's zip format
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
         if not train_state:
@@ -286,6 +285,12 @@ def _copied(state: dict) -> dict:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
+def _is_zip(path: Path) -> bool:
+    """torch.load's own test for its zip format: the file starts with a zip local header."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a pre-zip torch.save file
 
 
@@ -304,9 +309,7 @@ def check_sizes(path: Path, max_elements: int | None = None) -> None:
     cap = limits.max_elements() if max_elements is None else max_elements
     size = path.stat().st_size
     fix = "re-save it with torch.save(model.state_dict(), path)"
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"PK\x03\x04":  # torch.load's own test for its zip format
+    if _is_zip(path):
         infos = safeload.zip_directory(
             path, str(path), fix, f"{path}: not a readable PyTorch checkpoint: {_diagnose(path)}"
         )

@@ -271,11 +271,15 @@ def expected_agreement(got: np.ndarray, reference: np.ndarray) -> tuple[float, f
     return estimate, estimate - Z95 * se
 
 
+def floor_agreement(got: np.ndarray, reference: np.ndarray) -> float:
+    """The agreement the floor is judged on: the lower of the agreement counted on these
+    samples and the 95% lower bound of the one expected on new inputs (`expected_agreement`)."""
+    return min(agreement(got, reference), expected_agreement(got, reference)[1])
+
+
 def meets(got: np.ndarray, reference: np.ndarray, floor: float) -> bool:
-    """Whether `got` holds top-1 agreement `floor` with `reference`: both the agreement counted
-    on these samples and the 95% lower bound of the one expected on new inputs
-    (`expected_agreement`)."""
-    return agreement(got, reference) >= floor and expected_agreement(got, reference)[1] >= floor
+    """Whether `got` holds top-1 agreement `floor` with `reference` (`floor_agreement`)."""
+    return floor_agreement(got, reference) >= floor
 
 
 def ties(reference: np.ndarray) -> int:
@@ -1325,6 +1329,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         if _closeness(c_out, reference) > _closeness(got, reference):
             model, got, n_bias, use_bias = corrected, c_out, n, True
     before, before_expected = agreement(got, reference), expected_agreement(got, reference)
+    after = before_expected  # re-measured below when nodes fall back
     fallen: list[str] = []
     if not meets(got, reference, cfg.min_agreement):
 
@@ -1343,7 +1348,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         )
         order += [n for n in int8 if n not in order]
         model, got, n_bias, fallen = _fall_back(
-            order, candidate, reference, cfg, min(before, before_expected[1])
+            order, candidate, reference, cfg, floor_agreement(got, reference)
         )
         # The search ran on surgery-made candidates; the quantizer's own file for the nodes
         # found ships when it holds the floor too (it did on every model measured), else the
@@ -1385,7 +1390,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         len(fallen),
         builds,
         searched,
-        *(expected_agreement(got, reference) if n_int8 else (1.0, 1.0)),
+        *(after if n_int8 else (1.0, 1.0)),
         *before_expected,
     )
 
@@ -1479,7 +1484,7 @@ def _fall_back(order: list[str], candidate, reference, cfg, before: float):
         m, out, nb = candidate(order[:k], None if last else cfg.min_agreement)
         if out is None or not meets(out, reference, cfg.min_agreement):
             if last and out is not None:
-                held[-1] = (min(agreement(out, reference), expected_agreement(out, reference)[1]),)
+                held[-1] = (floor_agreement(out, reference),)
             return False
         held[k] = (m, out, nb)
         return True
