@@ -117,14 +117,20 @@ def weight_layers(model: nn.Module, embeddings: bool = False) -> dict[str, Layer
 def magnitude_mask(w: torch.Tensor, sparsity: float) -> torch.Tensor:
     """Keep the largest-|w| entries so that exactly round(sparsity * n) entries are pruned.
 
-    Ties at the threshold are broken by position (stable sort), so the count is exact.
+    Ties at the threshold are broken by position (the first tied entries go), so the count is
+    exact: the mask a stable sort of |w| would give, found by selection (`kthvalue`, linear
+    time) rather than a full sort, which on ResNet-18's 11M weights took 0.8 s a round.
     """
     n = w.numel()
     k = min(n, max(0, round(sparsity * n)))
-    mask = torch.ones(n, dtype=torch.bool)
-    if k:
-        order = torch.argsort(w.detach().abs().flatten(), stable=True)
-        mask[order[:k]] = False
+    a = w.detach().abs().flatten()
+    if not k:
+        return torch.ones_like(a, dtype=torch.bool).view_as(w)
+    t = torch.kthvalue(a, k).values
+    below = a < t
+    mask = ~below
+    tied = torch.nonzero(a == t).flatten()  # in position order
+    mask[tied[: k - int(below.sum())]] = False
     return mask.view_as(w)
 
 

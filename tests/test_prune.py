@@ -21,6 +21,24 @@ def test_magnitude_mask_prunes_exactly_the_smallest():
             assert w[~m].abs().max() <= w[m].abs().min()
 
 
+def test_magnitude_mask_breaks_ties_by_position_as_a_stable_sort_does():
+    # The mask is found by selection, not sorting: it must still be the stable sort's mask,
+    # ties at the threshold included (quantized-looking weights tie a lot), at every sparsity.
+    def by_sort(w, s):
+        k = round(s * w.numel())
+        mask = torch.ones(w.numel(), dtype=torch.bool)
+        mask[torch.argsort(w.abs().flatten(), stable=True)[:k]] = False
+        return mask.view_as(w)
+
+    g = torch.Generator().manual_seed(1)
+    tied = torch.randint(-3, 4, (23, 17), generator=g).float() * 0.5  # 7 values, many ties
+    w = torch.randn(31, 5, generator=g)
+    w[3] = 0.0  # a row of exact zeros ties too
+    for x in (tied, w):
+        for s in (0.0, 0.1, 0.37, 0.5, 0.9, 1.0):
+            assert torch.equal(prune.magnitude_mask(x, s), by_sort(x, s)), s
+
+
 def test_threshold_and_global_rules():
     w = torch.tensor([1.0, -2.0, 3.0, -4.0])
     assert prune.threshold_mask(w, 2.0).tolist() == [False, False, True, True]
