@@ -223,7 +223,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
     train = recipe.train
     x_val, y_val = ds.decision_split()  # held out of training: what stages decide on
 
-    def retrain(m: nn.Module, epochs: int, lr: float, loss_fn=None, data=None) -> None:
+    def retrain(m: nn.Module, epochs: int, lr: float, loss_fn=None, data=None):
         cfg = TrainConfig(
             epochs=epochs,
             lr=lr,
@@ -231,7 +231,10 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
             optimizer=train.optimizer,
             seed=train.seed,
         )
-        fit(m, data or ds, cfg, events=events, loss_fn=loss_fn or cross_entropy_loss)
+        result = fit(m, data or ds, cfg, events=events, loss_fn=loss_fn or cross_entropy_loss)
+        # The loop's last evaluation is the test set's when it trained on `ds`: the pipeline
+        # reuses its per-sample hits instead of a second pass (`Hooks.retrain`).
+        return result.test_correct if data is None else None
 
     info: Callable[[str], None] = events.info if events is not None else (lambda message: None)
     return Hooks(

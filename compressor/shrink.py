@@ -46,8 +46,10 @@ class Hooks:
     """What the pipeline needs from the outside world."""
 
     # Train in place: (model, epochs, lr, loss_fn or None for cross-entropy, data or None for
-    # the training set; distillation passes a transfer set).
-    retrain: Callable[..., None]
+    # the training set; distillation passes a transfer set). May return, per test sample,
+    # whether the retrained model's top-1 is right (what `test_correct` would give, from the
+    # loop's own last evaluation): the stage then skips a pass over the test set.
+    retrain: Callable[..., torch.Tensor | None]
     test_accuracy: Callable[[nn.Module], float]
     val_accuracy: Callable[[nn.Module], float]  # the validation split (sensitivity analysis)
     info: Callable[[str], None] = lambda message: None
@@ -104,8 +106,14 @@ def shrink(
         "test_accuracy": _accuracy(model, hooks, base_correct),
     }
 
-    def _stage(name: str, started: float, m: nn.Module, **extra: Any) -> dict[str, Any]:
-        correct = hooks.test_correct(m) if hooks.test_correct else None
+    def _stage(
+        name: str, started: float, m: nn.Module, correct: torch.Tensor | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        # `correct`: the model's per-sample test hits when already known (its retraining's
+        # last evaluation, or an identical model's), else measured here.
+        if correct is None and hooks.test_correct:
+            correct = hooks.test_correct(m)
+        last[0] = correct
         record = {
             "name": name,
             "seconds": time.perf_counter() - started,
@@ -116,6 +124,7 @@ def shrink(
             record["change"] = stats.paired_accuracy_change(base_correct.numpy(), correct.numpy())
         return record
 
+    last: list[torch.Tensor | None] = [None]  # the latest stage's per-sample test hits
     stages: list[dict[str, Any]] = []
     report: dict[str, Any] = {"baseline": baseline, "stages": stages, "recipe": recipe.to_dict()}
     hooks.info(
@@ -136,8 +145,8 @@ def shrink(
     p = recipe.prune
     if p.enabled:
         ts = time.perf_counter()
-        report["sensitivity"] = _prune(model, p, hooks)
-        stages.append(_stage("prune", ts, model))
+        report["sensitivity"], hits = _prune(model, p, hooks)
+        stages.append(_stage("prune", ts, model, hits))
     q = recipe.quantize
     if q.enabled:
         ts = time.perf_counter()
@@ -159,7 +168,9 @@ def shrink(
         _check_bit_identical(model, decoded.state_dict)
         baked = prune.bake_(model)
         ratio = baseline["bytes"] / written.bytes
-        stages.append(_stage("huffman", ts, baked, bytes=written.bytes, ratio=ratio))
+        # The decoded weights are the quantized model's, bit for bit (checked above), and
+        # baking only drops the masks: its test hits are the quantize stage's.
+        stages.append(_stage("huffman", ts, baked, last[0], bytes=written.bytes, ratio=ratio))
         report["archive"] = _archive_report(path, written, baseline["bytes"])
         report["layers"] = _layer_rows(layer_info, written)
     else:
@@ -249,7 +260,11 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
 # --- stages ---------------------------------------------------------------------------------
 
 
-def _prune(model: nn.Module, p: PruneSection, hooks: Hooks) -> dict[str, Any] | None:
+def _prune(
+    model: nn.Module, p: PruneSection, hooks: Hooks
+) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
+    """Prune in rounds with retraining; returns the sensitivity record (sparsity "auto") and
+    the pruned model's per-sample test hits when the last retraining measured them."""
     sens = None
     sparsity = p.sparsity
     if sparsity == "default":
@@ -269,17 +284,18 @@ def _prune(model: nn.Module, p: PruneSection, hooks: Hooks) -> dict[str, Any] | 
         embeddings=p.embeddings,
     )
     stds = prune.weight_stds(model, cfg)
+    hits = None
     for r, fraction in enumerate(prune.schedule(cfg.rounds), 1):
         prune.prune_(model, cfg, fraction, stds)
-        if p.retrain_epochs:
-            hooks.retrain(model, p.retrain_epochs, p.lr, None)
+        hits = hooks.retrain(model, p.retrain_epochs, p.lr, None) if p.retrain_epochs else None
         total = sum(m.numel() for m in prune.masks_of(model).values())
         nnz = sum(int(m.sum()) for m in prune.masks_of(model).values())
+        acc = int(hits.sum()) / len(hits) if hits is not None else hooks.test_accuracy(model)
         hooks.info(
             f"prune round {r}/{cfg.rounds}: {nnz / total:.1%} of prunable weights kept, "
-            f"test accuracy {hooks.test_accuracy(model):.4f}"
+            f"test accuracy {acc:.4f}"
         )
-    return sens.to_dict() if sens else None
+    return (sens.to_dict() if sens else None), hits
 
 
 def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor):

@@ -151,6 +151,10 @@ class TrainResult:
     # The trained model (set by `distrib.train`; None from the loop itself and across
     # processes). Not part of `to_json()`.
     model: nn.Module | None = field(default=None, repr=False, compare=False)
+    # Per test sample, whether the final model's top-1 is right (the last epoch's evaluation;
+    # None when this rank did not evaluate). Lets a caller that needs the samples (`shrink`'s
+    # paired accuracy changes) skip a second pass over the test set. Not part of `to_json()`.
+    test_correct: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def strategy_name(self) -> str:
@@ -315,7 +319,6 @@ def optimizer_for(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.O
     return torch.optim.Adam(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
 
 
-@torch.no_grad()
 def evaluate(
     model: nn.Module,
     x: torch.Tensor,
@@ -325,37 +328,42 @@ def evaluate(
     device: str = "cpu",
 ) -> tuple[float, float]:
     """Mean cross-entropy and top-1 accuracy of `model` on (x, y)."""
+    loss, hits = evaluate_samples(model, x, y, batch_size, precision, device)
+    return loss, int(hits.sum()) / len(y)
+
+
+@torch.no_grad()
+def evaluate_samples(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int = 1024,
+    precision: str = "fp32",
+    device: str = "cpu",
+) -> tuple[float, torch.Tensor]:
+    """Mean cross-entropy of `model` on (x, y) and, per sample, whether its top-1 class is `y`
+    (bool, on the CPU): paired accuracy comparisons between two models need the samples."""
     was_training = model.training
     model.eval()
-    loss_sum, correct = 0.0, 0
+    loss_sum, parts = 0.0, []
     try:
         for i in range(0, len(y), batch_size):
             xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
             with _autocast(precision, device):
                 logits = model(xb)
             loss_sum += float(F.cross_entropy(logits.float(), yb, reduction="sum"))
-            correct += int((logits.argmax(1) == yb).sum())
+            parts.append((logits.argmax(1) == yb).cpu())
     finally:
         model.train(was_training)
-    return loss_sum / len(y), correct / len(y)
+    hits = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+    return loss_sum / len(y), hits
 
 
-@torch.no_grad()
 def correct(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
 ) -> torch.Tensor:
-    """Per sample, whether `model`'s top-1 class is `y` (bool, on the CPU): paired accuracy
-    comparisons between two models need the samples, not only the mean."""
-    was_training = model.training
-    model.eval()
-    try:
-        parts = [
-            model(x[i : i + batch_size]).argmax(1) == y[i : i + batch_size]
-            for i in range(0, len(y), batch_size)
-        ]
-    finally:
-        model.train(was_training)
-    return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.bool)
+    """Per sample, whether `model`'s top-1 class is `y` (bool, on the CPU)."""
+    return evaluate_samples(model, x, y, batch_size)[1]
 
 
 def _autocast(precision: str, device: str):
@@ -406,6 +414,7 @@ def fit(
     history, start = resume_position(state, batches, "--workers, --batch-size or --strategy")
     t0 = time.perf_counter()
     steps = samples = 0
+    test_correct = None
 
     def save(gathered: dict[str, Any] | None = None, **metadata: Any) -> None:
         if checkpointer is None:
@@ -462,11 +471,12 @@ def fit(
             if rank == 0:  # evaluate and save the servers' weights, not the last ones pulled
                 gathered = updater.take_master(model, optimizer)
         if updater is not None and rank != 0:  # only rank 0 reports a parameter-server run
-            test_loss, test_acc = math.nan, math.nan
+            test_loss, test_acc, test_correct = math.nan, math.nan, None
         else:
-            test_loss, test_acc = evaluate(
+            test_loss, test_correct = evaluate_samples(
                 _unwrap(model), data.x_test, data.y_test, cfg.eval_batch_size, cfg.precision, device
             )
+            test_acc = int(test_correct.sum()) / len(test_correct)
         record = EpochRecord(
             epoch=epoch + 1,
             train_loss=state["loss_sum"] / max(state["seen"], 1),
@@ -497,6 +507,7 @@ def fit(
         workers=world,
         comm_bytes=updater.stats.comm_bytes if updater else comm.bytes if comm else 0,
         strategy=updater.report() if updater is not None else {},
+        test_correct=test_correct,
     )
 
 

@@ -1,6 +1,7 @@
 """The Python API (compresskit.shrink and friends), called only through documented names, and
 the README's "From Python" example run as written."""
 
+import dataclasses
 import re
 import textwrap
 from pathlib import Path
@@ -149,3 +150,40 @@ def test_torchvision_factory_trains_where_torchvision_imports(tmp_path, monkeypa
     model = ["--model", "torchvision.models:resnet18", "--model-kwargs", '{"num_classes": 10}']
     main(["train", *model, "--data", "npz:rgb.npz", "--epochs", "1", "-q"], standalone_mode=False)
     assert Path("resnet18.pt").is_file()
+
+
+def test_shrink_reuses_the_retraining_evaluation_instead_of_a_second_test_pass(tmp_path):
+    """Stages whose model a retraining just evaluated (prune) or that hold the same weights
+    (huffman) take those per-sample hits; only the baseline and the quantized model are
+    evaluated again, and every figure equals a fresh evaluation."""
+    from compresskit import api
+    from compresskit.compressor import shrink as shrink_mod
+    from compresskit.distrib.trainer import correct
+    from compresskit.models import tiny
+
+    data = ck.load_data("digits")
+    r = ck.Recipe.from_dict(
+        {"prune": {"rounds": 2, "retrain_epochs": 1}, "quantize": {"finetune_epochs": 1}}
+    )
+    hooks = api._hooks(data, r, None)
+    passes, returned = [], []
+
+    def test_correct(m):
+        passes.append(1)
+        return correct(m, data.x_test, data.y_test)
+
+    def retrain(m, *a, **k):
+        hits = hooks.retrain(m, *a, **k)
+        assert torch.equal(hits, correct(m, data.x_test, data.y_test))  # what it claims
+        returned.append(int(hits.sum()) / len(hits))
+        return hits
+
+    counted = dataclasses.replace(hooks, retrain=retrain, test_correct=test_correct)
+    model = tiny("lenet300", in_shape=data.in_shape)
+    spec = {"name": "lenet300", "kwargs": {"in_shape": list(data.in_shape)}}
+    rep = shrink_mod.shrink(model, spec, r, counted, tmp_path)
+    acc = {s["name"]: s["test_accuracy"] for s in rep["stages"]}
+    assert len(passes) == 2  # the baseline and the quantized model (was 4, and one a round)
+    assert acc["prune"] == returned[1]  # the second round's retraining, the last before sharing
+    assert acc["huffman"] == acc["quantize"]
+    assert rep["stages"][-1]["change"] == rep["stages"][-2]["change"]

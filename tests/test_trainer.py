@@ -151,3 +151,15 @@ def test_job_resume_refuses_changed_settings(tmp_path):
     )
     assert result.resumed_from == (1, 0) and [r.epoch for r in result.history] == [1, 2]
     assert checkpoint.load(out).spec.name == "mlp"
+
+
+def test_fit_returns_the_final_models_per_sample_test_hits(digits):
+    # shrink reuses these instead of a second pass over the test set: they must be exactly
+    # what evaluating the trained model gives.
+    from compresskit.distrib.trainer import correct
+
+    _, model = _model(digits)
+    result = fit(model, digits, TrainConfig(epochs=2, batch_size=64))
+    want = correct(model, digits.x_test, digits.y_test)
+    assert result.test_correct is not None and torch.equal(result.test_correct, want)
+    assert result.test_accuracy == int(want.sum()) / len(want)
