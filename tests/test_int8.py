@@ -508,6 +508,11 @@ def test_floor_holds_with_the_harmful_node_back_in_fp32_few_builds_silently(
     # quantizer. The old search built 6 models to score the nodes and 1 a node fallen back.
     assert record["builds"] == 2 and record["searched"] == 4
     assert len(builds) == sum(c["builds"] for c in choice.candidates)
+    # Both schemes miss the floor with every node in INT8: only the one closer to it is
+    # searched (the search is the step's cost), the other is reported and never ships.
+    other = next(c for c in choice.candidates if c is not record)
+    assert other["searched"] == 0 and "stands closer to it" in other["not_searched"]
+    assert "not_searched" not in record
     assert all(
         c["builds"] <= 2 and c["searched"] <= 2 * 3 + I._budget(6) for c in choice.candidates
     )
@@ -723,3 +728,19 @@ def test_surgery_candidates_equal_the_quantizers_own_files(prepared):
             got = I.outputs(I.session(b.SerializeToString(), optimized=False), x)
             want = I.outputs(I.session(a.SerializeToString(), optimized=False), x)
             np.testing.assert_array_equal(got, want)
+
+
+def test_only_a_scheme_that_can_still_win_is_searched():
+    def st(name, floor, holds):
+        return I._Started(I.Scheme(name, "QInt8", "QInt8", False), floor, holds, lambda why: None)
+
+    ours, ort = "u8s8 per-channel", "ort-default"
+    # both hold: neither needs a search
+    assert I._searched([st(ours, 0.999, True), st(ort, 0.998, True)]) == ["", ""]
+    # one holds with every node INT8: the other could only end with fewer
+    why = I._searched([st(ours, 0.97, False), st(ort, 0.996, True)])
+    assert why[1] == "" and "while ort-default holds it" in why[0] and "0.9700" in why[0]
+    # both miss: the closer one is searched; ties go to the recipe's own scheme (first)
+    why = I._searched([st(ours, 0.95, False), st(ort, 0.98, False)])
+    assert why[1] == "" and "(0.9800 vs 0.9500)" in why[0]
+    assert I._searched([st(ours, 0.98, False), st(ort, 0.98, False)])[0] == ""
