@@ -110,24 +110,52 @@ def images_npz(path: Path, n: int = 2000, side: int = 32) -> None:
     np.savez(path, x=np.clip(img, 0, 1).astype(np.float32), y=d.target[idx].astype(np.int64))
 
 
-def peak_rss_of(cmd: list[str]) -> int:
-    """Peak RSS of one command, read from wait4 (exact per child)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    _, _, usage = os.wait4(proc.pid, 0)
-    return usage.ru_maxrss * 1024
+# Peak RSS as the measured process sees it: VmHWM, read by the process itself at exit. Not
+# wait4's ru_maxrss: Linux carries the parent's RSS at fork across exec into the child's
+# ru_maxrss, and this script grows (torch, the models it checks parity on) as the matrix
+# runs, so a child whose own peak was lower read the parent's size (a 0.1M-weight model
+# "peaked" at 567 MiB, 160 MiB over its real figure).
+_HWM = """
+import atexit, runpy, sys
+out, what = sys.argv[1], sys.argv[2]
+def hwm():
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    with open(out, "w") as f:
+        f.write(str(kb * 1024))
+atexit.register(hwm)
+if what == "-m":
+    sys.argv = [sys.argv[3], *sys.argv[4:]]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:  # -c CODE
+    code, sys.argv = sys.argv[3], ["-c"]
+    exec(code)
+"""
+
+
+def _run_measured(argv: list[str], **popen) -> tuple[int, int]:
+    """Run `python ARGV` (`-m MODULE ...` or `-c CODE`); its exit status and peak RSS."""
+    with tempfile.NamedTemporaryFile("r", suffix=".hwm") as hwm:
+        proc = subprocess.Popen([sys.executable, "-c", _HWM, hwm.name, *argv], cwd=ROOT, **popen)
+        _, status, usage = os.wait4(proc.pid, 0)
+        text = hwm.read().strip()
+    # no /proc (not Linux): wait4's figure, with the caveat above
+    return status, int(text) if text else usage.ru_maxrss * 1024
+
+
+def peak_rss_of(code: str) -> int:
+    """Peak RSS of `python -c CODE`."""
+    _, peak = _run_measured(["-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return peak
 
 
 def compress_measured(args: list[str]) -> tuple[dict, float, int]:
-    """`compress ARGS --json -q` with wall seconds and the child's own peak RSS (wait4)."""
+    """`compress ARGS --json -q` with wall seconds and the run's own peak RSS."""
     t = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "compresskit.cli", *args, "--json", "-q"],
-            stdout=out,
-            stderr=err,
-            cwd=ROOT,
+        status, peak = _run_measured(
+            ["-m", "compresskit.cli", *args, "--json", "-q"], stdout=out, stderr=err
         )
-        _, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - t
         out.seek(0)
         err.seek(0)
@@ -135,7 +163,7 @@ def compress_measured(args: list[str]) -> tuple[dict, float, int]:
     if status:
         lines = errors.strip().splitlines() or [f"exit status {status}"]
         raise RuntimeError(lines[-1])
-    return json.loads(text), seconds, usage.ru_maxrss * 1024
+    return json.loads(text), seconds, peak
 
 
 def fp32_parity(folder: Path, data_x: np.ndarray) -> tuple[float, float]:
@@ -196,11 +224,7 @@ def main() -> None:
         f" {os.cpu_count()} cores ({', '.join(flags)}), python {platform.python_version()}"
     )
     base_rss = peak_rss_of(
-        [
-            sys.executable,
-            "-c",
-            "import compresskit.cli.shrink, compresskit.compressor.pipeline, onnxruntime, sklearn",
-        ]
+        "import compresskit.cli.shrink, compresskit.compressor.pipeline, onnxruntime, sklearn"
     )
     print(f"interpreter with compress imported: {base_rss / 2**20:.0f} MiB peak RSS\n")
     rows = []
@@ -212,7 +236,7 @@ def main() -> None:
             continue
         data = f"npz:{images}" if case.data == "images" else "tokens"
         try:
-            code_rss = peak_rss_of([sys.executable, "-c", _IMPORT_MODEL.format(case=case)])
+            code_rss = peak_rss_of(_IMPORT_MODEL.format(case=case))
             rows.append(one(case, data, work, recipe, base_rss, code_rss, opts.train_epochs))
         except RuntimeError as e:
             rows.append({"name": case.name, "failed": str(e)})
