@@ -144,8 +144,13 @@ def _run_measured(argv: list[str], **popen) -> tuple[int, int]:
 
 
 def peak_rss_of(code: str) -> int:
-    """Peak RSS of `python -c CODE`."""
-    _, peak = _run_measured(["-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Peak RSS of `python -c CODE` (RuntimeError when CODE fails: a baseline that stopped
+    early would read low)."""
+    with tempfile.TemporaryFile("w+") as err:
+        status, peak = _run_measured(["-c", code], stdout=subprocess.DEVNULL, stderr=err)
+        err.seek(0)
+        if status:
+            raise RuntimeError(f"baseline failed: {err.read().strip().splitlines()[-1:]}")
     return peak
 
 
@@ -224,7 +229,7 @@ def main() -> None:
         f" {os.cpu_count()} cores ({', '.join(flags)}), python {platform.python_version()}"
     )
     base_rss = peak_rss_of(
-        "import compresskit.cli.shrink, compresskit.compressor.pipeline, onnxruntime, sklearn"
+        "import compresskit.cli.main, compresskit.compressor.pipeline, onnxruntime, sklearn"
     )
     print(f"interpreter with compress imported: {base_rss / 2**20:.0f} MiB peak RSS\n")
     rows = []
@@ -248,7 +253,7 @@ def main() -> None:
 # for ResNet-18), its state_dict shapes built on the meta device (no weights allocated): the
 # RSS a shrink of that architecture pays before it holds a single weight.
 _IMPORT_MODEL = (
-    "import compresskit.cli.shrink, compresskit.compressor.pipeline, onnxruntime, sklearn, json; "
+    "import compresskit.cli.main, compresskit.compressor.pipeline, onnxruntime, sklearn, json; "
     "from compresskit.models import zoo; "
     "zoo.state_shapes(zoo.ModelSpec({case.model!r}, json.loads({case.kwargs!r})))"
 )
