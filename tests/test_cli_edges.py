@@ -184,7 +184,8 @@ def test_ctrl_c_does_not_point_at_an_older_file(run, tmp_path, monkeypatch):
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer, "evaluate", interrupt)  # Ctrl-C before the first checkpoint
+    # Ctrl-C before the first checkpoint (in the epoch's evaluation, which fit calls)
+    monkeypatch.setattr(trainer, "evaluate_samples", interrupt)
     result = run("train", "--model", "mlp", "--epochs", "1", "--out", out, "-q")
     assert result.exit_code == 130
     assert "last good checkpoint" not in result.stderr
