@@ -111,9 +111,10 @@ def shrink(
     ) -> dict[str, Any]:
         # `correct`: the model's per-sample test hits when already known (its retraining's
         # last evaluation, or an identical model's), else measured here.
+        nonlocal last_hits
         if correct is None and hooks.test_correct:
             correct = hooks.test_correct(m)
-        last[0] = correct
+        last_hits = correct
         record = {
             "name": name,
             "seconds": time.perf_counter() - started,
@@ -124,7 +125,7 @@ def shrink(
             record["change"] = stats.paired_accuracy_change(base_correct.numpy(), correct.numpy())
         return record
 
-    last: list[torch.Tensor | None] = [None]  # the latest stage's per-sample test hits
+    last_hits: torch.Tensor | None = None  # the latest stage's per-sample test hits
     stages: list[dict[str, Any]] = []
     report: dict[str, Any] = {"baseline": baseline, "stages": stages, "recipe": recipe.to_dict()}
     hooks.info(
@@ -170,7 +171,7 @@ def shrink(
         ratio = baseline["bytes"] / written.bytes
         # The decoded weights are the quantized model's, bit for bit (checked above), and
         # baking only drops the masks: its test hits are the quantize stage's.
-        stages.append(_stage("huffman", ts, baked, last[0], bytes=written.bytes, ratio=ratio))
+        stages.append(_stage("huffman", ts, baked, last_hits, bytes=written.bytes, ratio=ratio))
         report["archive"] = _archive_report(path, written, baseline["bytes"])
         report["layers"] = _layer_rows(layer_info, written)
     else:

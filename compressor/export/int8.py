@@ -1194,7 +1194,7 @@ class Selection:
 @dataclass
 class _Started:
     """A scheme's all-INT8 file, bias decided, before any fallback: how close it stands to
-    the floor, and `finish(search)` to run (or skip) its fallback and time it."""
+    the floor, and `finish(why)` to run its fallback and time it ("") or to skip it (why)."""
 
     scheme: Scheme
     floor: float  # `floor_agreement` of the all-INT8 file
@@ -1376,7 +1376,8 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         if _closeness(c_out, reference) > _closeness(got, reference):
             model, got, n_bias, use_bias = corrected, c_out, n, True
     before, before_expected = agreement(got, reference), expected_agreement(got, reference)
-    holds = meets(got, reference, cfg.min_agreement)
+    floor = floor_agreement(got, reference)  # what `meets` judges; the fallback starts there
+    holds = floor >= cfg.min_agreement
 
     def finish(unsearched: str) -> Selection:
         nonlocal model, got, n_bias, latency
@@ -1414,9 +1415,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 {n: e for n, e in errors.items() if n in int8}, q.nodes, output_layers(q.model)
             )
             order += [n for n in int8 if n not in order]
-            model, got, n_bias, fallen = _fall_back(
-                order, candidate, reference, cfg, floor_agreement(got, reference)
-            )
+            model, got, n_bias, fallen = _fall_back(order, candidate, reference, cfg, floor)
             # The search ran on surgery-made candidates; the quantizer's own file for the nodes
             # found ships when it holds the floor too (it did on every model measured), else the
             # candidate that held, as checked.
@@ -1461,7 +1460,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
             *before_expected,
         )
 
-    return _Started(scheme, floor_agreement(got, reference), holds, finish)
+    return _Started(scheme, floor, holds, finish)
 
 
 def _outputs_above(sess, x: np.ndarray, reference: np.ndarray, floor: float, batch: int = 64):
