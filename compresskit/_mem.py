@@ -1,4 +1,5 @@
-"""Give freed heap memory back to the operating system between long steps (glibc only).
+"""Memory: give freed heap memory back to the operating system between long steps (glibc
+only), and size evaluation batches to the model's activations (`eval_batch`).
 
 glibc gives threads malloc arenas of their own, and what training (torch's intra-op threads)
 and ONNX Runtime free in an arena stays with that process. ViT-tiny's shrink (5.4M parameters,
@@ -10,7 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import weakref
 from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
 
 
 @lru_cache(maxsize=1)
@@ -27,3 +33,54 @@ def trim() -> bool:
     """Return free heap pages to the OS (glibc `malloc_trim(0)`); True when memory came back."""
     fn = _malloc_trim()
     return bool(fn(0)) if fn is not None else False
+
+
+# Activations one evaluation batch may hold. ViT-tiny on 2,000 3x32x32 images (2 cores): a
+# fixed batch of 1,024 peaked 650 MiB over the model and took 19.3 s; a batch of 64, 100 MiB
+# and 12.9 s. Past a few dozen samples a bigger batch buys nothing on a CPU, and it costs
+# memory in proportion (benchmarks/real_models.py measures the peak).
+EVAL_BUDGET = 32 << 20
+EVAL_MAX_BATCH = 1024
+_eval_batches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    return 0
+
+
+@torch.no_grad()
+def eval_batch(model: nn.Module, x: torch.Tensor, budget: int = EVAL_BUDGET) -> int:
+    """The evaluation batch for `model` on samples like `x`: as many samples as fit in
+    `budget` bytes of activations, 1 to EVAL_MAX_BATCH. A probe forward on two samples
+    measures the largest input plus output of any one module per sample; a layer's input and
+    output are what is live at once in an inference pass (twice that for headroom: a residual
+    or attention keeps one more). Cached per model and sample shape."""
+    key = (tuple(x.shape[1:]), x.dtype, budget)
+    cached = _eval_batches.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    largest = [0]
+
+    def hook(_module, inputs, output) -> None:
+        largest[0] = max(largest[0], _tensor_bytes(inputs) + _tensor_bytes(output))
+
+    probe = x[:2]
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    was_training = model.training
+    model.eval()
+    try:
+        model(probe)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    per_sample = max(2 * largest[0] // max(len(probe), 1), 1)
+    batch = max(1, min(EVAL_MAX_BATCH, budget // per_sample))
+    _eval_batches[model] = (key, batch)
+    return batch

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compresskit import _mem
 from compresskit.compressor import kmeans, prune, stats
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.recipe import Recipe
@@ -250,8 +251,10 @@ def _quantized(kept: torch.Tensor, k: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def outputs(model: nn.Module, x: torch.Tensor, batch: int = 1024) -> torch.Tensor:
-    """The model's log-softmax outputs on `x` (eval mode, restored after)."""
+def outputs(model: nn.Module, x: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+    """The model's log-softmax outputs on `x` (eval mode, restored after); `batch` None: sized
+    to the model's activations (`compresskit._mem.eval_batch`)."""
+    batch = batch or _mem.eval_batch(model, x[:2])
     was = model.training
     model.eval()
     try:

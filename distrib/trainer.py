@@ -63,7 +63,7 @@ class TrainConfig:
     precision: str = "fp32"  # bf16: autocast on the forward pass, fp32 master weights
     checkpoint_every: int = 0  # steps between checkpoints; 0: at the end of each epoch only
     grad_compression: str = "none"  # data parallel: none | fp16 | bf16 gradients on the wire
-    eval_batch_size: int = 1024
+    eval_batch_size: int | None = None  # None: sized to the model's activations (_mem.eval_batch)
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -80,6 +80,12 @@ class TrainConfig:
         _check(self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, "give 0 or more")
         _check(self.precision in PRECISIONS, "--precision", self.precision, f"one of {PRECISIONS}")
         _check(self.weight_decay >= 0, "--weight-decay", self.weight_decay, "give 0 or more")
+        _check(
+            self.eval_batch_size is None or self.eval_batch_size >= 1,
+            "eval_batch_size",
+            self.eval_batch_size,
+            "give 1 or more, or leave it unset",
+        )
         _check(self.checkpoint_every >= 0, "--checkpoint-every", self.checkpoint_every, "0 or more")
         _check(
             self.grad_compression in ("none", "fp16", "bf16"),
@@ -323,7 +329,7 @@ def evaluate(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    batch_size: int = 1024,
+    batch_size: int | None = None,
     precision: str = "fp32",
     device: str = "cpu",
 ) -> tuple[float, float]:
@@ -337,12 +343,15 @@ def evaluate_samples(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    batch_size: int = 1024,
+    batch_size: int | None = None,
     precision: str = "fp32",
     device: str = "cpu",
 ) -> tuple[float, torch.Tensor]:
     """Mean cross-entropy of `model` on (x, y) and, per sample, whether its top-1 class is `y`
-    (bool, on the CPU): paired accuracy comparisons between two models need the samples."""
+    (bool, on the CPU): paired accuracy comparisons between two models need the samples.
+    `batch_size` None: `compresskit._mem.eval_batch`, sized to the model's activations."""
+    if batch_size is None:
+        batch_size = _mem.eval_batch(model, x[:2].to(device)) if len(y) else 1
     was_training = model.training
     model.eval()
     loss_sum, parts = 0.0, []
@@ -360,7 +369,7 @@ def evaluate_samples(
 
 
 def correct(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int | None = None
 ) -> torch.Tensor:
     """Per sample, whether `model`'s top-1 class is `y` (bool, on the CPU)."""
     return evaluate_samples(model, x, y, batch_size)[1]

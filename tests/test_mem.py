@@ -21,3 +21,41 @@ def test_trim_finds_glibc_malloc_trim_and_returns_freed_pages():
 def test_trim_is_a_bool_everywhere(monkeypatch):
     monkeypatch.setattr(_mem, "_malloc_trim", lambda: None)  # another C library
     assert _mem.trim() is False
+
+
+def test_eval_batch_fits_the_largest_layer_in_the_budget():
+    import torch
+    from torch import nn
+
+    # One layer: per sample 100 inputs + 1,000 outputs, float32, twice for headroom = 8,800 B.
+    model = nn.Linear(100, 1000)
+    x = torch.randn(8, 100)
+    assert _mem.eval_batch(model, x, budget=88_000) == 10
+    assert _mem.eval_batch(model, x, budget=8_799) == 1  # never below one sample
+    assert _mem.eval_batch(model, x, budget=1 << 40) == _mem.EVAL_MAX_BATCH
+    # Cached per model and sample shape; another sample shape is measured again.
+    conv = nn.Conv2d(3, 64, 3, padding=1)
+    small, large = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 32, 32)
+    b_small = _mem.eval_batch(conv, small, budget=1 << 24)
+    b_large = _mem.eval_batch(conv, large, budget=1 << 24)
+    assert b_small == (1 << 24) // (2 * 4 * (3 + 64) * 64)
+    assert b_large == (1 << 24) // (2 * 4 * (3 + 64) * 1024)
+    assert model.training is True  # the probe restores the mode it found
+    # The largest module counts: a ReLU after the Linear holds 1,000 in + 1,000 out.
+    assert _mem.eval_batch(nn.Sequential(nn.Linear(100, 1000), nn.ReLU()), x, 88_000) == 5
+
+
+def test_evaluation_with_the_sized_batch_equals_a_fixed_batch():
+    import torch
+    from torch import nn
+
+    from compresskit.distrib.trainer import evaluate_samples
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 30 * 30, 5))
+    x, y = torch.randn(300, 3, 32, 32), torch.randint(0, 5, (300,))
+    assert _mem.eval_batch(model, x) < 300  # several batches: the sized path is exercised
+    loss_auto, hits_auto = evaluate_samples(model, x, y)
+    loss_one, hits_one = evaluate_samples(model, x, y, batch_size=300)
+    assert torch.equal(hits_auto, hits_one)
+    assert abs(loss_auto - loss_one) < 1e-5

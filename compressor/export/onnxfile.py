@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compresskit import _mem
 from compresskit.compressor import prune
 from compresskit.compressor.export import compat, int8
 from compresskit.models.errors import InputError, StageError
@@ -393,8 +394,9 @@ def parity(
 def torch_logits(model: nn.Module, x: torch.Tensor) -> np.ndarray:
     """The model's outputs for `x` with masks and shared weights baked in, as numpy."""
     model = prune.bake_(copy.deepcopy(model)).eval()
+    batch = _mem.eval_batch(model, x[:2])  # bounded activations, not a fixed 512 samples
     with torch.no_grad():
-        return torch.cat([model(x[i : i + 512]) for i in range(0, len(x), 512)]).numpy()
+        return torch.cat([model(x[i : i + batch]) for i in range(0, len(x), batch)]).numpy()
 
 
 def weight_invariants(
