@@ -744,3 +744,45 @@ def test_only_a_scheme_that_can_still_win_is_searched():
     why = I._searched([st(ours, 0.95, False), st(ort, 0.98, False)])
     assert why[1] == "" and "(0.9800 vs 0.9500)" in why[0]
     assert I._searched([st(ours, 0.98, False), st(ort, 0.98, False)])[0] == ""
+
+
+def test_activation_batch_sums_every_tensor_per_sample():
+    from onnx import TensorProto, helper
+
+    # x [N, 100] -> MatMul [N, 1000] -> Relu [N, 1000]: 2,000 floats per sample, twice for
+    # headroom = 16,000 bytes.
+    w = numpy_helper.from_array(np.zeros((100, 1000), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 100])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1000])],
+        [w],
+    )
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph))
+    assert [v.name for v in model.graph.value_info] == ["h"]
+    assert I.activation_batch(model, cap=64, budget=160_000) == 10
+    assert I.activation_batch(model, cap=64, budget=1 << 30) == 64
+    assert I.activation_batch(model, cap=64, budget=1) == 4  # never below `least`
+    assert I.activation_batch(model, cap=2, budget=1) == 2  # nor above `cap`
+    del model.graph.value_info[:], model.graph.output[0].type.tensor_type.shape.dim[:]
+    assert I.activation_batch(model, cap=64, budget=1) == 64  # no shapes known: the cap
+
+
+def test_quantizer_calibrates_in_activation_sized_batches(prepared, monkeypatch):
+    _, prep, calib = prepared
+    seen = []
+    reader = I._reader
+    monkeypatch.setattr(I, "_reader", lambda x, name, b: seen.append(b) or reader(x, name, b))
+    assert I.activation_batch(onnx.load(str(prep))) == len(calib)  # a tiny model: the cap
+    sized = I.activation_batch
+    monkeypatch.setattr(I, "activation_batch", lambda model: sized(model, budget=1))
+    q = I.Quantizer(prep, calib)
+    assert seen == [q.batch] == [4]
+    # The same ranges whatever the batch: min and max over the same samples.
+    monkeypatch.setattr(I, "activation_batch", lambda model: len(calib))
+    whole = I.Quantizer(prep, calib)
+    assert seen[-1] == len(calib)
+    assert whole.ranges.keys() == q.ranges.keys()
+    for name in q.ranges:
+        assert np.array_equal(whole.ranges[name].range_value, q.ranges[name].range_value), name

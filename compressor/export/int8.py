@@ -96,6 +96,8 @@ ROUND_S = 0.08  # seconds of interleaved runs per round
 TIE = 1e-4
 Z95 = 1.6449  # one-sided 95%: the expected agreement's lower bound (`expected_agreement`)
 FIRST_BATCH = 8  # the fallback search's first check batch; later ones double (`_outputs_above`)
+# Activation bytes one ORT run over calibration or check inputs may hold (`activation_batch`).
+ORT_BUDGET = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,33 @@ def session(model: bytes | str | Path, optimized: bool, threads: int = 0, lean: 
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     src = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+
+
+def activation_batch(model, cap: int = 64, budget: int = ORT_BUDGET, least: int = 4) -> int:
+    """Samples per ORT run over `model` (a shape-inferred ModelProto: `quant_pre_process`'s
+    output) for its activations to stay within `budget`: twice the bytes per sample of every
+    tensor the graph computes, `least` to `cap`. Why the sum and not the largest tensor: the
+    calibration session (optimizations off, every tensor reduced) keeps them all. Measured on
+    a 0.13M-weight residual CNN at 3x32x32 (5.0 MB of tensors per sample), calibration at 32
+    samples a run peaked 338 MB over its start, at 8 samples 88 MB, and took no longer; on
+    ViT-tiny (2 cores) 32 samples peaked 962 MB over in 2.6 s, 4 samples 205 MB in 2.4 s, and
+    1 sample 176 MB in 3.1 s: below a few samples ORT's per-run cost shows, hence `least`.
+    A dimension shape inference left open counts 1; with no shapes at all, `cap`."""
+    per_sample = 0
+    for v in [*model.graph.value_info, *model.graph.output]:
+        t = v.type.tensor_type
+        if not t.HasField("shape") or len(t.shape.dim) == 0:
+            continue
+        size = 1
+        for d in t.shape.dim[1:]:  # the first is the batch
+            size *= max(d.dim_value, 1)
+        per_sample += size * _ITEMSIZE.get(t.elem_type, 4)
+    if per_sample == 0:
+        return cap
+    return max(min(least, cap), min(cap, budget // (2 * per_sample)))
+
+
+_ITEMSIZE = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 16: 2}  # onnx dtypes
 
 
 def outputs(sess, x: np.ndarray, batch: int = 64) -> np.ndarray:
@@ -370,6 +399,7 @@ class Quantizer:
         from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
         self.model = onnx.load(str(prepared))
+        self.batch = activation_batch(self.model)  # samples per ORT run: bounded memory
         self.op_types = op_types_for(self.model, set(QLinearOpsRegistry) | set(QDQRegistry))
         name = self.model.graph.input[0].name
         with tempfile.TemporaryDirectory() as tmp, quiet(stdout=method != "minmax"):
@@ -383,7 +413,7 @@ class Quantizer:
                     "percentile": CalibrationMethod.Percentile,
                 }[method],
             )
-            calibrator.collect_data(_reader(calib, name))
+            calibrator.collect_data(_reader(calib, name, self.batch))
             self.ranges = calibrator.compute_data()
             del calibrator
         self.calib = calib  # bias correction measures on the same inputs
@@ -831,7 +861,9 @@ def _graph_maps(graph):
     return inits, producer, consumers
 
 
-def node_errors(model, reference, x: np.ndarray, optimized: bool) -> dict[str, NodeError]:
+def node_errors(
+    model, reference, x: np.ndarray, optimized: bool, batch: int = 64
+) -> dict[str, NodeError]:
     """Every INT8 compute node's own error, from ONE session over `x`, in the FP32 model:
     each INT8 node of `model` gets a quantized twin beside its FP32 original in `reference`
     (the twin quantizes the original's FP32 input tensors with the INT8 graph's scales and
@@ -953,8 +985,8 @@ def node_errors(model, reference, x: np.ndarray, optimized: bool) -> dict[str, N
     inp = sess.get_inputs()[0].name
     sums = {t: 0.0 for t in names}
     total = 0
-    for i in range(0, len(x), 64):
-        part = x[i : i + 64]
+    for i in range(0, len(x), batch):
+        part = x[i : i + batch]
         for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
             # sums of squares add up over batches; channel means are weighted by batch size
             sums[t] = sums[t] + (v.astype(np.float64) * (len(part) if t.endswith("/shift") else 1))
@@ -1365,7 +1397,11 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 model = cand
     # Each node's own error and bias shift, measured once (one session over the calibration
     # inputs) on the graph with every remaining node in INT8; reused by every candidate below.
-    errors = node_errors(model, q.model, q.calib, host) if int8_compute_nodes(model.graph) else {}
+    errors = (
+        node_errors(model, q.model, q.calib, host, q.batch)
+        if int8_compute_nodes(model.graph)
+        else {}
+    )
     got = run(model)
     # Bias correction, kept only where the check inputs say INT8 got closer to FP32; decided
     # once here, every fallback candidate then follows the same decision.
