@@ -362,22 +362,28 @@ def table(rows: list[dict]) -> None:
     fixed_rss = floor["peak_rss"] - floor.get("code_rss", floor["base_rss"]) if floor else 0
     print(
         "\n| model | params | stages (s) | training s | non-training s | s/M weights "
+        "| of which data passes s | rest s/M weights "
         "| shrink / train epochs | peak RSS (over interpreter / FP32 model) "
         "| over code + fixed / (model + data) | archive "
         "| INT8 nodes | INT8 agree | FP32 max|Δ| rel | .ort | NNAPI / CoreML |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "failed" in r:
-            print(f"| {r['name']} | FAILED: {r['failed']} |" + " |" * 13)
+            print(f"| {r['name']} | FAILED: {r['failed']} |" + " |" * 15)
             continue
         stages = ", ".join(
             f"{k} {v:.0f}"
             for k, v in r["timings"].items()
-            if k not in ("total", "training", "non_training")
+            if k not in ("total", "training", "non_training", "data_passes", "per_weight")
         )
         per_m = r["non_training_s"] / (r["parameters"] / 1e6)
         r["per_m"] = per_m
+        # The non-training seconds less the passes over data (compresskit._datapass): what
+        # k-means, the archive, export and the quantizer's rewrites cost, per million weights.
+        r["passes_s"] = r["timings"].get("data_passes", float("nan"))
+        r["per_weight_s"] = r["non_training_s"] - r["passes_s"]
+        r["per_weight_per_m"] = r["per_weight_s"] / (r["parameters"] / 1e6)
         r["marginal_per_m"] = (r["non_training_s"] - fixed) / (r["parameters"] / 1e6)
         epochs_s = r["recipe_epochs"] * r["train_epoch_s"]
         r["vs_train"] = vs_train = r["total_s"] / epochs_s
@@ -389,7 +395,8 @@ def table(rows: list[dict]) -> None:
         rel = f"{r['fp32_rel_diff']:.1e}" if r["fp32_rel_diff"] is not None else "-"
         print(
             f"| {r['name']} | {r['parameters'] / 1e6:.2f}M | {stages} | {r['training_s']:.0f} | "
-            f"{r['non_training_s']:.0f} | {per_m:.1f} | {vs_train:.2f} | "
+            f"{r['non_training_s']:.0f} | {per_m:.1f} | {r['passes_s']:.0f} | "
+            f"{r['per_weight_per_m']:.1f} | {vs_train:.2f} | "
             f"{r['peak_rss'] / 2**20:.0f} MiB ({over / 2**20:.0f} MiB / "
             f"{over / r['model_bytes']:.1f}x) | {r['over_fixed'] / 2**20:.0f} MiB / "
             f"{r['mem_multiple']:.1f}x | {r['ratio']:.1f}x | "
@@ -415,6 +422,15 @@ def table(rows: list[dict]) -> None:
             line += _spread([r["per_m"] for r in rows_in])
             if floor:
                 line += ", less the fixed cost: " + _spread([r["marginal_per_m"] for r in rows_in])
+            print(line)
+            # The same less the passes over data, which cost FLOPs x samples as epochs do.
+            line = f"growth without the data passes (s per million weights), {label}: "
+            line += _spread([r["per_weight_per_m"] for r in rows_in])
+            if floor:
+                fixed_w = floor["per_weight_s"]
+                line += ", less the floor's: " + _spread(
+                    [(r["per_weight_s"] - fixed_w) / (r["parameters"] / 1e6) for r in rows_in]
+                )
             print(line)
     if floor:
         print(

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compresskit import _mem
+from compresskit import _datapass, _mem
 from compresskit.compressor import kmeans, prune, stats
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.recipe import Recipe
@@ -250,6 +250,7 @@ def _quantized(kept: torch.Tensor, k: int, seed: int) -> torch.Tensor:
     return c[kmeans.nearest(w, c)].to(kept.dtype)
 
 
+@_datapass.counted
 @torch.no_grad()
 def outputs(model: nn.Module, x: torch.Tensor, batch: int | None = None) -> torch.Tensor:
     """The model's log-softmax outputs on `x` (eval mode, restored after); `batch` None: sized

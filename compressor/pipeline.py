@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compresskit import _mem
+from compresskit import _datapass, _mem
 from compresskit.compressor import (
     archive,
     budget,
@@ -76,13 +76,18 @@ def stem(recipe: Recipe) -> str:
 class _Clock:
     """Seconds per pipeline step, and the seconds spent in training loops (every retrain call,
     whichever stage made it): the report's `timings`, from which a user sees what a run cost
-    beyond the epochs its recipe asks for."""
+    beyond the epochs its recipe asks for. Of the non-training seconds, `data_passes` were spent
+    running the model over data (evaluation, calibration, INT8 checks and timing, parity:
+    `compresskit._datapass`), which costs the model's FLOPs per sample as an epoch does; the
+    rest, `per_weight`, is what k-means, the archive, export and the quantizer's rewrites cost."""
 
     def __init__(self, info) -> None:
         self.info = info
         self.steps: dict[str, float] = {}
         self.training = 0.0
+        self.passes_in_training = 0.0  # data passes a training loop made (its test evaluation)
         self.started = time.perf_counter()
+        self.passes_at_start = _datapass.seconds()
 
     @contextlib.contextmanager
     def step(self, name: str, what: str = ""):
@@ -99,20 +104,24 @@ class _Clock:
         retrain = hooks.retrain
 
         def timed(*args, **kwargs):
-            t = time.perf_counter()
+            t, passes = time.perf_counter(), _datapass.seconds()
             try:
                 return retrain(*args, **kwargs)
             finally:
                 self.training += time.perf_counter() - t
+                self.passes_in_training += _datapass.seconds() - passes
 
         return dataclasses.replace(hooks, retrain=timed)
 
     def record(self) -> dict[str, float]:
         total = time.perf_counter() - self.started
+        passes = _datapass.seconds() - self.passes_at_start - self.passes_in_training
         return {
             **{k: round(v, 3) for k, v in self.steps.items()},
             "training": round(self.training, 3),
             "non_training": round(total - self.training, 3),
+            "data_passes": round(passes, 3),
+            "per_weight": round(total - self.training - passes, 3),
             "total": round(total, 3),
         }
 

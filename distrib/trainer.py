@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compresskit import _mem
+from compresskit import _datapass, _mem
 from compresskit.models import checkpoint
 from compresskit.models.data import Dataset
 from compresskit.models.errors import InputError, StageError
@@ -338,6 +338,7 @@ def evaluate(
     return loss, int(hits.sum()) / len(y)
 
 
+@_datapass.counted
 @torch.no_grad()
 def evaluate_samples(
     model: nn.Module,

@@ -103,6 +103,15 @@ def test_shrink_json_and_files(trained):
     assert not [p for p in folder.iterdir() if p.name.startswith(".shrunk")]  # no temp folder left
 
 
+def test_timings_split_non_training_seconds_into_data_passes_and_the_rest(trained):
+    _, out, _ = trained
+    t = json.loads((out / "report.json").read_text())["timings"]
+    assert t["data_passes"] > 0 and t["per_weight"] > 0
+    # training + data passes + the rest is the whole run, to each figure's rounding
+    assert abs(t["training"] + t["data_passes"] + t["per_weight"] - t["total"]) < 0.005
+    assert abs(t["data_passes"] + t["per_weight"] - t["non_training"]) < 0.005
+
+
 def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     _, out, report = trained
     onnx = report["onnx"]

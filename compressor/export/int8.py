@@ -78,6 +78,7 @@ from typing import Any
 
 import numpy as np
 
+from compresskit import _datapass
 from compresskit.compressor import stats
 from compresskit.compressor.export import compat
 from compresskit.models.errors import InputError, StageError
@@ -224,6 +225,7 @@ def activation_batch(model, cap: int = 64, budget: int = ORT_BUDGET, least: int 
 _ITEMSIZE = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 16: 2}  # onnx dtypes
 
 
+@_datapass.counted
 def outputs(sess, x: np.ndarray, batch: int = 64) -> np.ndarray:
     """The first output of `sess` for inputs `x`, run `batch` samples at a time."""
     name = sess.get_inputs()[0].name
@@ -413,7 +415,8 @@ class Quantizer:
                     "percentile": CalibrationMethod.Percentile,
                 }[method],
             )
-            calibrator.collect_data(_reader(calib, name, self.batch))
+            with _datapass.data_pass():
+                calibrator.collect_data(_reader(calib, name, self.batch))
             self.ranges = calibrator.compute_data()
             del calibrator
         self.calib = calib  # bias correction measures on the same inputs
@@ -985,12 +988,14 @@ def node_errors(
     inp = sess.get_inputs()[0].name
     sums = {t: 0.0 for t in names}
     total = 0
-    for i in range(0, len(x), batch):
-        part = x[i : i + batch]
-        for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
-            # sums of squares add up over batches; channel means are weighted by batch size
-            sums[t] = sums[t] + (v.astype(np.float64) * (len(part) if t.endswith("/shift") else 1))
-        total += len(part)
+    with _datapass.data_pass():
+        for i in range(0, len(x), batch):
+            part = x[i : i + batch]
+            for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
+                # sums of squares add up over batches; channel means are weighted by batch size
+                w = len(part) if t.endswith("/shift") else 1
+                sums[t] = sums[t] + v.astype(np.float64) * w
+            total += len(part)
     result = {}
     for node, (sse, ss, shift) in outs.items():
         err, sig = float(sums[sse]), float(sums[ss])
@@ -1161,7 +1166,8 @@ def _run_with(model, names: list[str], x: np.ndarray, optimized: bool) -> list[n
     )
     sess = session(m.SerializeToString(), optimized)
     inp = sess.get_inputs()[0].name
-    parts = [sess.run(names, {inp: x[i : i + 256]}) for i in range(0, len(x), 256)]
+    with _datapass.data_pass():
+        parts = [sess.run(names, {inp: x[i : i + 256]}) for i in range(0, len(x), 256)]
     return [np.concatenate([p[j] for p in parts]).astype(np.float64) for j in range(len(names))]
 
 
@@ -1191,9 +1197,10 @@ def paired_rounds(models: Sequence[bytes], x: np.ndarray, rounds: int | None = N
     name = sessions[0].get_inputs()[0].name
     calls = [(lambda s=s: s.run(None, {name: x})) for s in sessions]
     out = np.empty((rounds, len(models)))
-    for r in range(rounds):
-        times = benchmark.interleaved(calls, ROUND_S, min_runs=5, warmup=3 if r == 0 else 1)
-        out[r] = [np.median(t) for t in times]
+    with _datapass.data_pass():  # timing runs the model on inputs too
+        for r in range(rounds):
+            times = benchmark.interleaved(calls, ROUND_S, min_runs=5, warmup=3 if r == 0 else 1)
+            out[r] = [np.median(t) for t in times]
     return out
 
 
@@ -1499,6 +1506,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
     return _Started(scheme, floor, holds, finish)
 
 
+@_datapass.counted
 def _outputs_above(sess, x: np.ndarray, reference: np.ndarray, floor: float, batch: int = 64):
     """`outputs`, or None as soon as more samples disagree with `reference` than top-1
     agreement `floor` allows on the whole of `x`: a candidate that fails stops early (most of

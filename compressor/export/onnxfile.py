@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compresskit import _mem
+from compresskit import _datapass, _mem
 from compresskit.compressor import prune
 from compresskit.compressor.export import compat, int8
 from compresskit.models.errors import InputError, StageError
@@ -391,6 +391,7 @@ def parity(
     }
 
 
+@_datapass.counted
 def torch_logits(model: nn.Module, x: torch.Tensor) -> np.ndarray:
     """The model's outputs for `x` with masks and shared weights baked in, as numpy."""
     model = prune.bake_(copy.deepcopy(model)).eval()
