@@ -8,7 +8,8 @@ so the same pass costs ~20x more per weight on the ViT. The pipeline reports the
 apart (`timings.data_passes`), and what is left of the non-training time (k-means, archive,
 export, the quantizer's graph rewrites, sessions built) is the part that should grow with the
 weights. Nested passes count once (the outermost), and passes made inside a training loop are
-the pipeline's to subtract (`compressor.pipeline._Clock`).
+the pipeline's to subtract (`compressor.pipeline._Clock`). The total is per process: two
+shrinks run at once in threads of one process would each count the other's passes.
 """
 
 from __future__ import annotations

@@ -60,8 +60,17 @@ def eval_batch(model: nn.Module, x: torch.Tensor, budget: int = EVAL_BUDGET) -> 
     `budget` bytes of activations, 1 to EVAL_MAX_BATCH. A probe forward on two samples
     measures the largest input plus output of any one module per sample; a layer's input and
     output are what is live at once in an inference pass (twice that for headroom: a residual
-    or attention keeps one more). Cached per model and sample shape."""
-    key = (tuple(x.shape[1:]), x.dtype, budget)
+    keeps one more). What a module computes inside its forward is not seen: an attention
+    module's L x L scores per head, which on long sequences can outweigh its input and output.
+    Cached per model, sample shape and the model's parameter and module counts (a model
+    thinned in place by the channels stage is measured again)."""
+    key = (
+        tuple(x.shape[1:]),
+        x.dtype,
+        budget,
+        sum(p.numel() for p in model.parameters()),
+        sum(1 for _ in model.modules()),
+    )
     cached = _eval_batches.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compresskit import _datapass, _mem
 from compresskit.models import checkpoint, zoo
 from compresskit.models import data as data_mod
 from compresskit.models.data import Dataset
@@ -159,9 +160,13 @@ def check_transfer(d: Any, data: Dataset) -> None:
 
 
 @torch.no_grad()
-def teacher_labels(teacher: nn.Module, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
-    """The teacher's top-1 class for each input (an Ensemble: of its averaged probabilities)."""
+@_datapass.counted
+@torch.no_grad()
+def teacher_labels(teacher: nn.Module, x: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+    """The teacher's top-1 class for each input (an Ensemble: of its averaged probabilities);
+    `batch` None: sized to the teacher's activations (`compresskit._mem.eval_batch`)."""
     teacher.eval()
+    batch = batch or (_mem.eval_batch(teacher, x[:2]) if len(x) else 1)
     out = []
     for i in range(0, len(x), batch):
         logits = teacher(x[i : i + batch])

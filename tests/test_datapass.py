@@ -41,3 +41,25 @@ def test_counted_still_counts_when_the_call_raises():
     with _datapass.data_pass():  # depth went back to 0: a new outer block counts again
         time.sleep(0.02)
     assert _datapass.seconds() - start >= 0.04
+
+
+def test_clock_counts_passes_outside_training_only():
+    from compresskit.compressor import pipeline
+    from compresskit.compressor.shrink import Hooks
+
+    def retrain(*args):  # a training loop whose own test evaluation is a data pass
+        time.sleep(0.05)
+        with _datapass.data_pass():
+            time.sleep(0.1)
+
+    clock = pipeline._Clock(lambda message: None)
+    hooks = clock.timed_retrain(Hooks(retrain, lambda m: 0.0, lambda m: 0.0))
+    hooks.retrain(None, 1, 0.1, None)
+    with _datapass.data_pass():  # an evaluation outside training
+        time.sleep(0.05)
+    time.sleep(0.05)  # per-weight work
+    t = clock.record()
+    assert t["training"] >= 0.15  # the loop's evaluation is training time
+    assert 0.05 <= t["data_passes"] < 0.1  # the outside pass only, not the loop's 0.1 s
+    assert t["per_weight"] >= 0.05
+    assert abs(t["training"] + t["data_passes"] + t["per_weight"] - t["total"]) < 0.005

@@ -59,3 +59,23 @@ def test_evaluation_with_the_sized_batch_equals_a_fixed_batch():
     loss_one, hits_one = evaluate_samples(model, x, y, batch_size=300)
     assert torch.equal(hits_auto, hits_one)
     assert abs(loss_auto - loss_one) < 1e-5
+
+
+def test_eval_batch_probes_once_per_model_and_again_after_thinning():
+    import torch
+    from torch import nn
+
+    calls = []
+    model = nn.Sequential(nn.Linear(10, 20), nn.BatchNorm1d(20), nn.Linear(20, 3))
+    model.register_forward_hook(lambda *a: calls.append(1))
+    running = model[1].running_mean.clone()
+    x = torch.randn(4, 10)
+    first = _mem.eval_batch(model, x, budget=1 << 20)
+    assert _mem.eval_batch(model, x, budget=1 << 20) == first and calls == [1]  # cached
+    # The probe runs in eval mode: BatchNorm's running statistics are untouched.
+    assert torch.equal(model[1].running_mean, running)
+    assert int(model[1].num_batches_tracked) == 0 and model.training
+    model[0] = nn.Linear(10, 2000)  # the model changed in place (as the channels stage does)
+    model[1] = nn.BatchNorm1d(2000)
+    model[2] = nn.Linear(2000, 3)
+    assert _mem.eval_batch(model, x, budget=1 << 20) < first and calls == [1, 1]

@@ -198,7 +198,7 @@ def session(model: bytes | str | Path, optimized: bool, threads: int = 0, lean: 
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
 
 
-def activation_batch(model, cap: int = 64, budget: int = ORT_BUDGET, least: int = 4) -> int:
+def activation_batch(model, cap: int = 32, budget: int = ORT_BUDGET, least: int = 4) -> int:
     """Samples per ORT run over `model` (a shape-inferred ModelProto: `quant_pre_process`'s
     output) for its activations to stay within `budget`: twice the bytes per sample of every
     tensor the graph computes, `least` to `cap`. Why the sum and not the largest tensor: the
@@ -207,15 +207,18 @@ def activation_batch(model, cap: int = 64, budget: int = ORT_BUDGET, least: int 
     samples a run peaked 338 MB over its start, at 8 samples 88 MB, and took no longer; on
     ViT-tiny (2 cores) 32 samples peaked 962 MB over in 2.6 s, 4 samples 205 MB in 2.4 s, and
     1 sample 176 MB in 3.1 s: below a few samples ORT's per-run cost shows, hence `least`.
-    A dimension shape inference left open counts 1; with no shapes at all, `cap`."""
+    Where shape inference left a tensor's shape or a non-batch dimension open, the size is
+    unknown: `cap`, the fixed batch used before (32 samples a calibration run)."""
     per_sample = 0
     for v in [*model.graph.value_info, *model.graph.output]:
         t = v.type.tensor_type
-        if not t.HasField("shape") or len(t.shape.dim) == 0:
-            continue
+        if not t.HasField("shape"):
+            return cap
         size = 1
         for d in t.shape.dim[1:]:  # the first is the batch
-            size *= max(d.dim_value, 1)
+            if d.dim_value <= 0:
+                return cap
+            size *= d.dim_value
         per_sample += size * _ITEMSIZE.get(t.elem_type, 4)
     if per_sample == 0:
         return cap
@@ -974,7 +977,8 @@ def node_errors(
     # are fresh and frees them: appended at the end, every FP32 activation a twin reads stayed
     # alive to the end of the graph. With ORT's priority-based order (it honours this
     # placement; its default order did not) and 64 samples a run, ViT-tiny's peak went from
-    # 4.0 GB to 0.56 GB, and the pass from 14.5 s to 10.7 s per 256 samples.
+    # 4.0 GB to 0.56 GB, and the pass from 14.5 s to 10.7 s per 256 samples. `choose` now
+    # passes the calibration's activation-sized batch (`activation_batch`).
     nodes = list(g.node)
     del g.node[:]
     for node in nodes:

@@ -391,12 +391,11 @@ def parity(
     }
 
 
-@_datapass.counted
 def torch_logits(model: nn.Module, x: torch.Tensor) -> np.ndarray:
     """The model's outputs for `x` with masks and shared weights baked in, as numpy."""
     model = prune.bake_(copy.deepcopy(model)).eval()
     batch = _mem.eval_batch(model, x[:2])  # bounded activations, not a fixed 512 samples
-    with torch.no_grad():
+    with torch.no_grad(), _datapass.data_pass():  # the copy and bake above are per-weight work
         return torch.cat([model(x[i : i + batch]) for i in range(0, len(x), batch)]).numpy()
 
 
