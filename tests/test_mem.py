@@ -79,3 +79,23 @@ def test_eval_batch_probes_once_per_model_and_again_after_thinning():
     model[1] = nn.BatchNorm1d(2000)
     model[2] = nn.Linear(2000, 3)
     assert _mem.eval_batch(model, x, budget=1 << 20) < first and calls == [1, 1]
+
+
+def test_eval_batch_counts_activations_not_parametrized_weights():
+    import torch
+    from torch import nn
+    from torch.nn.utils import parametrize
+
+    class Masked(nn.Module):  # as pruning's mask: weight in, weight out
+        def forward(self, w):
+            return w * (w.abs() > 0.01)
+
+    # A 2x2000 weight: its first dimension matches the 2-sample probe's batch, so only
+    # leaving the parametrization modules out keeps it from counting.
+    big = nn.Linear(2000, 2)
+    plain = _mem.eval_batch(big, torch.randn(4, 2000), budget=1 << 22)
+    parametrize.register_parametrization(big, "weight", Masked())
+    # The same batch: the mask's 16 kB in and out are not per-sample activations (the cache
+    # key changed with the module count, so this is a fresh probe).
+    assert _mem.eval_batch(big, torch.randn(4, 2000), budget=1 << 22) == plain
+    assert plain == (1 << 22) // (2 * 4 * (2000 + 2))
