@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from compresskit.compressor import pipeline
@@ -212,7 +213,11 @@ def shrink(
     recipe = _recipe(recipe)
     out = Path(out)
     pipeline.check_out_dir(out, force)
-    net, resolved, ds, meta = _load(model, data, spec, model_kwargs, trust_model)
+    # Building the model draws from torch's generator (its initial weights, replaced by the
+    # checkpoint's): on a forked one, so the caller's is left as it was (the pipeline seeds
+    # its own draws from the recipe).
+    with torch.random.fork_rng(devices=[]):
+        net, resolved, ds, meta = _load(model, data, spec, model_kwargs, trust_model)
     hooks = _hooks(ds, recipe, progress)
     report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
     return ShrinkReport.from_report(report, out)

@@ -168,6 +168,23 @@ def shrink_to_folder(
     in `report["guard"]`, and under `guard.strict` any finding fails the run (StageError)
     before anything is written."""
     check_out_dir(out, force)
+    # Dropout draws from torch's global generator: seeded from the recipe, a rerun gives the
+    # same model (BERT, MobileNetV2, EfficientNet-B0 came out different on every run), and the
+    # caller's generator state is put back afterwards.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.train.seed)
+        return _shrink_to_folder(model, spec, recipe, hooks, out, metadata, data)
+
+
+def _shrink_to_folder(
+    model: nn.Module,
+    spec: ModelSpec,
+    recipe: Recipe,
+    hooks: shrink_mod.Hooks,
+    out: Path,
+    metadata: dict[str, Any],
+    data: Dataset | None,
+) -> dict[str, Any]:
     name = stem(recipe)
     clock = _Clock(hooks.info)
     hooks = clock.timed_retrain(hooks)

@@ -187,3 +187,33 @@ def test_shrink_reuses_the_retraining_evaluation_instead_of_a_second_test_pass(t
     assert acc["prune"] == returned[1]  # the second round's retraining, the last before sharing
     assert acc["huffman"] == acc["quantize"]
     assert rep["stages"][-1]["change"] == rep["stages"][-2]["change"]
+
+
+DROPOUT_NET = """\
+from torch import nn
+
+
+def build_net(in_shape, num_classes, hidden=32):
+    c, h, w = in_shape
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(), nn.Dropout(0.3),
+                         nn.Linear(hidden, num_classes))
+"""
+
+
+def test_shrink_of_a_dropout_model_is_reproducible_and_leaves_the_callers_rng(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "dropnets.py").write_text(DROPOUT_NET)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = "dropnets:build_net"
+    ck.train(spec, "digits", ck.TrainConfig(epochs=1), out="net.pt")
+    weights = []
+    for caller_seed in (1, 2):  # whatever state the caller's generator is in
+        torch.manual_seed(caller_seed)
+        state = torch.get_rng_state()
+        report = ck.shrink("net.pt", "digits", FAST, out=f"out{caller_seed}", spec=spec)
+        assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is untouched
+        weights.append(torch.load(report.out / "model.pt", weights_only=True)["state_dict"])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
