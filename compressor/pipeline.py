@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -151,6 +152,22 @@ def check_out_dir(out: Path, force: bool = False) -> Path:
     return out
 
 
+def _seeded(fn):
+    """`fn(model, spec, recipe, ...)` run on a forked torch generator seeded from
+    `recipe.train.seed`. Dropout draws from the global generator: seeded, a rerun gives the
+    same model (BERT, MobileNetV2 and EfficientNet-B0 came out different on every run), and
+    the caller's generator state is put back afterwards."""
+
+    @functools.wraps(fn)
+    def run(model, spec, recipe, *args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(recipe.train.seed)
+            return fn(model, spec, recipe, *args, **kwargs)
+
+    return run
+
+
+@_seeded
 def shrink_to_folder(
     model: nn.Module,
     spec: ModelSpec,
@@ -168,23 +185,6 @@ def shrink_to_folder(
     in `report["guard"]`, and under `guard.strict` any finding fails the run (StageError)
     before anything is written."""
     check_out_dir(out, force)
-    # Dropout draws from torch's global generator: seeded from the recipe, a rerun gives the
-    # same model (BERT, MobileNetV2, EfficientNet-B0 came out different on every run), and the
-    # caller's generator state is put back afterwards.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(recipe.train.seed)
-        return _shrink_to_folder(model, spec, recipe, hooks, out, metadata, data)
-
-
-def _shrink_to_folder(
-    model: nn.Module,
-    spec: ModelSpec,
-    recipe: Recipe,
-    hooks: shrink_mod.Hooks,
-    out: Path,
-    metadata: dict[str, Any],
-    data: Dataset | None,
-) -> dict[str, Any]:
     name = stem(recipe)
     clock = _Clock(hooks.info)
     hooks = clock.timed_retrain(hooks)
