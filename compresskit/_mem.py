@@ -36,7 +36,7 @@ def trim() -> bool:
 
 
 # Activations one evaluation batch may hold. ViT-tiny on 2,000 3x32x32 images (2 cores): a
-# fixed batch of 1,024 peaked 650 MiB over the model and took 19.3 s; a batch of 64, 100 MiB
+# fixed batch of 1,024 peaked 610 MiB over its start and took 19.3 s; a batch of 64, 102 MiB
 # and 12.9 s. Past a few dozen samples a bigger batch buys nothing on a CPU, and it costs
 # memory in proportion (benchmarks/real_models.py measures the peak).
 EVAL_BUDGET = 32 << 20
