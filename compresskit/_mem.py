@@ -59,7 +59,7 @@ def _tensor_bytes(value: Any, n: int) -> int:
 @torch.no_grad()
 def eval_batch(model: nn.Module, x: torch.Tensor, budget: int = EVAL_BUDGET) -> int:
     """The evaluation batch for `model` on samples like `x`: as many samples as fit in
-    `budget` bytes of activations, 1 to EVAL_MAX_BATCH. A probe forward on two samples
+    `budget` bytes of activations, 1 to EVAL_MAX_BATCH (1 for no samples). A probe forward on two samples
     measures the largest input plus output of any one module per sample (the tensors that
     carry the batch: a weight a parametrization computes is none); a layer's input and output
     are what is live at once in an inference pass (twice that for headroom: a residual keeps
@@ -67,6 +67,8 @@ def eval_batch(model: nn.Module, x: torch.Tensor, budget: int = EVAL_BUDGET) -> 
     module's L x L scores per head, which on long sequences can outweigh its input and output.
     Cached per model, sample shape and the model's parameter and module counts (a model
     thinned in place by the channels stage is measured again)."""
+    if len(x) == 0:
+        return 1
     key = (
         tuple(x.shape[1:]),
         x.dtype,

@@ -159,14 +159,13 @@ def check_transfer(d: Any, data: Dataset) -> None:
         )
 
 
-@torch.no_grad()
 @_datapass.counted
 @torch.no_grad()
 def teacher_labels(teacher: nn.Module, x: torch.Tensor, batch: int | None = None) -> torch.Tensor:
     """The teacher's top-1 class for each input (an Ensemble: of its averaged probabilities);
     `batch` None: sized to the teacher's activations (`compresskit._mem.eval_batch`)."""
     teacher.eval()
-    batch = batch or (_mem.eval_batch(teacher, x[:2]) if len(x) else 1)
+    batch = batch or _mem.eval_batch(teacher, x[:2])
     out = []
     for i in range(0, len(x), batch):
         logits = teacher(x[i : i + batch])

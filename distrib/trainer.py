@@ -352,7 +352,7 @@ def evaluate_samples(
     (bool, on the CPU): paired accuracy comparisons between two models need the samples.
     `batch_size` None: `compresskit._mem.eval_batch`, sized to the model's activations."""
     if batch_size is None:
-        batch_size = _mem.eval_batch(model, x[:2].to(device)) if len(y) else 1
+        batch_size = _mem.eval_batch(model, x[:2].to(device))
     was_training = model.training
     model.eval()
     loss_sum, parts = 0.0, []

@@ -209,6 +209,8 @@ def activation_batch(model, cap: int = 32, budget: int = ORT_BUDGET, least: int 
     1 sample 176 MB in 3.1 s: below a few samples ORT's per-run cost shows, hence `least`.
     Where shape inference left a tensor's shape or a non-batch dimension open, the size is
     unknown: `cap`, the fixed batch used before (32 samples a calibration run)."""
+    from onnx import helper
+
     per_sample = 0
     for v in [*model.graph.value_info, *model.graph.output]:
         t = v.type.tensor_type
@@ -219,13 +221,10 @@ def activation_batch(model, cap: int = 32, budget: int = ORT_BUDGET, least: int 
             if d.dim_value <= 0:
                 return cap
             size *= d.dim_value
-        per_sample += size * _ITEMSIZE.get(t.elem_type, 4)
+        per_sample += size * helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
     if per_sample == 0:
         return cap
     return max(min(least, cap), min(cap, budget // (2 * per_sample)))
-
-
-_ITEMSIZE = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 16: 2}  # onnx dtypes
 
 
 @_datapass.counted
