@@ -3,7 +3,8 @@
     python benchmarks/fuzz_archive.py [--cases 100000] [--seed 0] [--max-elements 4194304]
 
 Seeds are real archives (a pruned, weight-shared LeNet-5 through the shrink pipeline's own
-entry builder, and one record of every kind the format has). Each case mutates one seed:
+entry builder, and one record of every kind the format has), each written in format 2 (Huffman)
+and format 3 (range-coded), so both readers are fuzzed. Each case mutates one seed:
 bit flips and byte overwrites (with and without the CRC recomputed), truncations, extensions,
 structure-aware edits of one header or record field (counts, shapes, lengths, dtypes, gap
 widths, code lengths, padding bits, set to boundary values), record splices (drop, repeat,
@@ -33,12 +34,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compresskit.compressor import archive, kmeans, prune, recipe
+from compresskit.compressor import archive, dcz3, kmeans, prune, recipe
 from compresskit.compressor.shrink import _entries as shrink_entries
 from compresskit.models import InputError, tiny
 
 SPEC = {"name": "lenet5", "kwargs": {"in_shape": [1, 8, 8], "num_classes": 10}}
-HEADER_AT = len(archive.MAGIC) + 6  # magic, u16 version, u32 header length
+HEADER_AT = len(archive.MAGIC) + 6  # format 2: magic, u16 version, u32 header length
 
 
 # --- seeds ----------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ def seeds() -> list[bytes]:
     prune.prune_(model, prune.PruneConfig(sparsity=0.8))
     kmeans.share_weights_(model, kmeans.QuantizeConfig(conv_bits=4, fc_bits=3))
     entries, _ = shrink_entries(model, recipe.resolve({}))
-    lenet = archive.encode(entries, SPEC, {"test_accuracy": 0.97, "data": "digits"})[0]
+    meta = {"test_accuracy": 0.97, "data": "digits"}
 
     g = np.random.default_rng(0)
     positions = np.sort(g.choice(600, 45, replace=False))
@@ -71,8 +72,13 @@ def seeds() -> list[bytes]:
         archive.Dense("bf", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
         archive.Dense("zero.size", torch.zeros(0, 3)),
     ]
-    every_kind = archive.encode(kinds, {"name": "x", "kwargs": {}}, {"note": "every kind"})[0]
-    return [lenet, every_kind]
+    out = []
+    for version in (2, 3):
+        out.append(archive.encode(entries, SPEC, meta, version)[0])
+        out.append(
+            archive.encode(kinds, {"name": "x", "kwargs": {}}, {"note": "every kind"}, version)[0]
+        )
+    return out
 
 
 # --- the archive's fields, for structure-aware mutations -------------------------------------
@@ -90,7 +96,9 @@ class Field:
 class Layout:
     fields: list[Field] = field(default_factory=list)
     records: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of each record
-    streams: list[tuple[int, int]] = field(default_factory=list)  # Huffman streams
+    streams: list[tuple[int, int]] = field(default_factory=list)  # Huffman / range-coded streams
+    version: int = 2
+    count_at: int = 0  # where the tensor count starts
 
 
 def layout(data: bytes) -> Layout:
@@ -114,8 +122,11 @@ def layout(data: bytes) -> Layout:
 
     pos = len(archive.MAGIC)
     version = num("H", "version")
+    if version == 3:
+        return _layout_v3(data, out)
     hlen = num("I", "header length")
     span(hlen, "header")
+    out.count_at = pos
     count = num("I", "tensor count")
     for _ in range(count):
         start = pos
@@ -146,6 +157,65 @@ def layout(data: bytes) -> Layout:
     return out
 
 
+def _varint_at(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, pos
+
+
+def _layout_v3(data: bytes, out: Layout) -> Layout:
+    """Format 3 (compressor/dcz3.py): varints are byte ranges here (an overwrite mutates them)."""
+    out.version = 3
+    pos = len(archive.MAGIC) + 2
+
+    def var(what: str) -> int:
+        nonlocal pos
+        v, end = _varint_at(data, pos)
+        out.fields.append(Field(pos, "", end - pos, what))
+        pos = end
+        return v
+
+    def num(fmt: str, what: str) -> int:
+        nonlocal pos
+        (v,) = struct.unpack_from("<" + fmt, data, pos)
+        out.fields.append(Field(pos, fmt, struct.calcsize("<" + fmt), what))
+        pos += struct.calcsize("<" + fmt)
+        return v
+
+    hlen = var("header length")
+    out.fields.append(Field(pos, "", hlen, "header"))
+    pos += hlen
+    out.count_at = pos
+    count = var("tensor count")
+    for _ in range(count):
+        start = pos
+        num("B", "dtype")
+        for i in range(num("B", "ndim")):
+            var(f"dim {i}")
+        if num("B", "encoding") == 0:
+            num("B", "stored dtype")
+            num("B", "plane models")
+        else:
+            var("codebook size")
+            num("B", "codebook plane models")
+            var("entries")
+            num("B", "mask mode")
+            num("B", "index mode")
+        out.records.append((start, pos))
+    words = var("stream words")
+    if words:
+        out.streams.append((pos, pos + 4 * words))
+        out.fields.append(Field(pos, "", 4 * words, "stream"))
+    pos += 4 * words
+    assert pos == len(data) - 4, "seed is not a well-formed archive"
+    return out
+
+
 # --- mutations ------------------------------------------------------------------------------
 
 
@@ -154,16 +224,31 @@ def seal(body: bytes | bytearray) -> bytes:
     return bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
 
 
+def _header_span(data: bytes) -> tuple[int, int, int]:
+    """(start of the length field, start of the header, its end) of a well-formed archive."""
+    at = len(archive.MAGIC) + 2
+    if struct.unpack_from("<H", data, len(archive.MAGIC))[0] == 3:
+        hlen, start = _varint_at(data, at)
+        return at, start, start + hlen
+    (hlen,) = struct.unpack_from("<I", data, at)
+    return at, at + 4, at + 4 + hlen
+
+
 def _names(data: bytes) -> list[str] | None:
     """A well-formed archive's tensor names from its header (version 2), else None."""
-    (hlen,) = struct.unpack_from("<I", data, HEADER_AT - 4)
-    return json.loads(zlib.decompress(data[HEADER_AT : HEADER_AT + hlen])).get("tensors")
+    _, start, end = _header_span(data)
+    raw = data[start:end]
+    text = zlib.decompress(raw, -15) if data[len(archive.MAGIC)] == 3 else zlib.decompress(raw)
+    return json.loads(text).get("tensors")
 
 
 def with_header(data: bytes, compressed: bytes) -> bytes:
-    (hlen,) = struct.unpack_from("<I", data, HEADER_AT - 4)
-    body = data[: HEADER_AT - 4] + struct.pack("<I", len(compressed)) + compressed
-    return seal(body + data[HEADER_AT + hlen : -4])
+    at, _, end = _header_span(data)
+    if data[len(archive.MAGIC)] == 3:
+        length = dcz3.varint(len(compressed))
+    else:
+        length = struct.pack("<I", len(compressed))
+    return seal(data[:at] + length + compressed + data[end:-4])
 
 
 def hostile_header(rng: np.random.Generator, names: list[str] | None = None) -> bytes:
@@ -300,7 +385,7 @@ def mutate(seed: bytes, lay: Layout, rng: np.random.Generator) -> tuple[str, byt
         return kind, seal(body)
     if kind == "splice+crc" and lay.records:
         recs = [bytes(body[s:e]) for s, e in lay.records]
-        head = bytes(body[: lay.records[0][0] - 4])
+        head, tail = bytes(body[: lay.count_at]), bytes(body[lay.records[-1][1] :])
         op = rng.integers(3)
         if op == 0 and len(recs) > 1:
             recs.pop(int(rng.integers(len(recs))))
@@ -310,8 +395,16 @@ def mutate(seed: bytes, lay: Layout, rng: np.random.Generator) -> tuple[str, byt
             i, j = rng.choice(len(recs), 2, replace=False)
             recs[i], recs[j] = recs[j], recs[i]
         count = len(recs) if rng.random() < 0.8 else len(recs) + int(rng.integers(-1, 2))
-        return f"splice:{op}", seal(head + struct.pack("<I", max(count, 0)) + b"".join(recs))
-    raw = zlib.compress(hostile_header(rng, _names(seed)), int(rng.integers(1, 10)))
+        packed = (
+            dcz3.varint(max(count, 0)) if lay.version == 3 else struct.pack("<I", max(count, 0))
+        )
+        return f"splice:{op}", seal(head + packed + b"".join(recs) + tail)
+    text = hostile_header(rng, _names(seed))
+    if lay.version == 3:
+        c = zlib.compressobj(int(rng.integers(1, 10)), zlib.DEFLATED, -15)
+        raw = c.compress(text) + c.flush()
+    else:
+        raw = zlib.compress(text, int(rng.integers(1, 10)))
     if rng.random() < 0.1:
         raw += b"trailing"
     return "header", with_header(seed, raw)
@@ -328,7 +421,9 @@ def maxrss_bytes() -> int:
 def reencodes_to_itself(data: bytes, d: archive.Decoded) -> bool:
     """`encode` of the decoded records gives the same bytes (the header compared inflated, as
     zlib may spell the same text differently)."""
-    again, _ = archive.encode(d.entries, d.spec, d.metadata)
+    again, _ = archive.encode(d.entries, d.spec, d.metadata, d.version)
+    if d.version == 3:  # its reader already insists on this, byte for byte
+        return again == data
     (h1,) = struct.unpack_from("<I", data, HEADER_AT - 4)
     (h2,) = struct.unpack_from("<I", again, HEADER_AT - 4)
     return (

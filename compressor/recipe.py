@@ -20,7 +20,8 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
                 bits = {layer = n}, mode, finetune_epochs, lr, dense = "float16" | "float32",
                 embeddings = false; soft: prior_epochs, prior_strength, prior_width,
                 zero_width, zero_mixing
-    [huffman]   enabled, fc_gap_bits = 5, conv_gap_bits = 8, gap_bits = "auto" | "fixed"
+    [huffman]   enabled, coder = "range" | "huffman", fc_gap_bits = 5, conv_gap_bits = 8,
+                gap_bits = "auto" | "fixed" (the gap widths: coder = "huffman" only)
     [export]    enabled, opset = 18, ir_version, int8, method, calibration, calibration_data,
                 target = "mobile" | "host", scheme = "u8s8" | "u8u8", reduce_range,
                 min_agreement, ort, fixed_batch                     # ONNX FP32, INT8, .ort
@@ -185,9 +186,14 @@ class QuantizeSection:
 
 @dataclass(frozen=True)
 class HuffmanSection:
-    """[huffman]: the .dcz archive: Huffman-coded cluster indices and relative (gap) indices."""
+    """[huffman]: the .dcz archive of cluster indices and positions.
+
+    `coder = "range"` (format 3): range coding under adaptive context models, smaller on every
+    model measured (docs/archive-format.md); `"huffman"` (format 2): the paper's Huffman-coded
+    indices and relative (gap) positions, with the gap widths below."""
 
     enabled: bool = True
+    coder: str = "range"
     fc_gap_bits: int = 5
     conv_gap_bits: int = 8
     # "auto": per layer, the gap width whose Huffman-coded size (with its code table) is
@@ -371,6 +377,7 @@ _CHOICES = {
     ("quantize", "method"): ("kmeans", "soft"),
     ("quantize", "mode"): ("centroids", "weights"),
     ("quantize", "dense"): ("float16", "float32"),
+    ("huffman", "coder"): ("range", "huffman"),
     ("huffman", "gap_bits"): ("auto", "fixed"),
     ("export", "method"): ("minmax", "entropy", "percentile"),
     ("export", "target"): ("mobile", "host"),

@@ -164,7 +164,7 @@ def shrink(
         ts = time.perf_counter()
         path = out_dir / archive_name
         meta = {**(metadata or {}), "test_accuracy": stages[-1]["test_accuracy"]}
-        written = archive.write(path, entries, spec, meta)
+        written = archive.write(path, entries, spec, meta, _format(recipe))
         decoded = archive.read(path)
         _check_bit_identical(model, decoded.state_dict)
         baked = prune.bake_(model)
@@ -407,20 +407,44 @@ def prefer_dense_(model: nn.Module, recipe: Recipe) -> list[str]:
         return []
     h = recipe.huffman
     layers = {layer.key: layer for layer in kmeans.layers(model, embeddings=True).values()}
+    shared_params = kmeans.shared_params(model)
+    # Priced in archive order, each record after those before it (format 3's byte-plane models
+    # learn from them), as `_entries` will price them.
+    context = archive.ArchiveContext(_format(recipe))
     rounded = []
-    for key, s in kmeans.shared_params(model).items():
+    for key in _baked_state_keys(model):
+        s = shared_params.get(key)
+        if s is None or key not in layers:
+            context.add(archive.Dense(key, _baked_value(model, key).detach(), store_fp16=True))
+            continue
         codebook = s.codebook.detach()
+        shared = _shared_entry(key, s, _fixed_gap_bits(layers[key], h), _gap_mode(recipe))
         if codebook.numel() and bool(codebook.abs().max() > _FP16_MAX):
-            continue  # float16 would overflow: stays shared, or dense float32 if smaller
-        layer = layers[key]
-        shared = _shared_entry(key, s, _fixed_gap_bits(layer, h), h.gap_bits)
+            context.add(shared)  # float16 would overflow: stays shared, or dense float32
+            continue
         as16 = torch.where(s.mask, codebook.half().float()[s.index], 0.0)
         dense = archive.Dense(key, as16, store_fp16=True)
-        if archive.record_size(dense) < archive.record_size(shared):
+        version = context.version
+        if archive.record_size(dense, version, context) < archive.record_size(
+            shared, version, context
+        ):
             with torch.no_grad():
                 s.codebook.copy_(s.codebook.half().float())
-            rounded.append(layer.name)
+            rounded.append(layers[key].name)
+            context.add(dense)
+        else:
+            context.add(shared)
     return rounded
+
+
+def _format(recipe: Recipe) -> int:
+    """The archive format `[huffman] coder` asks for."""
+    return archive.VERSION if recipe.huffman.coder == "range" else archive.HUFFMAN_VERSION
+
+
+def _gap_mode(recipe: Recipe) -> str:
+    """Format 3 codes positions as a mask, not gaps: no width search is worth running."""
+    return recipe.huffman.gap_bits if recipe.huffman.coder == "huffman" else "fixed"
 
 
 def _fixed_gap_bits(layer: prune.Layer, h: HuffmanSection) -> int:
@@ -458,11 +482,12 @@ def record_bytes(layer: prune.Layer, value: torch.Tensor, recipe: Recipe) -> int
     index = torch.zeros(value.shape, dtype=torch.int64)
     index[mask] = kept_index
     fixed = _fixed_gap_bits(layer, h)
-    shared = _shared_record(layer.key, mask, codebook, index, fixed, h.gap_bits)
+    shared = _shared_record(layer.key, mask, codebook, index, fixed, _gap_mode(recipe))
     if dense16 and (not value.numel() or bool(value.abs().max() <= _FP16_MAX)):
         value = value.half().float()
     dense = archive.Dense(layer.key, value, store_fp16=dense16)
-    return min(archive.record_size(shared), archive.record_size(dense))
+    version = _format(recipe)
+    return min(archive.record_size(shared, version), archive.record_size(dense, version))
 
 
 def _entries(model: nn.Module, recipe: Recipe):
@@ -485,6 +510,7 @@ def _entries(model: nn.Module, recipe: Recipe):
     }
     entries: list[archive.Dense | archive.Shared] = []
     info: dict[str, dict[str, Any]] = {}
+    context = archive.ArchiveContext(_format(recipe))  # prices each record where it will sit
     for key in _baked_state_keys(model):
         value = _baked_value(model, key).detach()
         dense = archive.Dense(key, value.clone(), store_fp16=dense16)
@@ -506,35 +532,44 @@ def _entries(model: nn.Module, recipe: Recipe):
             }
         if key in shared and layer is not None:
             s = shared[key]
-            entry = _shared_entry(key, s, info[key]["fixed_gap_bits"], h.gap_bits)
+            entry = _shared_entry(key, s, info[key]["fixed_gap_bits"], _gap_mode(recipe))
             k = len(entry.codebook)
             info[key].update(
                 bits=math.ceil(math.log2(max(k, 2))), codebook=k, gap_bits=entry.gap_bits
             )
             if h.enabled:
-                entry = _smaller(entry, dense, info[key])
+                entry = _smaller(entry, dense, info[key], context)
             entries.append(entry)
         else:
             entries.append(dense)
+        if h.enabled:
+            context.add(entries[-1])
     # Report rows in model order (a parametrized weight moves to the end of its module's
     # state_dict, after a MultiheadAttention's out_proj for instance).
     order = {key: i for i, key in enumerate(layers)}
     return entries, dict(sorted(info.items(), key=lambda kv: order[kv[0]]))
 
 
-def _smaller(shared: archive.Shared, dense: archive.Dense, info: dict[str, Any]):
+def _smaller(
+    shared: archive.Shared,
+    dense: archive.Dense,
+    info: dict[str, Any],
+    context: archive.ArchiveContext,
+):
     """The smaller record of the two (measured by encoding both), noted in `info`.
 
     The dense figure reported is float16's whenever `quantize.dense` asks for it, rounded or
     not: what dense storage would cost. Only an exact record is ever chosen, and `prefer_dense_`
     has made the layers where float16 wins exact.
     """
-    s_bytes, d_bytes = archive.record_size(shared), archive.record_size(dense)
+    version = context.version
+    s_bytes = archive.record_size(shared, version, context)
+    d_bytes = archive.record_size(dense, version, context)
     dtype = "fp16" if archive.stored_dtype(dense) == torch.float16 else "fp32"
     t = dense.tensor
     if dense.store_fp16 and dtype == "fp32" and t.numel() and bool(t.abs().max() <= _FP16_MAX):
         as16 = archive.Dense(dense.name, t.half().float(), store_fp16=True)
-        shown, shown_dtype = archive.record_size(as16), "fp16"
+        shown, shown_dtype = archive.record_size(as16, version, context), "fp16"
     else:
         shown, shown_dtype = d_bytes, dtype
     if d_bytes < s_bytes:

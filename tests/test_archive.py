@@ -50,10 +50,14 @@ def test_encode_decode_is_bit_identical():
 
 def test_fp16_storage_only_when_exact():
     entries, _ = _entries()
-    small, _ = archive.encode(entries[2:3], SPEC, {})
+    small, _ = archive.encode(entries[2:3], SPEC, {}, version=2)
     exact32 = [archive.Dense("fc.bias", entries[2].tensor)]
-    large, _ = archive.encode(exact32, SPEC, {})
+    large, _ = archive.encode(exact32, SPEC, {}, version=2)
     assert len(large) - len(small) == 3 * 2  # three values stored in 2 bytes instead of 4
+    # Format 3 records the stored dtype too, and reads it back the same way.
+    got = archive.decode(archive.encode(entries, SPEC, {})[0], keep_entries=True).entries
+    assert [archive.stored_dtype(e) for e in got[2:4]] == [torch.float16, torch.float32]
+    assert got[2].store_fp16 and not got[3].store_fp16
 
 
 def test_any_flipped_byte_is_detected():
@@ -88,12 +92,12 @@ def test_a_consistent_but_wrong_record_is_refused():
     # Valid checksum over a record whose streams claim more entries than the tensor has room for.
     e = archive.Shared("w", (2, 2), np.array([1.0], np.float32), np.zeros(6, int), np.arange(6), 2)
     with pytest.raises(InputError, match="do not fit shape"):
-        archive.decode(archive.encode([e], SPEC, {})[0], "x.dcz")
+        archive.decode(archive.encode([e], SPEC, {}, version=2)[0], "x.dcz")
 
 
 def test_names_live_in_the_deflated_header_and_version_1_still_reads():
     entries, _ = _entries()
-    v2, _ = archive.encode(entries, SPEC, {})
+    v2, _ = archive.encode(entries, SPEC, {}, version=2)
     v1, _ = archive.encode(entries, SPEC, {}, version=1)
     assert struct.unpack_from("<H", v2, 8) == (2,) and struct.unpack_from("<H", v1, 8) == (1,)
     assert b"fc.weight" in v1 and b"fc.weight" not in v2  # deflated in v2's header
@@ -103,11 +107,18 @@ def test_names_live_in_the_deflated_header_and_version_1_still_reads():
     # each re-encodes to its own bytes
     assert archive.encode(b.entries, b.spec, b.metadata, b.version)[0] == v1
     assert archive.encode(a.entries, a.spec, a.metadata, a.version)[0] == v2
+    v3, _ = archive.encode(entries, SPEC, {})
+    assert struct.unpack_from("<H", v3, 8) == (3,) and b"fc.weight" not in v3
+    c = archive.decode(v3, keep_entries=True)
+    assert c.version == 3 and all(
+        bits_equal(a.state_dict[k], c.state_dict[k]) for k in a.state_dict
+    )
+    assert archive.encode(c.entries, c.spec, c.metadata, c.version)[0] == v3
 
 
 def test_a_version_2_header_must_name_each_record_once():
     entries, _ = _entries()
-    data, _ = archive.encode(entries, SPEC, {})
+    data, _ = archive.encode(entries, SPEC, {}, version=2)
     names = [e.name for e in entries]
 
     def with_names(tensors):
@@ -145,8 +156,12 @@ def test_model_round_trip_through_sharing():
 
 def test_record_size_is_the_bytes_encode_writes():
     entries, _ = _entries()
-    _, stats = archive.encode(entries, SPEC, {})
+    _, stats = archive.encode(entries, SPEC, {}, version=2)
     for e in entries:
-        assert archive.record_size(e) == stats.layers[e.name]["record_bytes"], e.name
+        assert archive.record_size(e, version=2) == stats.layers[e.name]["record_bytes"], e.name
+    # Format 3: a record's directory bytes plus its share of the one stream, coded alone.
+    for e in entries:
+        alone = archive.encode([e], SPEC, {})[1].layers[e.name]["record_bytes"]
+        assert archive.record_size(e) == pytest.approx(alone, abs=1), e.name
     assert archive.stored_dtype(entries[2]) == torch.float16  # exact in float16
     assert archive.stored_dtype(entries[3]) == torch.float32  # 1e-8 is not

@@ -218,7 +218,7 @@ def test_non_canonical_streams_are_refused():
     e = archive.Shared(
         "w", (10,), np.array([1.0, 2.0], np.float32), np.array([0, 1, 1]), np.array([0, 4, 9]), 3
     )
-    data, _ = archive.encode([e], SPEC, {})
+    data, _ = archive.encode([e], SPEC, {}, version=2)
     lay = fuzz.layout(data)
     _, end = lay.streams[0]  # index stream: 3 bits, 5 padding bits
     padded = bytearray(data[:-4])

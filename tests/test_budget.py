@@ -170,7 +170,8 @@ def test_curves_restore_the_model_and_price_records_as_the_archive_does(tmp_path
         assert by[0.0, 8].kl < by[0.8, 2].kl and by[0.0, 8].kl < 1e-3
         assert by[0.8, 2].bytes < by[0.0, 2].bytes < by[0.0, 8].bytes
         assert by[0.0, 8].lost <= 2
-    # The bytes the curves price a layer at are the bytes its archive record takes.
+    # The bytes the curves price a layer at are the bytes its archive record takes coded alone
+    # (format 3), an upper bound on its share of the archive's one stream.
     rep = shrink.shrink(
         model,
         SPEC,
@@ -188,7 +189,8 @@ def test_curves_restore_the_model_and_price_records_as_the_archive_does(tmp_path
     assert rows["4"]["encoding"].startswith("dense")  # 128 weights: dense is smaller
     for name, layer in kmeans.layers(model).items():
         w = model.get_submodule(layer.module).weight
-        assert shrink.record_bytes(layer, w, r) == rows[name]["bytes"], name
+        priced = shrink.record_bytes(layer, w, r)
+        assert priced - 8 <= rows[name]["bytes"] <= priced + 1, name
 
 
 def _search(tmp_path, max_drop, **budget_keys):

@@ -1,0 +1,194 @@
+"""`.dcz` format 3: the records of `compressor.archive` range-coded under adaptive models.
+
+Byte layout (after the 8-byte magic; varints are unsigned LEB128):
+
+    u16     format version = 3
+    varint  H, then H bytes: the header JSON (as format 2: model, metadata, tensor names),
+            raw DEFLATE (no zlib wrapper: 6 bytes the CRC below already covers)
+    varint  T, then T directory records, in state_dict order:
+              u8 dtype (archive.DTYPES), u8 ndim, ndim varints shape, u8 encoding
+              dense (0):  u8 stored dtype, u8 plane models (entropy.SHARED / OWN)
+              shared (1): varint k, u8 codebook plane models, varint n (kept weights),
+                          u8 mask mode (entropy.MASK_*), u8 index mode (entropy.INDEX_*)
+    varint  W, then W little-endian u32 words: one range-coded stream holding every record's
+            symbols in directory order (a dense tensor's byte planes; a shared tensor's
+            codebook planes, its mask, its cluster indices)
+    u32     CRC32 of every byte before it
+
+Everything a decoder must know before it allocates (shapes, counts, modes) is in the directory,
+checked against the file's size and the element cap first. Models and modes are in
+`compressor.entropy`. The writer is deterministic, and the reader re-encodes what it decoded
+and refuses a file that does not come out byte for byte the same: one model has one archive.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from compresskit.compressor import entropy
+
+DENSE, SHARED = 0, 1
+
+
+def varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def deflate(text: bytes) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
+    return c.compress(text) + c.flush()
+
+
+def inflater() -> Any:
+    return zlib.decompressobj(-15)
+
+
+def _grid(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Rows x columns of a weight: output units x everything they read."""
+    numel = math.prod(shape)
+    if not numel:
+        return 0, 0
+    rows = shape[0] if shape else 1
+    return rows, numel // rows
+
+
+def mask_of(shape: tuple[int, ...], positions: np.ndarray) -> np.ndarray:
+    rows, cols = _grid(shape)
+    m = np.zeros(rows * cols, bool)
+    m[positions] = True
+    return m.reshape(rows, cols)
+
+
+class Writer:
+    """Codes records into one range-coded stream; `directory(e)` are the bytes `e` adds there."""
+
+    def __init__(self) -> None:
+        self.enc = entropy.RangeEncoder()
+        self.planes = entropy.Planes()
+
+    def bits(self) -> int:
+        return int(self.enc.num_bits())
+
+    def fork(self) -> Writer:
+        """A writer in this one's model state with an empty stream: what a record would cost
+        next in this archive, without changing it."""
+        twin = Writer()
+        twin.planes.models = {k: [m.copy() for m in ms] for k, ms in self.planes.models.items()}
+        return twin
+
+    def dense(self, raw: bytes, itemsize: int) -> int:
+        return self.planes.encode(self.enc, entropy.planes_of(raw, itemsize), "dense")
+
+    def shared(self, shape, codebook: np.ndarray, index: np.ndarray, positions: np.ndarray):
+        """Code one shared record; return (codebook mode, mask mode, index mode) and the bits
+        each part took."""
+        k = len(codebook)
+        b0 = self.bits()
+        cmode = self.planes.encode(
+            self.enc, entropy.planes_of(np.asarray(codebook, "<f4").tobytes(), 4), "codebook"
+        )
+        b1 = self.bits()
+        mask = mask_of(shape, positions)
+        mmode = entropy.choose_mask(mask) if mask.size else entropy.MASK_NONE
+        entropy.encode_mask(self.enc, mask, mmode)
+        b2 = self.bits()
+        index = np.asarray(index, np.int64)
+        imode = entropy.choose_index(mask, index, k)
+        entropy.encode_index(self.enc, mask, index, k, imode)
+        b3 = self.bits()
+        return (cmode, mmode, imode), (b1 - b0, b2 - b1, b3 - b2)
+
+    def words(self) -> np.ndarray:
+        return np.asarray(self.enc.get_compressed(), "<u4")
+
+
+def record_head(dtype_code: int, shape: tuple[int, ...], encoding: int) -> bytes:
+    return (
+        struct.pack("<BB", dtype_code, len(shape))
+        + b"".join(map(varint, shape))
+        + bytes([encoding])
+    )
+
+
+def dense_dir(stored_code: int, mode: int) -> bytes:
+    return bytes([stored_code, mode])
+
+
+def shared_dir(k: int, n: int, modes: tuple[int, int, int]) -> bytes:
+    cmode, mmode, imode = modes
+    return varint(k) + bytes([cmode]) + varint(n) + bytes([mmode, imode])
+
+
+def stream_bytes(words: np.ndarray) -> bytes:
+    return varint(len(words)) + words.astype("<u4").tobytes()
+
+
+def assemble(version: int, header: bytes, count: int, directory: bytes, words: np.ndarray) -> bytes:
+    from compresskit.compressor.archive import MAGIC
+
+    body = (
+        MAGIC
+        + struct.pack("<H", version)
+        + varint(len(header))
+        + header
+        + varint(count)
+        + directory
+        + stream_bytes(words)
+    )
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+class Reader:
+    """Decodes the stream record by record, in directory order."""
+
+    def __init__(self, words: np.ndarray) -> None:
+        self.dec = entropy.RangeDecoder(np.asarray(words, np.uint32))
+        self.planes = entropy.Planes()
+
+    def dense(self, itemsize: int, n: int, mode: int) -> bytes:
+        return entropy.bytes_of(self.planes.decode(self.dec, itemsize, n, "dense", mode))
+
+    def shared(self, shape, k: int, n: int, modes: tuple[int, int, int]):
+        cmode, mmode, imode = modes
+        raw = entropy.bytes_of(self.planes.decode(self.dec, 4, k, "codebook", cmode))
+        codebook = np.frombuffer(raw, "<f4").copy()
+        rows, cols = _grid(shape)
+        mask = entropy.decode_mask(self.dec, rows, cols, n, mmode)
+        if int(mask.sum()) != n:
+            raise ValueError(f"the mask keeps {int(mask.sum()):,} weights, not {n:,}")
+        index = entropy.decode_index(self.dec, mask, n, k, imode)
+        positions = np.flatnonzero(mask.ravel())
+        return codebook, index, positions
+
+
+def dtype_itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+__all__ = [
+    "DENSE",
+    "SHARED",
+    "Reader",
+    "Writer",
+    "assemble",
+    "deflate",
+    "dense_dir",
+    "dtype_itemsize",
+    "inflater",
+    "mask_of",
+    "record_head",
+    "shared_dir",
+    "stream_bytes",
+    "varint",
+]

@@ -1,0 +1,214 @@
+"""Format 3's range coding (compressor/entropy.py, compressor/dcz3.py): models against hand
+computations, round trips, the mode choices, and crafted format-3 files."""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from compresskit.compressor import archive, dcz3, entropy
+from compresskit.compressor.shrink import bits_equal
+from compresskit.models import InputError
+
+SPEC = {"name": "x", "kwargs": {}}
+
+
+def _sequential_kt_bits(ctx, sym, k):
+    """The KT adaptive code length, one symbol at a time: -log2((c_s + 1/2) / (n + k/2))."""
+    counts: dict[int, np.ndarray] = {}
+    bits = 0.0
+    for c, s in zip(ctx, sym, strict=True):
+        n = counts.setdefault(int(c), np.zeros(k))
+        bits -= math.log2((n[s] + 0.5) / (n.sum() + k / 2))
+        n[s] += 1
+    return bits
+
+
+def test_adaptive_bits_is_the_sequential_kt_code_length():
+    g = np.random.default_rng(0)
+    sym = g.integers(0, 5, 300)
+    ctx = g.integers(0, 3, 300)
+    assert entropy.adaptive_bits(ctx, sym, 5) == pytest.approx(_sequential_kt_bits(ctx, sym, 5))
+    assert entropy.adaptive_bits(np.zeros(0), np.zeros(0), 5) == 0.0
+
+
+def test_iid_bits_by_hand():
+    assert entropy.iid_bits(1, 4) == pytest.approx(-(math.log2(0.25) + 3 * math.log2(0.75)))
+    assert entropy.iid_bits(0, 9) == entropy.iid_bits(9, 9) == 0.0
+
+
+def _round_trip_shared(shape, positions, index, k):
+    w = dcz3.Writer()
+    codebook = np.linspace(-1, 1, k).astype(np.float32)
+    modes, parts = w.shared(shape, codebook, index, positions)
+    r = dcz3.Reader(w.words())
+    cb, got_index, got_pos = r.shared(shape, k, len(index), modes)
+    assert np.array_equal(cb, codebook)
+    assert np.array_equal(got_pos, positions) and np.array_equal(got_index, index)
+    return modes, parts  # bits of the codebook, the mask, the indices
+
+
+def test_a_clustered_mask_gets_run_contexts_and_costs_less_than_iid():
+    # Kept weights in runs along the input axis (a neuron's receptive field on neighbouring
+    # pixels, as in LeNet-300-100's fc1): a Markov chain per row.
+    g = np.random.default_rng(1)
+    rows, cols = 60, 200
+    mask = np.zeros((rows, cols), bool)
+    for c in range(1, cols):
+        mask[:, c] = g.random(rows) < np.where(mask[:, c - 1], 0.6, 0.05)
+    positions = np.flatnonzero(mask.ravel())
+    index = g.integers(0, 8, len(positions))
+    modes, (_, mask_bits, _) = _round_trip_shared((rows, cols), positions, index, 8)
+    assert modes[1] == entropy.MASK_RUNS
+    assert mask_bits < 0.8 * entropy.iid_bits(len(positions), mask.size)
+
+
+def test_correlated_neighbours_get_the_left_context():
+    # Each row repeats its previous kept index 90 % of the time.
+    g = np.random.default_rng(2)
+    rows, cols, k = 40, 100, 16
+    grid = np.zeros((rows, cols), np.int64)
+    grid[:, 0] = g.integers(0, k, rows)
+    for c in range(1, cols):
+        keep = g.random(rows) < 0.9
+        grid[:, c] = np.where(keep, grid[:, c - 1], g.integers(0, k, rows))
+    positions = np.arange(rows * cols)  # every position kept: no mask is coded
+    modes, (_, _, index_bits) = _round_trip_shared((rows, cols), positions, grid.ravel(), k)
+    assert modes[1] == entropy.MASK_NONE and modes[2] == entropy.INDEX_LEFT
+    assert index_bits < 0.6 * entropy.adaptive_bits(np.zeros(rows * cols), grid.ravel(), k)
+
+
+def test_random_data_keeps_the_plain_models():
+    g = np.random.default_rng(3)
+    positions = np.sort(g.choice(5000, 400, replace=False))
+    modes, _ = _round_trip_shared((50, 100), positions, g.integers(0, 32, 400), 32)
+    assert modes[1:] == (entropy.MASK_IID, entropy.INDEX_ORDER0)
+
+
+@pytest.mark.parametrize(
+    "shape,n", [((7,), 3), ((1, 9), 4), ((9, 1), 9), ((4, 4), 0), ((3, 5, 2, 2), 60)]
+)
+def test_edge_shapes_round_trip(shape, n):
+    g = np.random.default_rng(4)
+    numel = math.prod(shape)
+    positions = np.sort(g.choice(numel, n, replace=False))
+    _round_trip_shared(shape, positions, g.integers(0, 3, n), 3)
+
+
+def test_byte_planes_round_trip_and_share_models_across_tensors():
+    g = np.random.default_rng(5)
+    small = [torch.randn(32) * 0.1 for _ in range(20)]  # BatchNorm-sized vectors
+    raw = [archive._raw(t) for t in small]
+    w = dcz3.Writer()
+    modes = [w.dense(r, 4) for r in raw]
+    assert entropy.SHARED in modes[1:]  # later small tensors reuse what the first ones taught
+    r = dcz3.Reader(w.words())
+    assert [r.dense(4, 32, m) for m in modes] == raw
+    # Shared models cost less than each tensor learning alone.
+    alone = 0
+    for x in raw:
+        one = dcz3.Writer()
+        one.dense(x, 4)
+        alone += one.bits()
+    assert w.bits() < alone
+    ints = g.integers(-5, 5, 100).astype("<i8").tobytes()
+    w2 = dcz3.Writer()
+    m = w2.dense(ints, 8)
+    assert dcz3.Reader(w2.words()).dense(8, 100, m) == ints
+
+
+def test_encoding_is_deterministic_and_decodes_bit_for_bit():
+    g = np.random.default_rng(6)
+    positions = np.sort(g.choice(2000, 300, replace=False))
+    codebook = np.sort(g.normal(size=31)).astype(np.float32)
+    entries = [
+        archive.Shared("a.weight", (40, 50), codebook, g.integers(0, 31, 300), positions, 5),
+        archive.Dense("a.bias", torch.randn(40)),
+        archive.Dense("bn.running_var", torch.rand(40) + 0.5, store_fp16=True),
+    ]
+    one, _ = archive.encode(entries, SPEC, {})
+    two, _ = archive.encode(entries, SPEC, {})
+    assert one == two
+    out = archive.decode(one).state_dict
+    assert bits_equal(out["a.bias"], entries[1].tensor)
+    assert bits_equal(out["a.weight"], entries[0].weight())
+
+
+# --- crafted format-3 files ------------------------------------------------------------------
+
+
+def _v3(directory: list[bytes], words: bytes = b"", names=None) -> bytes:
+    names = names or [f"t{i}" for i in range(len(directory))]
+    header = dcz3.deflate(archive._header_text(SPEC, {}, names))
+    body = (
+        archive.MAGIC
+        + struct.pack("<H", 3)
+        + dcz3.varint(len(header))
+        + header
+        + dcz3.varint(len(directory))
+        + b"".join(directory)
+        + dcz3.varint(len(words) // 4)
+        + words
+    )
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def _shared_dir(shape, k, n, modes=(0, 1, 0)):
+    return dcz3.record_head(0, shape, dcz3.SHARED) + dcz3.shared_dir(k, n, modes)
+
+
+def _refused(data: bytes, match: str, **kw) -> None:
+    with pytest.raises(InputError, match=match):
+        archive.decode(data, "crafted.dcz", **kw)
+
+
+def test_crafted_directories_are_refused_before_decoding():
+    _refused(_v3([_shared_dir((2**16, 2**15 + 1), 2, 1)]), "past 2,147,483,648 elements")
+    _refused(_v3([_shared_dir((10,), 2, 11)]), "11 entries for 10 positions")
+    _refused(_v3([_shared_dir((10,), 2**16, 3)]), "codebook of 65,536")
+    _refused(_v3([_shared_dir((10,), 0, 3)]), "empty codebook")
+    _refused(_v3([_shared_dir((10,), 2, 3, (0, 7, 0))]), "unknown mask mode 7")
+    _refused(_v3([_shared_dir((10,), 2, 3, (0, 0, 0))]), "does not fit the count")
+    _refused(_v3([_shared_dir((10,), 2, 3, (0, 1, 9))]), "unknown index mode 9")
+    _refused(_v3([_shared_dir((10,), 2, 3, (5, 1, 0))]), "unknown plane model 5")
+    dense = dcz3.record_head(0, (3,), dcz3.DENSE)
+    _refused(_v3([dense + bytes([4, 0])]), "stored as")  # float32 stored as int64
+    _refused(_v3([dense + bytes([0, 2])]), "unknown plane model 2")
+    _refused(_v3([dcz3.record_head(0, (3,), 9)]), "unknown encoding 9")
+    _refused(_v3([_shared_dir((10,), 2, 3)], b"\0\0\0"), "not 0 words|holds 3 bytes")
+    # A count of tensors the file cannot hold, and a 10-byte varint.
+    body = bytearray(_v3([])[:-4])
+    body[-2] = 0xFF  # the tensor count's varint now continues into the word count
+    _refused(bytes(body) + struct.pack("<I", zlib.crc32(bytes(body))), "crafted.dcz")
+
+
+def test_any_change_to_the_stream_is_refused():
+    g = np.random.default_rng(7)
+    positions = np.sort(g.choice(600, 80, replace=False))
+    codebook = np.linspace(-1, 1, 8).astype(np.float32)
+    e = archive.Shared("t0", (20, 30), codebook, g.integers(0, 8, 80), positions, 4)
+    data, _ = archive.encode([e], SPEC, {})
+    w = dcz3.Writer()
+    archive._write_record_v3(w, e)
+    first = len(data) - 4 - 4 * len(w.words())
+    for i in range(first, len(data) - 4):
+        for bit in (0, 7):
+            body = bytearray(data[:-4])
+            body[i] ^= 1 << bit
+            crafted = bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
+            _refused(crafted, "damaged stream|not in the form compress writes")
+
+
+def test_a_mask_that_miscounts_is_refused():
+    # The directory says 5 entries; the stream was coded for 4. Whatever the decoder makes of
+    # it, the file is refused, never read as some other model.
+    w = dcz3.Writer()
+    positions = np.arange(4)
+    w.shared((1, 10), np.float32([1, 2]), np.zeros(4, int), positions)
+    data = _v3([_shared_dir((1, 10), 2, 5)], w.words().astype("<u4").tobytes())
+    _refused(data, "damaged stream|not in the form compress writes")
