@@ -212,14 +212,16 @@ def encode(
     spec: dict[str, Any],
     metadata: dict[str, Any],
     version: int = VERSION,
+    modes: list[Any] | None = None,
 ) -> tuple[bytes, Encoded]:
     """Serialise entries; return the archive bytes and per-layer stream sizes. `version` 1 and
     2 write the older Huffman layouts, for re-encoding what `decode` read and for
-    `[huffman] coder = "huffman"`."""
+    `[huffman] coder = "huffman"`. `modes` (format 3, `Decoded.modes`): code each record in
+    the modes a file named, instead of choosing them."""
     if version not in (1, 2, 3):
         raise ValueError(f"archive format version {version}: compress writes 1, 2 or 3")
     if version == 3:
-        return _encode_v3(entries, spec, metadata)
+        return _encode_v3(entries, spec, metadata, modes)
     out = io.BytesIO()
     names = [e.name for e in entries] if version >= 2 else None
     header = zlib.compress(_header_text(spec, metadata, names), 9)
@@ -259,15 +261,20 @@ def _write_record(out: io.BytesIO, e: Dense | Shared, version: int) -> dict[str,
 
 
 def _encode_v3(
-    entries: list[Dense | Shared], spec: dict[str, Any], metadata: dict[str, Any]
+    entries: list[Dense | Shared],
+    spec: dict[str, Any],
+    metadata: dict[str, Any],
+    modes: list[Any] | None = None,
 ) -> tuple[bytes, Encoded]:
+    """Format 3; `modes` (one per entry, as a directory names them) forces the encoder's
+    choices, so a reader can check a file's streams whatever heuristics wrote it."""
     header = dcz3.deflate(_header_text(spec, metadata, [e.name for e in entries]))
     w = dcz3.Writer()
     directory = io.BytesIO()
     layers: dict[str, dict[str, Any]] = {}
-    for e in entries:
+    for i, e in enumerate(entries):
         start = w.bits()
-        head, layer = _write_record_v3(w, e)
+        head, layer = _write_record_v3(w, e, None if modes is None else modes[i])
         directory.write(head)
         layers[e.name] = {**(layer or {}), "record_bytes": len(head) + (w.bits() - start) / 8}
     words = w.words()
@@ -281,17 +288,21 @@ def _encode_v3(
     return data, stats
 
 
-def _write_record_v3(w: dcz3.Writer, e: Dense | Shared) -> tuple[bytes, dict[str, Any] | None]:
-    """Code `e` into `w`'s stream; return its directory bytes and, for a shared record, the
-    bits each part took (for the report)."""
+def _write_record_v3(
+    w: dcz3.Writer, e: Dense | Shared, forced: Any = None
+) -> tuple[bytes, dict[str, Any] | None]:
+    """Code `e` into `w`'s stream (in the modes `forced` names, else the encoder's choice);
+    return its directory bytes and, for a shared record, the bits each part took."""
     if isinstance(e, Dense):
         t = e.tensor.detach().cpu().contiguous()
         stored = stored_dtype(e)
-        mode = w.dense(_raw(t.to(stored)), stored.itemsize)
+        mode = w.dense(_raw(t.to(stored)), stored.itemsize, forced)
         head = dcz3.record_head(DTYPES.index(t.dtype), tuple(t.shape), dcz3.DENSE)
         return head + dcz3.dense_dir(DTYPES.index(stored), mode), None
     index = np.asarray(e.index, np.int64)
-    modes, (cb_bits, mask_bits, index_bits) = w.shared(e.shape, e.codebook, index, e.positions)
+    modes, (cb_bits, mask_bits, index_bits) = w.shared(
+        e.shape, e.codebook, index, e.positions, forced
+    )
     head = dcz3.record_head(DTYPES.index(torch.float32), tuple(e.shape), dcz3.SHARED)
     head += dcz3.shared_dir(len(e.codebook), len(index), modes)
     k, numel = len(e.codebook), math.prod(e.shape)
@@ -380,6 +391,7 @@ class Decoded:
     entries: list[Dense | Shared] | None = None
     sha256: str = ""  # of the whole file, as `sha256sum` prints it
     version: int = VERSION  # the file's format version (encode(..., version) re-writes it)
+    modes: list[Any] | None = None  # format 3: each record's modes (encode(..., modes=...))
 
 
 class _Reader:
@@ -573,6 +585,7 @@ def _decode_v3(
     reader = dcz3.Reader(stream)
     state: dict[str, torch.Tensor] = {}
     entries: list[Dense | Shared] = []
+    forced = [rec[2] if rec[0] == dcz3.DENSE else rec[3] for *_, rec in plan]
     for name, dtype, shape, numel, rec in plan:
         try:
             if rec[0] == dcz3.DENSE:
@@ -597,10 +610,11 @@ def _decode_v3(
             f"{r.path}: model {r.model} has tensor {missing!r}, which the archive lacks; "
             "the archive is damaged or names the wrong model"
         )
-    # One model, one archive: what decoded must re-encode to these very bytes.
-    if _encode_v3(entries, spec, metadata)[0] != data:
+    # What decoded must re-encode to these very bytes, in the modes the directory names (the
+    # encoder's choice of modes may improve between releases; the coding of a mode may not).
+    if _encode_v3(entries, spec, metadata, forced)[0] != data:
         raise r.fail("its streams are not in the form compress writes")
-    return Decoded(spec, metadata, state, entries if keep_entries else None, sha, 3)
+    return Decoded(spec, metadata, state, entries if keep_entries else None, sha, 3, forced)
 
 
 def _read_directory_v3(r: _Reader, i: int):

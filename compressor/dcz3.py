@@ -87,24 +87,31 @@ class Writer:
         twin.planes.models = {k: [m.copy() for m in ms] for k, ms in self.planes.models.items()}
         return twin
 
-    def dense(self, raw: bytes, itemsize: int) -> int:
-        return self.planes.encode(self.enc, entropy.planes_of(raw, itemsize), "dense")
+    def dense(self, raw: bytes, itemsize: int, mode: int | None = None) -> int:
+        return self.planes.encode(self.enc, entropy.planes_of(raw, itemsize), "dense", mode)
 
-    def shared(self, shape, codebook: np.ndarray, index: np.ndarray, positions: np.ndarray):
+    def shared(self, shape, codebook, index, positions, modes: tuple[int, int, int] | None = None):
         """Code one shared record; return (codebook mode, mask mode, index mode) and the bits
-        each part took."""
+        each part took. `modes` forces the modes (a reader re-encoding what a file names);
+        otherwise the encoder picks them."""
         k = len(codebook)
         b0 = self.bits()
         cmode = self.planes.encode(
-            self.enc, entropy.planes_of(np.asarray(codebook, "<f4").tobytes(), 4), "codebook"
+            self.enc,
+            entropy.planes_of(np.asarray(codebook, "<f4").tobytes(), 4),
+            "codebook",
+            None if modes is None else modes[0],
         )
         b1 = self.bits()
         mask = mask_of(shape, positions)
-        mmode = entropy.choose_mask(mask) if mask.size else entropy.MASK_NONE
+        if modes is not None:
+            mmode = modes[1]
+        else:
+            mmode = entropy.choose_mask(mask) if mask.size else entropy.MASK_NONE
         entropy.encode_mask(self.enc, mask, mmode)
         b2 = self.bits()
         index = np.asarray(index, np.int64)
-        imode = entropy.choose_index(mask, index, k)
+        imode = entropy.choose_index(mask, index, k) if modes is None else modes[2]
         entropy.encode_index(self.enc, mask, index, k, imode)
         b3 = self.bits()
         return (cmode, mmode, imode), (b1 - b0, b2 - b1, b3 - b2)

@@ -48,7 +48,10 @@ SHARED, OWN = 0, 1  # byte planes: the archive's models for this dtype / this te
 RUN_CONTEXTS = 13  # 0: left bit kept; 1 + floor(log2(zeros before)), capped
 LEFT_BUCKETS = 8  # left neighbour's index in 8 value buckets, plus "left is pruned"
 FIRST_STEP, GROWTH = 64, 1.25  # order-0 block sizes: 64, 80, 100, ... symbols
-CHOOSE_MARGIN = 0.98  # a context model must promise 2 % fewer bits to be picked
+# A context model must promise 0.5 % fewer bits to be picked (the estimate assumes updates
+# after every symbol; the coder updates per step). An encoder's choice, not part of the format:
+# readers take whatever modes a file's directory names.
+CHOOSE_MARGIN = 0.995
 
 
 def adaptive_bits(ctx: np.ndarray, sym: np.ndarray, k: int) -> float:
@@ -327,19 +330,22 @@ class Planes:
             for a, b in self._steps(model, p.size):
                 model.encode(enc, p[a:b], None if above is None else above[a:b])
 
-    def encode(self, enc: RangeEncoder, planes: np.ndarray, family: str) -> int:
+    def encode(
+        self, enc: RangeEncoder, planes: np.ndarray, family: str, mode: int | None = None
+    ) -> int:
         """Code one tensor's planes; return its mode: SHARED (the archive's models, which it
         then updates) or OWN (fresh models for this tensor alone), whichever codes it in fewer
         bits (both are tried: a big tensor unlike the others, a BatchNorm running_var say, is
-        cheaper on its own)."""
+        cheaper on its own), or `mode` when given."""
         shared = self._models(family, planes.shape[0])
-        trial = {}
-        for mode in (SHARED, OWN):
-            scratch = RangeEncoder()
-            models = [m.copy() for m in shared] if mode == SHARED else _fresh(planes.shape[0])
-            self._code(scratch, planes, models)
-            trial[mode] = scratch.num_bits()
-        mode = min(trial, key=lambda m: (trial[m], m))
+        if mode is None:
+            trial = {}
+            for m in (SHARED, OWN):
+                scratch = RangeEncoder()
+                models = [x.copy() for x in shared] if m == SHARED else _fresh(planes.shape[0])
+                self._code(scratch, planes, models)
+                trial[m] = scratch.num_bits()
+            mode = min(trial, key=lambda m: (trial[m], m))
         self._code(enc, planes, shared if mode == SHARED else _fresh(planes.shape[0]))
         return mode
 

@@ -260,7 +260,7 @@ def test_a_tensor_count_beyond_the_file_is_refused_at_once():
 def test_a_decoded_archive_re_encodes_to_the_same_bytes():
     for data in fuzz.seeds():
         d = archive.decode(data, keep_entries=True)
-        assert archive.encode(d.entries, d.spec, d.metadata, d.version)[0] == data
+        assert archive.encode(d.entries, d.spec, d.metadata, d.version, d.modes)[0] == data
 
 
 # --- through the CLI: exit 2, one line, nothing written -------------------------------------

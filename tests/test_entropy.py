@@ -212,3 +212,29 @@ def test_a_mask_that_miscounts_is_refused():
     w.shared((1, 10), np.float32([1, 2]), np.zeros(4, int), positions)
     data = _v3([_shared_dir((1, 10), 2, 5)], w.words().astype("<u4").tobytes())
     _refused(data, "damaged stream|not in the form compress writes")
+
+
+def test_a_file_in_modes_this_encoder_would_not_choose_still_reads():
+    # The encoder's heuristics may change between releases; a file names its modes, and the
+    # reader checks the stream against those, not against what it would choose today.
+    g = np.random.default_rng(8)
+    mask = np.zeros((30, 120), bool)
+    for c in range(1, 120):
+        mask[:, c] = g.random(30) < np.where(mask[:, c - 1], 0.7, 0.05)
+    positions = np.flatnonzero(mask.ravel())
+    e = archive.Shared(
+        "t0",
+        (30, 120),
+        np.linspace(-1, 1, 4).astype(np.float32),
+        g.integers(0, 4, len(positions)),
+        positions,
+        4,
+    )
+    chosen, _ = archive.encode([e], SPEC, {})
+    d = archive.decode(chosen, keep_entries=True)
+    assert d.modes[0][1] == entropy.MASK_RUNS
+    plain, _ = archive.encode([e], SPEC, {}, modes=[(d.modes[0][0], entropy.MASK_IID, 0)])
+    assert len(plain) > len(chosen)
+    back = archive.decode(plain, keep_entries=True)
+    assert back.modes[0][1] == entropy.MASK_IID
+    assert bits_equal(back.state_dict["t0"], d.state_dict["t0"])
