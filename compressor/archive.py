@@ -22,9 +22,10 @@ A dense tensor is coded as byte planes (most significant first) under adaptive m
 one as its codebook (float32 byte planes), its mask (kept positions, column by column: i.i.d.
 or in the context of the zeros before each bit in its row) and its cluster indices (order-0, or
 in the context of the left neighbour's index). No code tables: every model learns as it codes.
-Measured against format 2 on the same weights: 5.5 % smaller on LeNet-300-100, 1.8 % on LeNet-5,
-1.1 % on ResNet-18, 7.1 % on MobileNetV2, 13.5 % on a 2-layer BERT, 18 % on a small residual
-CNN with SE blocks (docs/benchmarks.md).
+Measured against format 2 on the same records: 5.5 % smaller on LeNet-300-100, 2.4 % on LeNet-5
+(12.5 % and 7.0 % after soft weight-sharing, whose 2-3-bit alphabets Huffman codes worst), 1.1 % on
+ResNet-18, 7.1 % on MobileNetV2, 13.5 % on a 2-layer BERT, 17.9 % on a small residual CNN with SE
+blocks (`benchmarks/archive_formats.py`, docs/benchmarks.md).
 
 Format 2 (`[huffman] coder = "huffman"`, the paper's coding; still read and written):
 
@@ -659,6 +660,10 @@ def _read_directory_v3(r: _Reader, i: int):
         bad = "a mask mode that does not fit the count of entries"
     elif imode not in (entropy.INDEX_ORDER0, entropy.INDEX_LEFT):
         bad = f"unknown index mode {imode}"
+    elif (mmode == entropy.MASK_RUNS or imode == entropy.INDEX_LEFT) and numel // max(
+        shape[0], 1
+    ) > entropy.MAX_CONTEXT_COLUMNS:
+        bad = f"a context mode over more than {entropy.MAX_CONTEXT_COLUMNS:,} columns"
     if bad:
         raise InputError(
             f"{r.path}: tensor {name}: record does not fit shape {list(shape)} ({bad})"

@@ -29,7 +29,6 @@ import zlib
 from typing import Any
 
 import numpy as np
-import torch
 
 from compresskit.compressor import entropy
 
@@ -177,25 +176,3 @@ class Reader:
         index = entropy.decode_index(self.dec, mask, n, k, imode)
         positions = np.flatnonzero(mask.ravel())
         return codebook, index, positions
-
-
-def dtype_itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-__all__ = [
-    "DENSE",
-    "SHARED",
-    "Reader",
-    "Writer",
-    "assemble",
-    "deflate",
-    "dense_dir",
-    "dtype_itemsize",
-    "inflater",
-    "mask_of",
-    "record_head",
-    "shared_dir",
-    "stream_bytes",
-    "varint",
-]

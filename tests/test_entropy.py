@@ -175,6 +175,9 @@ def test_crafted_directories_are_refused_before_decoding():
     _refused(_v3([_shared_dir((10,), 2, 3, (0, 7, 0))]), "unknown mask mode 7")
     _refused(_v3([_shared_dir((10,), 2, 3, (0, 0, 0))]), "does not fit the count")
     _refused(_v3([_shared_dir((10,), 2, 3, (0, 1, 9))]), "unknown index mode 9")
+    # Context modes loop over columns: a 1 x 2^20 record may not ask for them.
+    _refused(_v3([_shared_dir((1, 2**20), 2, 3, (0, 2, 0))]), "more than 16,384 columns")
+    _refused(_v3([_shared_dir((1, 2**20), 2, 3, (0, 1, 1))]), "more than 16,384 columns")
     _refused(_v3([_shared_dir((10,), 2, 3, (5, 1, 0))]), "unknown plane model 5")
     dense = dcz3.record_head(0, (3,), dcz3.DENSE)
     _refused(_v3([dense + bytes([4, 0])]), "stored as")  # float32 stored as int64
