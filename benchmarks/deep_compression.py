@@ -278,7 +278,7 @@ def report(model: str, name: str, rep: dict, seconds: float, recipe: Path | None
         f"\narchive {a['bytes']:,} bytes = {a['ratio']:.1f}x (paper {paper['ratio']}x, "
         f"{paper['bytes']}); accuracy delta {c['points']:+.2f} points (paired 95% interval "
         f"[{lo:+.2f}, {hi:+.2f}], {c['gained']} test images gained / {c['lost']} lost); "
-        f"{a['bytes'] / a['entropy_bound_bytes']:.4f}x the entropy bound; soft weight-sharing "
+        f"{a['bytes'] / a['entropy_bound_bytes']:.4f}x its order-0 entropy; soft weight-sharing "
         f"reported {paper['sws']}"
     )
     if "budget" in rep:

@@ -325,7 +325,7 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
         a = report["archive"]
         out.print(
             f"archive {Path(a['path']).name}: {a['bytes']:,} bytes, {a['ratio']:.1f}× smaller; "
-            f"{a['vs_entropy_bound']:.3f}× the order-0 entropy bound "
+            f"{a['vs_entropy_bound']:.3f}× its order-0 entropy "
             f"({a['entropy_bound_bytes']:,} bytes)"
         )
         over = a.get("over_pq")
