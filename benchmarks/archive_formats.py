@@ -32,7 +32,7 @@ from compresskit.compressor.shrink import _choose_gap_bits
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     def raw(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().contiguous().reshape(-1).view(torch.uint8)
+        return t.detach().contiguous().reshape(-1).clone().view(torch.uint8)
 
     return a.keys() == b.keys() and all(
         a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(raw(a[k]), raw(b[k]))

@@ -65,6 +65,7 @@ def seeds() -> list[bytes]:
             "one.weight", (2, 5), codebook[:1], np.zeros(3, int), np.array([1, 4, 9]), 2
         ),
         archive.Shared("empty.weight", (4, 4), codebook[:2], np.zeros(0, int), np.zeros(0, int), 3),
+        archive.Shared("scalar.weight", (), codebook[:2], np.array([1]), np.array([0]), 0),
         archive.Dense("half.bias", torch.tensor([0.5, -0.25, 3.0]), store_fp16=True),
         archive.Dense("odd.bias", torch.tensor([0.1, 1e-8]), store_fp16=True),
         archive.Dense("bn.num_batches_tracked", torch.tensor(7)),

@@ -185,7 +185,8 @@ def record_size(e: Dense | Shared, version: int = VERSION, context: Any = None) 
     between a shared and a dense record compares. (Its name, in the header, costs the same
     either way.) In format 3 a record's stream depends on the records before it (their byte
     planes train shared models): `context`, an `ArchiveContext` holding them, prices `e` as the
-    next record; without one, as the archive's first."""
+    next record; without one, as the archive's first. Format 3's figure counts the range
+    coder's 32-bit words (flush included), so it is exact to 4 bytes."""
     if version >= 3:
         w = dcz3.Writer() if context is None else context.writer.fork()
         head = _write_record_v3(w, e)[0]
@@ -297,7 +298,7 @@ def _write_record_v3(
     if isinstance(e, Dense):
         t = e.tensor.detach().cpu().contiguous()
         stored = stored_dtype(e)
-        mode = w.dense(_raw(t.to(stored)), stored.itemsize, forced)
+        mode = w.dense(_raw(t.to(stored)), stored.itemsize, forced, DTYPES.index(stored))
         head = dcz3.record_head(DTYPES.index(t.dtype), tuple(t.shape), dcz3.DENSE)
         return head + dcz3.dense_dir(DTYPES.index(stored), mode), None
     index = np.asarray(e.index, np.int64)
@@ -576,6 +577,9 @@ def _decode_v3(
     count = r.varint()
     if count != len(r.names):
         raise r.fail(f"header names {len(r.names):,} tensors, the file holds {count:,}")
+    if len(set(r.names)) != len(r.names):
+        twice = next(n for i, n in enumerate(r.names) if n in r.names[:i])
+        raise r.fail(f"tensor {twice!r} appears twice")
     if count > r.left() // 5:  # dtype, ndim, encoding and two mode bytes at least
         raise r.fail(f"header claims {count:,} tensors in {r.left():,} bytes")
     plan = [_read_directory_v3(r, i) for i in range(count)]
@@ -591,7 +595,7 @@ def _decode_v3(
         try:
             if rec[0] == dcz3.DENSE:
                 stored, mode = rec[1], rec[2]
-                raw = reader.dense(stored.itemsize, numel, mode)
+                raw = reader.dense(stored.itemsize, numel, mode, DTYPES.index(stored))
                 entry = _dense_from_raw(r, name, dtype, shape, stored, raw)
                 value = entry.tensor
             else:
@@ -660,10 +664,12 @@ def _read_directory_v3(r: _Reader, i: int):
         bad = "a mask mode that does not fit the count of entries"
     elif imode not in (entropy.INDEX_ORDER0, entropy.INDEX_LEFT):
         bad = f"unknown index mode {imode}"
-    elif (mmode == entropy.MASK_RUNS or imode == entropy.INDEX_LEFT) and numel // max(
-        shape[0], 1
+    elif (mmode == entropy.MASK_RUNS or imode == entropy.INDEX_LEFT) and dcz3.columns(
+        shape
     ) > entropy.MAX_CONTEXT_COLUMNS:
         bad = f"a context mode over more than {entropy.MAX_CONTEXT_COLUMNS:,} columns"
+    elif imode == entropy.INDEX_LEFT and k > entropy.MAX_CONTEXT_K:
+        bad = f"left-neighbour contexts for a codebook of {k:,} (at most {entropy.MAX_CONTEXT_K})"
     if bad:
         raise InputError(
             f"{r.path}: tensor {name}: record does not fit shape {list(shape)} ({bad})"

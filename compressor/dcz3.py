@@ -17,8 +17,15 @@ Byte layout (after the 8-byte magic; varints are unsigned LEB128):
 
 Everything a decoder must know before it allocates (shapes, counts, modes) is in the directory,
 checked against the file's size and the element cap first. Models and modes are in
-`compressor.entropy`. The writer is deterministic, and the reader re-encodes what it decoded
-and refuses a file that does not come out byte for byte the same: one model has one archive.
+`compressor.entropy`. The reader re-encodes what it decoded in the modes the directory names and
+refuses a file that does not come out byte for byte the same: no stream is read two ways. Modes
+are the encoder's choice (from float code-length estimates, so two machines may pick
+differently near a margin; both files are valid), and a mode that codes nothing (an index mode
+for k < 2) is not checked.
+
+Decoding time scales with the elements a file declares, at most the element cap, not with its
+size: a range coder spends far under a bit on a near-certain symbol, so a 100-byte file can
+declare a 16M-position mask (0.4 s to decode). The cap bounds it, as it bounds memory.
 """
 
 from __future__ import annotations
@@ -51,6 +58,11 @@ def deflate(text: bytes) -> bytes:
 
 def inflater() -> Any:
     return zlib.decompressobj(-15)
+
+
+def columns(shape: tuple[int, ...]) -> int:
+    """Inputs per output unit: the columns a mask or index context model steps through."""
+    return _grid(tuple(shape))[1]
 
 
 def _grid(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -86,8 +98,11 @@ class Writer:
         twin.planes.models = {k: [m.copy() for m in ms] for k, ms in self.planes.models.items()}
         return twin
 
-    def dense(self, raw: bytes, itemsize: int, mode: int | None = None) -> int:
-        return self.planes.encode(self.enc, entropy.planes_of(raw, itemsize), "dense", mode)
+    def dense(self, raw: bytes, itemsize: int, mode: int | None = None, dtype: int = 0) -> int:
+        """Code a dense tensor's bytes; `dtype` (its stored dtype's code) keys the shared models,
+        so float32 and int32 tensors never train each other's."""
+        planes = entropy.planes_of(raw, itemsize)
+        return self.planes.encode(self.enc, planes, f"dense:{dtype}", mode)
 
     def shared(self, shape, codebook, index, positions, modes: tuple[int, int, int] | None = None):
         """Code one shared record; return (codebook mode, mask mode, index mode) and the bits
@@ -162,8 +177,9 @@ class Reader:
         self.dec = entropy.RangeDecoder(np.asarray(words, np.uint32))
         self.planes = entropy.Planes()
 
-    def dense(self, itemsize: int, n: int, mode: int) -> bytes:
-        return entropy.bytes_of(self.planes.decode(self.dec, itemsize, n, "dense", mode))
+    def dense(self, itemsize: int, n: int, mode: int, dtype: int = 0) -> bytes:
+        planes = self.planes.decode(self.dec, itemsize, n, f"dense:{dtype}", mode)
+        return entropy.bytes_of(planes)
 
     def shared(self, shape, k: int, n: int, modes: tuple[int, int, int]):
         cmode, mmode, imode = modes

@@ -52,6 +52,9 @@ FIRST_STEP, GROWTH = 64, 1.25  # order-0 block sizes: 64, 80, 100, ... symbols
 # shape would otherwise run for hours). 16,384 inputs per output unit cover every layer in our zoo
 # and a 7B-parameter transformer's MLP (11,008); wider layers get the plain modes.
 MAX_CONTEXT_COLUMNS = 1 << 14
+# Left-neighbour index contexts build up to LEFT_BUCKETS + 1 models per column; with codebooks of
+# at most 256 values (8 bits) each is cheap. Larger codebooks use the order-0 model.
+MAX_CONTEXT_K = 256
 # A context model must promise 0.5 % fewer bits to be picked (the estimate assumes updates
 # after every symbol; the coder updates per step). An encoder's choice, not part of the format:
 # readers take whatever modes a file's directory names.
@@ -159,7 +162,8 @@ def _run_contexts_all(mask: np.ndarray) -> np.ndarray:
     last = np.maximum.accumulate(np.where(mask, col, -1), axis=1)
     before = np.concatenate([np.full((rows, 1), -1), last[:, :-1]], axis=1)
     left = np.concatenate([np.zeros((rows, 1), bool), mask[:, :-1]], axis=1)
-    return _run_context(left, np.maximum(col - before - 1, 1))
+    # As the coder counts: a row starts as if one zero preceded it.
+    return _run_context(left, col - before - 1 + (before < 0))
 
 
 def choose_mask(mask: np.ndarray) -> int:
@@ -240,7 +244,11 @@ def _index_grid(mask: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 def choose_index(mask: np.ndarray, index: np.ndarray, k: int) -> int:
-    if k < 2 or index.size == 0 or not 2 <= mask.shape[1] <= MAX_CONTEXT_COLUMNS:
+    if (
+        not 2 <= k <= MAX_CONTEXT_K
+        or not index.size
+        or not 2 <= mask.shape[1] <= MAX_CONTEXT_COLUMNS
+    ):
         return INDEX_ORDER0
     grid = _index_grid(mask, index)
     left = np.concatenate([np.full((mask.shape[0], 1), -1), grid[:, :-1]], axis=1)[mask]
@@ -296,8 +304,8 @@ def bytes_of(planes: np.ndarray) -> bytes:
 
 
 class Planes:
-    """Byte-plane models shared by every tensor of one archive, keyed by (family, itemsize):
-    a model learns a dtype's sign/exponent statistics once, not once per 32-value BatchNorm
+    """Byte-plane models shared by every tensor of one archive, keyed by (family, itemsize), the
+    family naming the dtype: a model learns a dtype's sign/exponent statistics once, not once per 32-value BatchNorm
     vector (that is what lets brotli, which sees all tensors as one stream, win on small
     tensors). Plane 0 is coded order-0, plane 1 in the context of plane 0 (the exponent's low
     bit and the top mantissa bits depend on the exponent), lower planes order-0."""

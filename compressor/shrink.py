@@ -420,7 +420,14 @@ def prefer_dense_(model: nn.Module, recipe: Recipe) -> list[str]:
         codebook = s.codebook.detach()
         shared = _shared_entry(key, s, _fixed_gap_bits(layers[key], h), _gap_mode(recipe))
         if codebook.numel() and bool(codebook.abs().max() > _FP16_MAX):
-            context.add(shared)  # float16 would overflow: stays shared, or dense float32
+            # float16 would overflow: stays shared, or dense float32 where `_entries` finds
+            # that smaller; priced the same way here.
+            dense32 = archive.Dense(key, _baked_value(model, key).detach(), store_fp16=True)
+            version = context.version
+            smaller = archive.record_size(dense32, version, context) < archive.record_size(
+                shared, version, context
+            )
+            context.add(dense32 if smaller else shared)
             continue
         as16 = torch.where(s.mask, codebook.half().float()[s.index], 0.0)
         dense = archive.Dense(key, as16, store_fp16=True)
@@ -638,6 +645,8 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (so -0.0 != +0.0 and NaN payloads count)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if not a.numel():  # an empty tensor's strides may be 0, which view() refuses
+        return True
     return torch.equal(
         a.detach().contiguous().reshape(-1).view(torch.uint8),
         b.detach().contiguous().reshape(-1).view(torch.uint8),

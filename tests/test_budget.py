@@ -171,7 +171,8 @@ def test_curves_restore_the_model_and_price_records_as_the_archive_does(tmp_path
         assert by[0.8, 2].bytes < by[0.0, 2].bytes < by[0.0, 8].bytes
         assert by[0.0, 8].lost <= 2
     # The bytes the curves price a layer at are the bytes its archive record takes coded alone
-    # (format 3), an upper bound on its share of the archive's one stream.
+    # (format 3), an upper bound on its share of the archive's one stream: later records code
+    # their byte planes with models the earlier ones trained.
     rep = shrink.shrink(
         model,
         SPEC,
@@ -190,7 +191,7 @@ def test_curves_restore_the_model_and_price_records_as_the_archive_does(tmp_path
     for name, layer in kmeans.layers(model).items():
         w = model.get_submodule(layer.module).weight
         priced = shrink.record_bytes(layer, w, r)
-        assert priced - 8 <= rows[name]["bytes"] <= priced + 1, name
+        assert rows[name]["bytes"] <= priced + 4, name  # 4: the coder's 32-bit words
 
 
 def _search(tmp_path, max_drop, **budget_keys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -241,3 +242,53 @@ def test_a_file_in_modes_this_encoder_would_not_choose_still_reads():
     back = archive.decode(plain, keep_entries=True)
     assert back.modes[0][1] == entropy.MASK_IID
     assert bits_equal(back.state_dict["t0"], d.state_dict["t0"])
+
+
+def test_review_crafted_cases_are_one_line_refusals():
+    # A 0-d shared record asking for a context mode (was IndexError), a tensor named twice
+    # (format 2 refuses it; format 3 let the second replace the first), left-neighbour contexts
+    # for a codebook the encoder never writes them for (a slow decode from a small file).
+    _refused(_v3([_shared_dir((), 2, 0, (0, 1, 1))]), "crafted.dcz")
+    _refused(_v3([_shared_dir((), 2, 0, (0, 2, 0))]), "crafted.dcz")
+    named = [_shared_dir((4,), 2, 0, (0, 1, 0))] * 2
+    _refused(_v3(named, names=["a", "a"]), "'a' appears twice")
+    _refused(_v3([_shared_dir((8, 16), 4096, 3, (0, 1, 1))]), "at most 256")
+
+
+def test_empty_tensors_compare_and_round_trip():
+    entries = [archive.Dense("e", torch.zeros(0)), archive.Dense("f", torch.zeros(5, 0, 3))]
+    for version in (2, 3):
+        out = archive.decode(archive.encode(entries, SPEC, {}, version)[0]).state_dict
+        assert all(bits_equal(out[e.name], e.tensor) for e in entries)
+
+
+GOLDEN_V3 = Path(__file__).parent / "golden" / "v3.dcz"
+
+
+def _golden_entries():
+    g = np.random.default_rng(11)
+    mask = np.zeros((24, 40), bool)
+    for c in range(1, 40):
+        mask[:, c] = g.random(24) < np.where(mask[:, c - 1], 0.6, 0.1)
+    positions = np.flatnonzero(mask.ravel())
+    codebook = np.sort(g.normal(size=15)).astype(np.float32)
+    return [
+        archive.Shared(
+            "fc.weight", (24, 40), codebook, g.integers(0, 15, len(positions)), positions, 4
+        ),
+        archive.Dense("fc.bias", torch.from_numpy(g.normal(size=24).astype(np.float32))),
+        archive.Dense("bn.running_var", torch.tensor([0.5, 1.25, 2.0]), store_fp16=True),
+        archive.Dense("bn.num_batches_tracked", torch.tensor(7)),
+    ]
+
+
+def test_a_format_3_file_of_record_still_reads_byte_for_byte():
+    # Fixed bytes written at the format's introduction (2026-11-25): a constriction release or
+    # platform that quantized probabilities differently would fail here, not on users' files.
+    data = GOLDEN_V3.read_bytes()
+    d = archive.decode(data, keep_entries=True)
+    assert d.version == 3
+    for e in _golden_entries():
+        want = e.weight() if isinstance(e, archive.Shared) else e.tensor
+        assert bits_equal(d.state_dict[e.name], want), e.name
+    assert archive.encode(d.entries, d.spec, d.metadata, 3, d.modes)[0] == data
