@@ -278,7 +278,8 @@ def _encode_v3(
         start = w.bits()
         head, layer = _write_record_v3(w, e, None if modes is None else modes[i])
         directory.write(head)
-        layers[e.name] = {**(layer or {}), "record_bytes": len(head) + (w.bits() - start) / 8}
+        # Whole bytes, as format 2 reports them (the coder counts 32-bit words).
+        layers[e.name] = {**(layer or {}), "record_bytes": len(head) + (w.bits() - start) // 8}
     words = w.words()
     data = dcz3.assemble(3, header, len(entries), directory.getvalue(), words)
     stats = Encoded(
@@ -318,9 +319,9 @@ def _write_record_v3(
         "gap_stream_bits": mask_bits,
         "index_entropy_bits": huffman.entropy_bits(counts) if len(index) else 0.0,
         "gap_entropy_bits": entropy.iid_bits(len(index), numel),
-        "index_stream_bytes": index_bits / 8,
-        "gap_stream_bytes": mask_bits / 8,
-        "table_bytes": len(head) + cb_bits / 8,
+        "index_stream_bytes": index_bits // 8,
+        "gap_stream_bytes": mask_bits // 8,
+        "table_bytes": len(head) + cb_bits // 8,
     }
 
 
