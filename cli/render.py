@@ -300,7 +300,7 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
         )
     out.print(table)
     layers = Table(
-        title="per layer: bits per kept weight and per index, before and after Huffman (H)",
+        title="per layer: bits per kept weight and per index, before and after entropy coding (H)",
         **_LIGHT,
     )
     for col in ("layer", "weights", "kept", "bits", "bits H", "idx bits", "idx bits H", "size"):
