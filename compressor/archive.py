@@ -22,9 +22,9 @@ A dense tensor is coded as byte planes (most significant first) under adaptive m
 one as its codebook (float32 byte planes), its mask (kept positions, column by column: i.i.d.
 or in the context of the zeros before each bit in its row) and its cluster indices (order-0, or
 in the context of the left neighbour's index). No code tables: every model learns as it codes.
-Measured against format 2 on the same records: 5.5 % smaller on LeNet-300-100, 2.4 % on LeNet-5
-(12.5 % and 7.0 % after soft weight-sharing, whose 2-3-bit alphabets Huffman codes worst), 1.1 % on
-ResNet-18, 7.1 % on MobileNetV2, 13.5 % on a 2-layer BERT, 17.9 % on a small residual CNN with SE
+Measured against format 2 on the same records: 6.6 % smaller on LeNet-300-100, 2.7 % on LeNet-5
+(14.1 % and 7.6 % after soft weight-sharing, whose 2-3-bit alphabets Huffman codes worst), 1.1 % on
+ResNet-18, 7.1 % on MobileNetV2, 13.5 % on a 2-layer BERT, 18.0 % on a small residual CNN with SE
 blocks (`benchmarks/archive_formats.py`, docs/benchmarks.md).
 
 Format 2 (`[huffman] coder = "huffman"`, the paper's coding; still read and written):
@@ -205,8 +205,17 @@ class ArchiveContext:
         self.writer = dcz3.Writer()
 
     def add(self, e: Dense | Shared) -> None:
-        if self.version >= 3:
+        if self.version < 3:
+            return
+        if isinstance(e, Dense):
             _write_record_v3(self.writer, e)
+            return
+        # Only the byte-plane models carry over to the next record: a shared record's mask and
+        # indices are coded with models of their own, so they need not be coded again here.
+        w = self.writer
+        w.planes.encode(
+            w.enc, entropy.planes_of(np.asarray(e.codebook, "<f4").tobytes(), 4), "codebook"
+        )
 
 
 def encode(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +293,22 @@ def test_a_format_3_file_of_record_still_reads_byte_for_byte():
         want = e.weight() if isinstance(e, archive.Shared) else e.tensor
         assert bits_equal(d.state_dict[e.name], want), e.name
     assert archive.encode(d.entries, d.spec, d.metadata, 3, d.modes)[0] == data
+
+
+def test_the_pricing_context_prices_as_the_whole_writer_would():
+    # ArchiveContext.add codes only what later records depend on (byte-plane models); every
+    # record must still be priced as if everything before it had been written in full.
+    entries = _golden_entries() + _golden_entries()
+    entries = [replace(e, name=f"{e.name}.{i}") for i, e in enumerate(entries)]
+    context, full = archive.ArchiveContext(), dcz3.Writer()
+    for e in entries:
+        assert archive.record_size(e, context=context) == archive.record_size(
+            e, context=_Context(full)
+        ), e.name
+        context.add(e)
+        archive._write_record_v3(full, e)
+
+
+class _Context:
+    def __init__(self, writer):
+        self.writer = writer
