@@ -27,17 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deep_compression import generic_compressors
 
 from compresskit.compressor import archive
-from compresskit.compressor.shrink import _choose_gap_bits
+from compresskit.compressor.shrink import _choose_gap_bits, bits_equal
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    def raw(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().contiguous().reshape(-1).clone().view(torch.uint8)
-
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(raw(a[k]), raw(b[k]))
-        for k in a
-    )
+    return a.keys() == b.keys() and all(bits_equal(a[k], b[k]) for k in a)
 
 
 def _best_gaps(entries: list) -> list:

@@ -212,10 +212,7 @@ class ArchiveContext:
             return
         # Only the byte-plane models carry over to the next record: a shared record's mask and
         # indices are coded with models of their own, so they need not be coded again here.
-        w = self.writer
-        w.planes.encode(
-            w.enc, entropy.planes_of(np.asarray(e.codebook, "<f4").tobytes(), 4), "codebook"
-        )
+        self.writer.codebook(e.codebook)
 
 
 def encode(

@@ -82,7 +82,8 @@ def mask_of(shape: tuple[int, ...], positions: np.ndarray) -> np.ndarray:
 
 
 class Writer:
-    """Codes records into one range-coded stream; `directory(e)` are the bytes `e` adds there."""
+    """Codes records into one range-coded stream, the byte-plane models carried from record to
+    record (`fork` prices a record without changing them)."""
 
     def __init__(self) -> None:
         self.enc = entropy.RangeEncoder()
@@ -104,24 +105,21 @@ class Writer:
         planes = entropy.planes_of(raw, itemsize)
         return self.planes.encode(self.enc, planes, f"dense:{dtype}", mode)
 
+    def codebook(self, codebook: np.ndarray, mode: int | None = None) -> int:
+        """Code a codebook's float32 byte planes; return their plane-model mode."""
+        planes = entropy.planes_of(np.asarray(codebook, "<f4").tobytes(), 4)
+        return self.planes.encode(self.enc, planes, "codebook", mode)
+
     def shared(self, shape, codebook, index, positions, modes: tuple[int, int, int] | None = None):
         """Code one shared record; return (codebook mode, mask mode, index mode) and the bits
         each part took. `modes` forces the modes (a reader re-encoding what a file names);
         otherwise the encoder picks them."""
         k = len(codebook)
         b0 = self.bits()
-        cmode = self.planes.encode(
-            self.enc,
-            entropy.planes_of(np.asarray(codebook, "<f4").tobytes(), 4),
-            "codebook",
-            None if modes is None else modes[0],
-        )
+        cmode = self.codebook(codebook, None if modes is None else modes[0])
         b1 = self.bits()
         mask = mask_of(shape, positions)
-        if modes is not None:
-            mmode = modes[1]
-        else:
-            mmode = entropy.choose_mask(mask) if mask.size else entropy.MASK_NONE
+        mmode = entropy.choose_mask(mask) if modes is None else modes[1]
         entropy.encode_mask(self.enc, mask, mmode)
         b2 = self.bits()
         index = np.asarray(index, np.int64)

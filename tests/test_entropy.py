@@ -44,6 +44,15 @@ def test_iid_bits_by_hand():
     assert entropy.iid_bits(0, 9) == entropy.iid_bits(9, 9) == 0.0
 
 
+def _clustered(g, rows: int, cols: int, after_kept: float, after_pruned: float) -> np.ndarray:
+    """A mask kept in runs along each row (a Markov chain per row): a neuron's receptive field
+    on neighbouring pixels, as in LeNet-300-100's fc1."""
+    mask = np.zeros((rows, cols), bool)
+    for c in range(1, cols):
+        mask[:, c] = g.random(rows) < np.where(mask[:, c - 1], after_kept, after_pruned)
+    return mask
+
+
 def _round_trip_shared(shape, positions, index, k):
     w = dcz3.Writer()
     codebook = np.linspace(-1, 1, k).astype(np.float32)
@@ -60,9 +69,7 @@ def test_a_clustered_mask_gets_run_contexts_and_costs_less_than_iid():
     # pixels, as in LeNet-300-100's fc1): a Markov chain per row.
     g = np.random.default_rng(1)
     rows, cols = 60, 200
-    mask = np.zeros((rows, cols), bool)
-    for c in range(1, cols):
-        mask[:, c] = g.random(rows) < np.where(mask[:, c - 1], 0.6, 0.05)
+    mask = _clustered(g, rows, cols, 0.6, 0.05)
     positions = np.flatnonzero(mask.ravel())
     index = g.integers(0, 8, len(positions))
     modes, (_, mask_bits, _) = _round_trip_shared((rows, cols), positions, index, 8)
@@ -223,9 +230,7 @@ def test_a_file_in_modes_this_encoder_would_not_choose_still_reads():
     # The encoder's heuristics may change between releases; a file names its modes, and the
     # reader checks the stream against those, not against what it would choose today.
     g = np.random.default_rng(8)
-    mask = np.zeros((30, 120), bool)
-    for c in range(1, 120):
-        mask[:, c] = g.random(30) < np.where(mask[:, c - 1], 0.7, 0.05)
+    mask = _clustered(g, 30, 120, 0.7, 0.05)
     positions = np.flatnonzero(mask.ravel())
     e = archive.Shared(
         "t0",
@@ -268,9 +273,7 @@ GOLDEN_V3 = Path(__file__).parent / "golden" / "v3.dcz"
 
 def _golden_entries():
     g = np.random.default_rng(11)
-    mask = np.zeros((24, 40), bool)
-    for c in range(1, 40):
-        mask[:, c] = g.random(24) < np.where(mask[:, c - 1], 0.6, 0.1)
+    mask = _clustered(g, 24, 40, 0.6, 0.1)
     positions = np.flatnonzero(mask.ravel())
     codebook = np.sort(g.normal(size=15)).astype(np.float32)
     return [
@@ -300,15 +303,11 @@ def test_the_pricing_context_prices_as_the_whole_writer_would():
     # record must still be priced as if everything before it had been written in full.
     entries = _golden_entries() + _golden_entries()
     entries = [replace(e, name=f"{e.name}.{i}") for i, e in enumerate(entries)]
-    context, full = archive.ArchiveContext(), dcz3.Writer()
+    context, as_written = archive.ArchiveContext(), archive.ArchiveContext()
+    full = as_written.writer  # written in full below, not through `add`
     for e in entries:
         assert archive.record_size(e, context=context) == archive.record_size(
-            e, context=_Context(full)
+            e, context=as_written
         ), e.name
         context.add(e)
         archive._write_record_v3(full, e)
-
-
-class _Context:
-    def __init__(self, writer):
-        self.writer = writer
