@@ -59,6 +59,9 @@ EPOCHS = {"lenet300": 20, "lenet5": 12}
 # within 0.2 points, "aggressive" ones that trade accuracy for size, and "soft" ones that swap
 # k-means for soft weight-sharing (compressor.softshare), alone and on top of "target".
 SOFT = '[quantize]\nmethod = "soft"\n'
+# "gradual": six shorter pruning rounds instead of three (the same cubic schedule, so the last
+# rounds prune little and retrain at the final sparsity), retrained against the dense model.
+GRADUAL = "[train]\ndistill = 0.7\n[prune]\nrounds = 6\nretrain_epochs = 3\n"
 # "budget": no hand-written setting, only the accuracy budget (compressor.budget); its trials
 # retrain with distillation (train.distill defaults to 0.7 under a budget).
 BUDGET = "[budget]\nmax_drop = 0.2\n"
@@ -71,6 +74,8 @@ RECIPES = {
         "[quantize]\nfc_bits = 3\n",
         "soft": SOFT,
         "soft-target": "[train]\ndistill = 0.7\n" + SOFT,
+        "gradual": GRADUAL,
+        "gradual-soft": GRADUAL + SOFT,
         "budget": BUDGET,
         "budget-soft": BUDGET + SOFT,
     },
@@ -108,8 +113,8 @@ def main() -> None:
     ap.add_argument(
         "--recipes",
         default="default,target,aggressive",
-        help="which recipes to run (default, target, aggressive, soft, soft-target, budget, "
-        "budget-soft)",
+        help="which recipes to run (default, target, aggressive, soft, soft-target, gradual, "
+        "gradual-soft, budget, budget-soft)",
     )
     ap.add_argument("--seeds", type=int, default=1, help="seeds per model and recipe (0..K-1)")
     opts = ap.parse_args()

@@ -162,10 +162,11 @@ Examples:
 @click.option(
     "--microbatches",
     type=int,
-    default=4,
-    show_default=True,
+    default=None,
     metavar="M",
-    help="Pipeline: micro-batches per batch; M must divide --batch-size (the whole batch).",
+    help="Pipeline: micro-batches per batch; M must divide --batch-size (the whole batch) "
+    "[default: the most up to 4 that divide it, keeping 32 samples per micro-batch in a "
+    "model with BatchNorm].",
 )
 @click.option(
     "--split",
@@ -260,7 +261,7 @@ def train(
     scale_lr: bool,
     strategy: str,
     stages: int | None,
-    microbatches: int,
+    microbatches: int | None,
     split: str | None,
     pipeline_schedule: str,
     balance: str,

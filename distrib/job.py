@@ -389,10 +389,16 @@ def _run_pipeline(job: TrainJob, events_factory) -> TrainResult:
             f"--stages {k} with --device cuda: this machine has {torch.cuda.device_count()} "
             f"GPU(s), one per stage is needed; give --stages {torch.cuda.device_count()} or fewer"
         )
-    pp.check_batch(job.config.batch_size)
+    if pp.microbatches is not None:  # a given M is checked before anything loads
+        pp.check_batch(job.config.batch_size)
     # A bad cut (too many stages, an unknown --split layer, an untraceable model) fails here,
     # in one process, before the K processes start; every rank plans the same cut again.
     resumed, ds, model, spec, _ = _prepare(job, Events())
+    # M left to the run: chosen once here, from the model (BatchNorm) and the batch, and
+    # handed to every rank in the job (torchrun ranks each choose the same).
+    pp = pp.resolved(model, resumed.config.batch_size)
+    pp.check_batch(resumed.config.batch_size)
+    job = dataclasses.replace(job, pipeline=pp)
     layout = pipeline.plan(model, ds.x_train[:2], pp, spec.name)
     micro = resumed.config.batch_size // pp.microbatches
     pipeline.trace(model, layout.split, ds.x_train[:1].expand(micro, *ds.in_shape), spec.name)

@@ -57,7 +57,7 @@ class PipelineConfig:
     i+1 begins at `split[i]`; empty: cut automatically, balancing `balance`)."""
 
     stages: int = 2
-    microbatches: int = 4
+    microbatches: int | None = None  # None: `auto_microbatches` picks M for the model and batch
     schedule: str = "gpipe"
     split: tuple[str, ...] = ()
     balance: str = "flops"
@@ -65,7 +65,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.stages < 2:
             raise InputError(f"--stages {self.stages}: a pipeline needs 2 or more stages")
-        if self.microbatches < 1:
+        if self.microbatches is not None and self.microbatches < 1:
             raise InputError(f"--microbatches {self.microbatches}: give 1 or more")
         if self.schedule not in SCHEDULES:
             raise InputError(
@@ -81,14 +81,27 @@ class PipelineConfig:
             )
         if len(set(self.split)) != len(self.split):
             raise InputError(f"--split {','.join(self.split)}: a layer is named twice")
-        if self.schedule == "1f1b" and self.microbatches < self.stages:
+        if (
+            self.schedule == "1f1b"
+            and self.microbatches is not None
+            and self.microbatches < self.stages
+        ):
             raise InputError(
                 f"--pipeline-schedule 1f1b needs --microbatches {self.stages} or more "
                 f"(--stages {self.stages}); give more micro-batches or --pipeline-schedule gpipe"
             )
 
+    def resolved(self, model: nn.Module, batch_size: int) -> PipelineConfig:
+        """This config with M chosen (`auto_microbatches`) when it was left to the run."""
+        if self.microbatches is not None:
+            return self
+        m = auto_microbatches(model, batch_size, self.stages, self.schedule)
+        return dataclasses.replace(self, microbatches=m)
+
     def check_batch(self, batch_size: int) -> None:
         """The batch must split into M equal micro-batches (their shapes are fixed per run)."""
+        if self.microbatches is None:
+            raise ValueError("PipelineConfig.resolved(model, batch) first: M is not chosen yet")
         if batch_size % self.microbatches:
             divisors = [d for d in range(1, min(batch_size, 64) + 1) if batch_size % d == 0]
             raise InputError(
@@ -98,7 +111,7 @@ class PipelineConfig:
 
     def bubble(self) -> float:
         """The GPipe / 1F1B bubble with equal stages: (K-1)/(M+K-1) of each stage's time."""
-        k, m = self.stages, self.microbatches
+        k, m = self.stages, self.microbatches or DEFAULT_MICROBATCHES
         return (k - 1) / (m + k - 1)
 
 
@@ -395,6 +408,7 @@ def fit(
             f"--stages {pcfg.stages} needs {pcfg.stages} processes; this job has {world} "
             f"(give --workers {pcfg.stages} or 1, or torchrun --nproc-per-node {pcfg.stages})"
         )
+    pcfg = pcfg.resolved(model, cfg.batch_size)
     pcfg.check_batch(cfg.batch_size)
     if cfg.precision != "fp32":
         raise InputError(
@@ -587,18 +601,41 @@ def fit(
     )
 
 
-BN_MIN_MICROBATCH = 16  # below it, BatchNorm's per-micro-batch statistics drift from the batch's
+# Below it, BatchNorm's per-micro-batch statistics drift from the batch's: VGG on digits (batch
+# 32, 2 epochs, 5 seeds) lost 0.67 points against one process at micro-batches of 16 and 3.2 at
+# 8; one micro-batch of 32 ended +0.28 (docs/benchmarks.md).
+BN_MIN_MICROBATCH = 32
+DEFAULT_MICROBATCHES = 4  # M when the run chooses: a bubble of (K-1)/(K+3), 20% at K = 2
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def auto_microbatches(model: nn.Module, batch: int, stages: int, schedule: str = "gpipe") -> int:
+    """M when `--microbatches` is not given: the most micro-batches up to DEFAULT_MICROBATCHES
+    that divide the batch, and, for a model with BatchNorm, keep BN_MIN_MICROBATCH samples in
+    each (1 if none does: the stages then split the model's memory, not its time). Why:
+    BatchNorm normalises each micro-batch on its own, and smaller micro-batches trained VGG
+    on digits measurably worse than one process (BN_MIN_MICROBATCH); a smaller bubble is not
+    worth that. 1F1B needs M >= K: then the fewest micro-batches from K up that divide it."""
+    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+    cap = DEFAULT_MICROBATCHES
+    if _has_batchnorm(model):
+        cap = min(cap, max(1, batch // BN_MIN_MICROBATCH))
+    m = max(d for d in divisors if d <= cap)
+    if schedule == "1f1b" and m < stages:
+        m = min((d for d in divisors if d >= stages), default=batch)
+    return m
 
 
 def batchnorm_warnings(model: nn.Module, batch: int, microbatches: int) -> list[str]:
     """A model with BatchNorm normalises each micro-batch on its own, not the whole batch: with
-    micro-batches under BN_MIN_MICROBATCH samples it trains differently from one process (VGG
-    on digits: 96.4% at micro-batches of 8 against 97.8% in one process, 98.3% at 32)."""
-    norm = nn.modules.batchnorm._BatchNorm
+    micro-batches under BN_MIN_MICROBATCH samples it trains differently from one process."""
     size = batch // max(microbatches, 1)
     if microbatches <= 1 or size >= BN_MIN_MICROBATCH:
         return []
-    if not any(isinstance(m, norm) for m in model.modules()):
+    if not _has_batchnorm(model):
         return []
     fewer = max(1, batch // BN_MIN_MICROBATCH)
     return [

@@ -249,7 +249,36 @@ def test_batchnorm_on_small_microbatches_is_warned_about():
     bn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
     plain = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
     (w,) = batchnorm_warnings(bn, 32, 4)
-    assert "micro-batch of 8 samples" in w and "--microbatches 2 (micro-batches of 16)" in w
-    assert batchnorm_warnings(bn, 32, 2) == []  # micro-batches of 16
+    assert "micro-batch of 8 samples" in w and "--microbatches 1 (micro-batches of 32)" in w
+    (w,) = batchnorm_warnings(bn, 64, 4)
+    assert "micro-batch of 16 samples" in w and "--microbatches 2 (micro-batches of 32)" in w
+    assert batchnorm_warnings(bn, 64, 2) == []  # micro-batches of 32
     assert batchnorm_warnings(bn, 32, 1) == []
     assert batchnorm_warnings(plain, 32, 8) == []
+
+
+def test_microbatches_left_to_the_run_keep_batchnorm_on_32_samples():
+    from compresskit.distrib.pipeline import auto_microbatches
+
+    bn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
+    plain = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+    assert auto_microbatches(plain, 32, 2) == 4  # the default M where nothing argues against it
+    assert auto_microbatches(plain, 30, 2) == 3  # the most up to 4 that divide the batch
+    assert auto_microbatches(plain, 7, 2) == 1
+    assert auto_microbatches(bn, 32, 2) == 1  # one micro-batch of 32, not 4 of 8
+    assert auto_microbatches(bn, 64, 2) == 2
+    assert auto_microbatches(bn, 256, 2) == 4  # 64 each: the cap of 4 binds
+    assert auto_microbatches(bn, 96, 2) == 3
+    assert auto_microbatches(bn, 8, 2) == 1  # fewer than 32 in all: one micro-batch
+    assert auto_microbatches(bn, 32, 4, "1f1b") == 4  # 1F1B needs M >= K
+    assert auto_microbatches(plain, 30, 4, "1f1b") == 5  # the fewest from K up that divide
+    # Every choice divides its batch, and a resolved config reports it and the bubble from it.
+    for batch in range(1, 80):
+        for model in (bn, plain):
+            assert batch % auto_microbatches(model, batch, 2) == 0
+    cfg = PipelineConfig(stages=2).resolved(bn, 64)
+    assert cfg.microbatches == 2 and cfg.bubble() == pytest.approx(1 / 3)
+    assert PipelineConfig(stages=2, microbatches=8).resolved(bn, 32).microbatches == 8  # given
+    cfg.check_batch(64)
+    with pytest.raises(ValueError, match="resolved"):
+        PipelineConfig(stages=2).check_batch(32)
