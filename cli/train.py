@@ -49,7 +49,8 @@ Examples:
   compress train --model lenet5 --data mnist:~/mnist --epochs 5 --out lenet5.pt
   compress train --model mypkg.nets:Net --model-kwargs '{"width": 64}' --data npz:my.npz
   compress train --out lenet5.pt --resume      # continue an interrupted run
-  compress train --model vgg --strategy pipeline --stages 2 --microbatches 4
+  compress train --model vgg --strategy pipeline --stages 2
+  compress train --model lenet300 --strategy pipeline --stages 2 --microbatches 4
 """
 )
 @click.option(

@@ -389,8 +389,8 @@ def _run_pipeline(job: TrainJob, events_factory) -> TrainResult:
             f"--stages {k} with --device cuda: this machine has {torch.cuda.device_count()} "
             f"GPU(s), one per stage is needed; give --stages {torch.cuda.device_count()} or fewer"
         )
-    if pp.microbatches is not None:  # a given M is checked before anything loads
-        pp.check_batch(job.config.batch_size)
+    if pp.microbatches is not None and not job.resume:  # a given M, before anything loads
+        pp.check_batch(job.config.batch_size)  # (a resumed run's batch is the checkpoint's)
     # A bad cut (too many stages, an unknown --split layer, an untraceable model) fails here,
     # in one process, before the K processes start; every rank plans the same cut again.
     resumed, ds, model, spec, _ = _prepare(job, Events())

@@ -111,7 +111,9 @@ class PipelineConfig:
 
     def bubble(self) -> float:
         """The GPipe / 1F1B bubble with equal stages: (K-1)/(M+K-1) of each stage's time."""
-        k, m = self.stages, self.microbatches or DEFAULT_MICROBATCHES
+        if self.microbatches is None:
+            raise ValueError("PipelineConfig.resolved(model, batch) first: M is not chosen yet")
+        k, m = self.stages, self.microbatches
         return (k - 1) / (m + k - 1)
 
 
@@ -583,7 +585,9 @@ def fit(
         "busy_s": dict(enumerate(busy)),
         "step_s": dict(enumerate(wall)),
         "bytes_per_step": {s: int(b / max(steps, 1)) for s, b in enumerate(sent)},
-        "warnings": batchnorm_warnings(model, cfg.batch_size, pcfg.microbatches),
+        "warnings": batchnorm_warnings(
+            model, cfg.batch_size, pcfg.microbatches, pcfg.schedule, pcfg.stages
+        ),
     }
     final_acc = history[-1].test_accuracy if history else float("nan")
     return TrainResult(
@@ -618,18 +622,27 @@ def auto_microbatches(model: nn.Module, batch: int, stages: int, schedule: str =
     each (1 if none does: the stages then split the model's memory, not its time). Why:
     BatchNorm normalises each micro-batch on its own, and smaller micro-batches trained VGG
     on digits measurably worse than one process (BN_MIN_MICROBATCH); a smaller bubble is not
-    worth that. 1F1B needs M >= K: then the fewest micro-batches from K up that divide it."""
+    worth that. 1F1B needs M >= K, which overrides the BatchNorm rule: then the fewest
+    micro-batches from K up that divide the batch (and the run warns about BatchNorm)."""
     divisors = [d for d in range(1, batch + 1) if batch % d == 0]
     cap = DEFAULT_MICROBATCHES
     if _has_batchnorm(model):
         cap = min(cap, max(1, batch // BN_MIN_MICROBATCH))
     m = max(d for d in divisors if d <= cap)
     if schedule == "1f1b" and m < stages:
-        m = min((d for d in divisors if d >= stages), default=batch)
+        m = min((d for d in divisors if d >= stages), default=0)
+        if not m:
+            raise InputError(
+                f"--pipeline-schedule 1f1b needs at least --stages {stages} micro-batches, and "
+                f"--batch-size {batch} cannot be split into that many: give a larger batch or "
+                "--pipeline-schedule gpipe"
+            )
     return m
 
 
-def batchnorm_warnings(model: nn.Module, batch: int, microbatches: int) -> list[str]:
+def batchnorm_warnings(
+    model: nn.Module, batch: int, microbatches: int, schedule: str = "gpipe", stages: int = 2
+) -> list[str]:
     """A model with BatchNorm normalises each micro-batch on its own, not the whole batch: with
     micro-batches under BN_MIN_MICROBATCH samples it trains differently from one process."""
     size = batch // max(microbatches, 1)
@@ -637,11 +650,14 @@ def batchnorm_warnings(model: nn.Module, batch: int, microbatches: int) -> list[
         return []
     if not _has_batchnorm(model):
         return []
-    fewer = max(1, batch // BN_MIN_MICROBATCH)
+    # The most micro-batches of BN_MIN_MICROBATCH samples or more that divide the batch.
+    fewer = max(d for d in range(1, max(1, batch // BN_MIN_MICROBATCH) + 1) if batch % d == 0)
+    fix = f"--microbatches {fewer} (micro-batches of {batch // fewer}) or a larger --batch-size"
+    if schedule == "1f1b" and fewer < stages:  # 1F1B needs M >= K: it cannot take fewer
+        fix = f"--pipeline-schedule gpipe {fix}"
     return [
         f"the model has BatchNorm, which normalises each micro-batch of {size} samples on its "
-        f"own, not the batch of {batch}: it trains differently from one process; "
-        f"--microbatches {fewer} (micro-batches of {batch // fewer}) or a larger --batch-size "
+        f"own, not the batch of {batch}: it trains differently from one process; {fix} "
         "keeps closer"
     ]
 

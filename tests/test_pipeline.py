@@ -103,7 +103,10 @@ def test_residual_model_split_at_a_named_layer_trains_like_one_process():
 def _vgg_stage(rank, world):
     torch.set_num_threads(1)
     model = zoo.tiny("vgg")  # BatchNorm: one micro-batch normalises as the whole batch does
-    pipeline.fit(model, _data(192), dataclasses.replace(CFG, epochs=1), PipelineConfig(2, 1))
+    # M left to the run: BatchNorm at batch 32 must get one micro-batch, as one process.
+    result = pipeline.fit(model, _data(192), dataclasses.replace(CFG, epochs=1), PipelineConfig(2))
+    if rank == 0:
+        assert result.strategy["microbatches"] == 1 and not result.strategy["warnings"]
     return model.state_dict()
 
 
@@ -224,6 +227,7 @@ def test_compress_train_pipeline_resumes_and_matches_one_process(run, tmp_path):
     assert first.exit_code == 0, first.stderr
     r = first.json()
     assert r["strategy"] == "pipeline" and r["workers"] == 2 and r["stages"] == 2
+    assert r["microbatches"] == 4  # no BatchNorm: the default M
     assert r["bubble_theory"] == pytest.approx(0.2) and 0 <= r["bubble_measured"] <= 1
     assert set(r["idle_fraction"]) == {"0", "1"} and r["split"] == ["fc2"]
     ck = checkpoint.load(out)  # the usual checkpoint: the whole model, as one process writes
@@ -252,6 +256,10 @@ def test_batchnorm_on_small_microbatches_is_warned_about():
     assert "micro-batch of 8 samples" in w and "--microbatches 1 (micro-batches of 32)" in w
     (w,) = batchnorm_warnings(bn, 64, 4)
     assert "micro-batch of 16 samples" in w and "--microbatches 2 (micro-batches of 32)" in w
+    (w,) = batchnorm_warnings(bn, 100, 4)  # the M it suggests divides the batch
+    assert "--microbatches 2 (micro-batches of 50)" in w
+    (w,) = batchnorm_warnings(bn, 32, 2, "1f1b", 2)  # 1F1B cannot take M=1: suggest GPipe
+    assert "--pipeline-schedule gpipe --microbatches 1" in w
     assert batchnorm_warnings(bn, 64, 2) == []  # micro-batches of 32
     assert batchnorm_warnings(bn, 32, 1) == []
     assert batchnorm_warnings(plain, 32, 8) == []
@@ -272,13 +280,31 @@ def test_microbatches_left_to_the_run_keep_batchnorm_on_32_samples():
     assert auto_microbatches(bn, 8, 2) == 1  # fewer than 32 in all: one micro-batch
     assert auto_microbatches(bn, 32, 4, "1f1b") == 4  # 1F1B needs M >= K
     assert auto_microbatches(plain, 30, 4, "1f1b") == 5  # the fewest from K up that divide
-    # Every choice divides its batch, and a resolved config reports it and the bubble from it.
-    for batch in range(1, 80):
+    # Every choice divides its batch, is at most 4, and keeps 32 samples under BatchNorm.
+    for batch in range(1, 300):
         for model in (bn, plain):
-            assert batch % auto_microbatches(model, batch, 2) == 0
+            m = auto_microbatches(model, batch, 2)
+            assert batch % m == 0 and 1 <= m <= 4
+            assert model is plain or m == 1 or batch // m >= 32
+    with pytest.raises(InputError, match=r"1f1b needs at least --stages 4 .* --batch-size 2"):
+        auto_microbatches(plain, 2, 4, "1f1b")
     cfg = PipelineConfig(stages=2).resolved(bn, 64)
     assert cfg.microbatches == 2 and cfg.bubble() == pytest.approx(1 / 3)
     assert PipelineConfig(stages=2, microbatches=8).resolved(bn, 32).microbatches == 8  # given
     cfg.check_batch(64)
-    with pytest.raises(ValueError, match="resolved"):
-        PipelineConfig(stages=2).check_batch(32)
+    for unresolved in (lambda c: c.check_batch(32), lambda c: c.bubble()):
+        with pytest.raises(ValueError, match="resolved"):
+            unresolved(PipelineConfig(stages=2))
+
+
+@pytest.mark.distributed
+def test_a_resumed_pipeline_checks_microbatches_against_the_checkpoints_batch(run, tmp_path):
+    out = tmp_path / "pp.pt"
+    base = ["train", "--model", "lenet300", "--data", "digits", "--strategy", "pipeline"]
+    base += ["--stages", "2", "--microbatches", "3", "--out", out, "--json", "-q"]
+    first = run(*base, "--batch-size", "48", "--epochs", "1")
+    assert first.exit_code == 0, first.stderr
+    # No --batch-size: the run takes the checkpoint's 48, which 3 divides (32 would not).
+    second = run(*base, "--epochs", "2", "--resume")
+    assert second.exit_code == 0, second.stderr
+    assert second.json()["microbatches"] == 3 and second.json()["epochs"] == 2
