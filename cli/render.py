@@ -21,6 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from compresskit.compressor.budget import coarseness
 from compresskit.distrib.trainer import EpochRecord, Events, TrainResult
 
 LINE_EVERY_S = 15.0  # progress lines off a terminal
@@ -274,6 +275,9 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
             "predicted before retraining); "
             + ", ".join(f"{n} {r['sparsity']:g}/{r['bits']}b" for n, r in b["layers"].items())
         )
+        note = coarseness(b["max_drop"], b["validation_samples"])
+        if note:
+            stderr.print(f"note: {note}")
         if not b["met"]:
             stderr.print(
                 f"warning: no trial stayed within --max-drop {b['max_drop']:g}; kept the one "

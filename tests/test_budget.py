@@ -340,6 +340,9 @@ def test_shrink_max_drop_end_to_end(run, tmp_path):
     assert report["recipe"]["budget"]["max_drop"] == "off"
     md = (out / "report.md").read_text()
     assert "## Accuracy budget: at most 1 points" in md
+    # 1 of 143 samples decides the budget: the report says so and what would resolve it.
+    assert "**Coarse:** --max-drop 1 allows 1 of 143 validation samples" in md
+    assert "500 or more validation samples" in md
     # The kept recipe re-runs without the search, from the report.
     (tmp_path / "kept.toml").write_text(
         md.split("## Recipe")[1].split("```toml\n")[1].split("```")[0]
@@ -369,3 +372,13 @@ def test_shrink_max_drop_bad_input(run, tmp_path, npz_file, args, message):
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_budget_of_one_or_two_samples_is_called_coarse():
+    note = budget.coarseness(0.2, 800)  # MNIST t10k's split: 1 sample
+    assert note.startswith("--max-drop 0.2 allows 1 of 800 validation samples")
+    assert "2,500 or more validation samples" in note  # 5 samples at 0.2 points
+    assert budget.coarseness(0.25, 800) is not None  # 2 samples: still coarse
+    assert budget.coarseness(0.375, 800) is None  # 3 samples
+    assert budget.coarseness(0.2, 6000) is None  # MNIST's train files: 12 samples
+    assert budget.coarseness(0.0, 800) is None  # lose none: nothing to resolve
