@@ -21,7 +21,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from compresskit.compressor.budget import coarseness
 from compresskit.distrib.trainer import EpochRecord, Events, TrainResult
 
 LINE_EVERY_S = 15.0  # progress lines off a terminal
@@ -275,9 +274,8 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
             "predicted before retraining); "
             + ", ".join(f"{n} {r['sparsity']:g}/{r['bits']}b" for n, r in b["layers"].items())
         )
-        note = coarseness(b["max_drop"], b["validation_samples"])
-        if note:
-            stderr.print(f"note: {note}")
+        if b.get("coarse"):
+            stderr.print(f"note: {b['coarse']}")
         if not b["met"]:
             stderr.print(
                 f"warning: no trial stayed within --max-drop {b['max_drop']:g}; kept the one "

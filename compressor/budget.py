@@ -531,6 +531,7 @@ def _record(cfg, judge: Judge, plan: Plan, trials, recipe) -> dict[str, Any]:
         "val_drop": won["val_drop"],
         "val_drop_interval": won["val_drop_interval"],
         "val_soft_drop": won["val_soft_drop"],
+        "coarse": coarseness(cfg.max_drop, judge.n),  # None, or the note renderers print
         "frontier_points": len(plan.front),
         "grid": {"sparsities": list(cfg.sparsities), "bits": list(cfg.bits)},
         "layers": {

@@ -132,12 +132,6 @@ def markdown(
     return "\n".join(lines)
 
 
-def _coarse(b: dict[str, Any]) -> str | None:
-    from compresskit.compressor.budget import coarseness
-
-    return coarseness(b["max_drop"], b["validation_samples"])
-
-
 def _budget_lines(report: dict[str, Any]) -> list[str]:
     b = report.get("budget")
     if not b:
@@ -166,7 +160,7 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
         "far less often. An interval wider than the budget says the validation split cannot "
         "resolve it. The recipe below re-runs the kept trial without the search.",
         "",
-        *([f"**Coarse:** {note}.", ""] if (note := _coarse(b)) else []),
+        *([f"**Coarse:** {b['coarse']}.", ""] if b.get("coarse") else []),
         "| trial | predicted drop (curves) | validation drop (retrained) | paired 95% interval "
         "| mean p(right class) drop | archive bytes | within |",
         "|---|---|---|---|---|---|---|",

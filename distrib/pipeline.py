@@ -347,7 +347,7 @@ class _Runner:
     def schedule(self, batch: int):
         """The schedule for a batch of `batch` samples: M micro-batches, or (a smaller last
         batch) the largest count up to M that divides it."""
-        m = max(d for d in range(1, min(self.cfg.microbatches, batch) + 1) if batch % d == 0)
+        m = most_dividing(batch, self.cfg.microbatches)
         key = (batch // m, m)
         if key not in self.cache:
             from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, build_stage
@@ -612,6 +612,11 @@ BN_MIN_MICROBATCH = 32
 DEFAULT_MICROBATCHES = 4  # M when the run chooses: a bubble of (K-1)/(K+3), 20% at K = 2
 
 
+def most_dividing(batch: int, cap: int) -> int:
+    """The most micro-batches, at most `cap` (at least 1), that split `batch` equally."""
+    return max(d for d in range(1, max(1, min(cap, batch)) + 1) if batch % d == 0)
+
+
 def _has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -624,13 +629,12 @@ def auto_microbatches(model: nn.Module, batch: int, stages: int, schedule: str =
     on digits measurably worse than one process (BN_MIN_MICROBATCH); a smaller bubble is not
     worth that. 1F1B needs M >= K, which overrides the BatchNorm rule: then the fewest
     micro-batches from K up that divide the batch (and the run warns about BatchNorm)."""
-    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
     cap = DEFAULT_MICROBATCHES
     if _has_batchnorm(model):
-        cap = min(cap, max(1, batch // BN_MIN_MICROBATCH))
-    m = max(d for d in divisors if d <= cap)
+        cap = min(cap, batch // BN_MIN_MICROBATCH)
+    m = most_dividing(batch, cap)
     if schedule == "1f1b" and m < stages:
-        m = min((d for d in divisors if d >= stages), default=0)
+        m = min((d for d in range(stages, batch + 1) if batch % d == 0), default=0)
         if not m:
             raise InputError(
                 f"--pipeline-schedule 1f1b needs at least --stages {stages} micro-batches, and "
@@ -650,8 +654,7 @@ def batchnorm_warnings(
         return []
     if not _has_batchnorm(model):
         return []
-    # The most micro-batches of BN_MIN_MICROBATCH samples or more that divide the batch.
-    fewer = max(d for d in range(1, max(1, batch // BN_MIN_MICROBATCH) + 1) if batch % d == 0)
+    fewer = most_dividing(batch, batch // BN_MIN_MICROBATCH)  # each of 32 samples or more
     fix = f"--microbatches {fewer} (micro-batches of {batch // fewer}) or a larger --batch-size"
     if schedule == "1f1b" and fewer < stages:  # 1F1B needs M >= K: it cannot take fewer
         fix = f"--pipeline-schedule gpipe {fix}"
