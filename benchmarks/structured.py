@@ -53,7 +53,13 @@ def compress(*args: str) -> dict:
 
 
 def recipe(
-    path: Path, channels: bool, deep: bool, retrain: int, round_to: int = 0, scope: str = "layer"
+    path: Path,
+    channels: bool,
+    deep: bool,
+    retrain: int,
+    round_to: int = 0,
+    scope: str = "layer",
+    target_latency: float | None = None,
 ) -> Path:
     lines = ["[train]", "batch_size = 64"]
     if channels:
@@ -66,6 +72,8 @@ def recipe(
             f"round_to = {round_to}",
             f'scope = "{scope}"',
         ]
+        if target_latency is not None:
+            lines.append(f"target_latency = {target_latency}")
     if deep:
         lines += ["[prune]", "rounds = 1", f"retrain_epochs = {retrain}"]
         lines += ["[quantize]", f"finetune_epochs = {retrain}"]
@@ -87,6 +95,12 @@ def main() -> None:
     ap.add_argument("--archive", action="store_true", help="also the Deep Compression runs")
     ap.add_argument("--round-to", type=int, default=8, help="channels.round_to (0 = off)")
     ap.add_argument("--scope", default="layer", help="channels.scope: layer | global | sensitivity")
+    ap.add_argument(
+        "--target-latency",
+        type=float,
+        default=None,
+        help="channels.target_latency: also keep at most this fraction of the measured time",
+    )
     ap.add_argument("--workdir", default=None)
     opts = ap.parse_args()
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="structured-"))
@@ -122,7 +136,13 @@ def one(name: str, work: Path, opts) -> None:
     reports = {}
     for label, (ch, deep) in runs.items():
         rec = recipe(
-            work / f"{name}-{label}.toml", ch, deep, opts.retrain, opts.round_to, opts.scope
+            work / f"{name}-{label}.toml",
+            ch,
+            deep,
+            opts.retrain,
+            opts.round_to,
+            opts.scope,
+            opts.target_latency,
         )
         out = work / f"{name}-{label}"
         compress("shrink", ck, "--data", data, "--recipe", rec, "--out", out, *extra)
@@ -145,8 +165,17 @@ def one(name: str, work: Path, opts) -> None:
     print(f"\n## {name} ({model}, data {data}, teacher {epochs} epochs; {c['macs'][0]:,} MACs)")
     print(
         f"channels: 3 rounds x {opts.retrain} retraining epochs, round_to {opts.round_to}, "
-        f"scope {opts.scope}; {time.perf_counter() - t:.0f} s"
+        f"scope {opts.scope}, target_latency {opts.target_latency}; "
+        f"{time.perf_counter() - t:.0f} s"
     )
+    fit = c.get("latency_model")
+    if fit:
+        before, after = fit["estimated_us"]
+        print(
+            f"latency model ({fit['file']} file, batch 1): measured {before:.0f} us, "
+            f"estimated after {after:.0f} us ({after / before:.2f}), goal "
+            f"{fit['target_latency']:.2f}"
+        )
     if c.get("sensitivity"):
         ratios = c["sensitivity"]["ratios"]
         print("sensitivity fractions: " + ", ".join(f"{n} {f:.0%}" for n, f in ratios.items()))

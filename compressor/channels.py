@@ -45,14 +45,14 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from compresskit.compressor.flops import torch_macs
+from compresskit.compressor.flops import module_macs, torch_macs
 from compresskit.models import thin
 from compresskit.models.errors import InputError, one_line
 
@@ -77,6 +77,8 @@ class ChannelsConfig:
     round_to: int = 0  # keep channel counts multiples of this (8 suits SIMD kernels); 0 = off
     max_ratio: float = 0.9  # never remove more than this fraction of one layer's channels
     heads: float = 0.0  # fraction of each q/k/v attention layer's heads removed (whole heads)
+    # keep at most this fraction of the measured batch-1 ORT time too (None: MACs alone)
+    target_latency: float | None = None
 
     @classmethod
     def from_recipe(cls, section: Any) -> ChannelsConfig:
@@ -141,8 +143,9 @@ def _pruner(
     cfg: ChannelsConfig,
     ignored: list[str],
     ratios: dict[str, float] | None = None,
+    steps: int = STEPS,
 ):
-    """torch-pruning's MetaPruner over `STEPS` increments up to `cfg.max_ratio` of each layer
+    """torch-pruning's MetaPruner over `steps` increments up to `cfg.max_ratio` of each layer
     (or `ratios[layer]`, the sensitivity scope's; layers it leaves out are not cut)."""
     import torch_pruning as tp
 
@@ -162,7 +165,7 @@ def _pruner(
                 pruning_ratio_dict=None
                 if ratios is None
                 else {modules[n]: r for n, r in ratios.items() if r > 0},
-                iterative_steps=STEPS,
+                iterative_steps=steps,
                 ignored_layers=[modules[n] for n in ignored] + qkv,
                 round_to=cfg.round_to or None,
                 num_heads=heads,
@@ -202,14 +205,18 @@ def thin_(
     gradients: Callable[[nn.Module], None] | None = None,
     info: Callable[[str], None] = lambda message: None,
     evaluate: Callable[[nn.Module], float] | None = None,
+    layer_times: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, Any]:
     """Remove channels from `model` in place until its MACs are at most `cfg.target_macs` of
-    what they were, in `cfg.rounds` rounds with `retrain(model, epochs, lr)` after each.
+    what they were (and, with `cfg.target_latency`, its estimated time at most that fraction
+    of its measured time), in `cfg.rounds` rounds with `retrain(model, epochs, lr)` after each.
 
     `example`: a small batch of real inputs (shapes and dtype; 2 samples suffice).
     `gradients(model)`: fills each parameter's .grad from a few training batches; needed by
     Taylor importance, called before every increment.
     `evaluate(model)`: accuracy on held-out data; needed by the sensitivity scope.
+    `layer_times(model)`: a batch-1 profile where the model will run (`compressor.layertime`:
+    `.total_us`, `.layers` {module: us}); needed by `cfg.target_latency`.
 
     Returns a plain-data record: MACs and parameters before and after, per-layer widths,
     per-round figures, and `plan`, the replayable channel plan (`models.thin`).
@@ -218,6 +225,8 @@ def thin_(
         raise InputError("channels.importance = 'taylor' needs gradients from training data")
     if cfg.scope == "sensitivity" and evaluate is None:
         raise InputError("channels.scope = 'sensitivity' needs held-out data to evaluate on")
+    if cfg.target_latency is not None and layer_times is None:
+        raise InputError("channels.target_latency needs the model profiled where it runs")
     one = example[:1]
     modules = dict(model.named_modules())
     unknown = [n for n in cfg.ignore if n not in modules]
@@ -235,40 +244,54 @@ def thin_(
     heads0 = head_counts(model)
     plan: list[list[Any]] = []
     rounds = []
-    ratios = sens = None
+    ratios = sens = fit = None
+    if cfg.target_latency is not None:
+        info("channels: profiling the model and a half-width copy (ORT CPU, batch 1)")
+        fit = latency_fit(model, example, cfg, ignored, layer_times)
+    time0 = fit.estimate(module_macs(model, one)) if fit else 0.0
+    if fit:
+        _check_reachable(model, example, cfg, ignored, fit, time0)
     if cfg.scope == "sensitivity":
-        sens = sensitivity(model, example, cfg, ignored, evaluate, gradients)
+        sens = sensitivity(model, example, cfg, ignored, evaluate, gradients, fit)
         need = (1 - cfg.target_macs) * macs0
-        ratios = allocate(sens["baseline"], sens["curves"], sens["macs_saved"], need)
+        time_need = (1 - cfg.target_latency) * time0 if fit else 0.0
+        ratios = allocate(
+            sens["baseline"], sens["curves"], sens["macs_saved"], need,
+            sens.get("time_saved"), time_need,
+        )  # fmt: skip
         sens["ratios"] = ratios
         info(
             "channels: sensitivity: "
             + ", ".join(f"{n} {f:.0%}" for n, f in ratios.items() if f > 0)
         )
-    macs = macs0
+    macs, est = macs0, time0
     for r in range(1, cfg.rounds + 1):
         goal = macs0 * (1 - (1 - cfg.target_macs) * r / cfg.rounds)
+        time_goal = time0 * (1 - (1 - (cfg.target_latency or 1.0)) * r / cfg.rounds)
         if cfg.heads > 0:
             plan += _remove_heads(model, example, cfg, heads0, ignored, r, gradients)
-            macs = _macs_after_cut(model, one)
+            macs, est = _cost(model, one, fit)
         pruner = _pruner(model, example, cfg, ignored, ratios)
         steps = 0
-        while macs > goal and steps < STEPS:
+        while (macs > goal or est > time_goal * (1 + 1e-9)) and steps < STEPS:
             if gradients is not None and cfg.importance == "taylor":
                 model.zero_grad(set_to_none=True)
                 gradients(model)
             pruner.step()
             steps += 1
-            macs = _macs_after_cut(model, one)
+            macs, est = _cost(model, one, fit)
         plan += [thin.entry(*h) for h in pruner.DG.pruning_history()]
         model.zero_grad(set_to_none=True)
+        timed = f", {est / time0:.0%} of the estimated time" if fit else ""
         info(
             f"channels: round {r}/{cfg.rounds}: {macs / macs0:.0%} of the MACs "
-            f"(goal {goal / macs0:.0%}), {_params(model):,} parameters"
+            f"(goal {goal / macs0:.0%}){timed}, {_params(model):,} parameters"
         )
         if retrain is not None and cfg.retrain_epochs > 0:
             retrain(model, cfg.retrain_epochs, cfg.lr)
         rounds.append({"round": r, "macs": macs, "goal": goal, "parameters": _params(model)})
+        if fit:
+            rounds[-1] |= {"estimated_us": est, "time_goal_us": time_goal}
     after = widths(model)
     heads1 = head_counts(model)
     return {
@@ -281,6 +304,14 @@ def thin_(
         "layers": [{"name": n, "before": w, "after": after.get(n, w)} for n, w in widths0.items()],
         "heads": [{"name": n, "before": h, "after": heads1.get(n, h)} for n, h in heads0.items()],
         "sensitivity": sens,
+        "latency_model": None
+        if fit is None
+        else {
+            **fit.to_dict(),
+            "target_latency": cfg.target_latency,
+            "estimated_us": [time0, est],
+            "reached": est <= time0 * cfg.target_latency * (1 + 1e-9),
+        },
         "rounds": rounds,
         "plan": {"example": thin.describe_example(example), "history": plan},
     }
@@ -344,6 +375,123 @@ def _remove_heads(
     return [thin.entry(*h) for h in graph.pruning_history()]
 
 
+# --- measured time ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LatencyFit:
+    """Each layer's batch-1 time as a + c x its MACs, from two profiles: the model and a copy
+    with half of every layer's channels. `a` is what the node costs whatever its width (ORT's
+    per-node work: a 1x1 shortcut conv took 7.3 us at 0.13M MACs and 5.5 us at 0.05M), `c` what
+    each MAC costs there: 5x more in a convolution on a 1x1 feature map than on an 8x8 one.
+    The rest of a whole run (adds, pooling, quantize/dequantize, the executor) is
+    `fixed_us + other_us_per_mac x the model's MACs`, fitted so that the estimate equals both
+    runs as timed without the profiler."""
+
+    fixed_us: float
+    other_us_per_mac: float
+    layers: dict[str, tuple[float, float]]  # module -> (a us, c us per MAC)
+    measured_us: tuple[float, float]  # whole runs, no profiler: the model, the half-width copy
+    file: str  # which file was profiled: "int8" or "fp32"
+
+    def estimate(self, macs: dict[str, int]) -> float:
+        """Estimated us per batch-1 run of a cut model whose modules do `macs`."""
+        layers = sum(a + c * macs.get(n, 0) for n, (a, c) in self.layers.items())
+        return max(0.0, self.fixed_us + self.other_us_per_mac * sum(macs.values()) + layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fixed_us": self.fixed_us,
+            "other_us_per_mac": self.other_us_per_mac,
+            "measured_us": list(self.measured_us),
+            "file": self.file,
+            "layers": {n: {"fixed_us": a, "us_per_mac": c} for n, (a, c) in self.layers.items()},
+        }
+
+
+def fit_layers(
+    macs: dict[str, int], times: Any, half_macs: dict[str, int], half_times: Any
+) -> LatencyFit:
+    """The two-point fit of `LatencyFit` from profiles (`.run_us`, `.layers`, `.file`) and
+    per-module MACs of the model and its half-width copy. A layer whose time did not fall when
+    its MACs did is all fixed cost (c = 0); one that fell more than in proportion (noise) is
+    all per-MAC cost (a = 0); a layer without MACs, or only in one profile, is proportional.
+    What the layers do not explain is the rest of the run, linear in the model's MACs (never
+    rising as they fall)."""
+    layers = {}
+    for n, t in times.layers.items():
+        m, m_half, t_half = macs.get(n, 0), half_macs.get(n), half_times.layers.get(n)
+        if m <= 0:
+            continue  # no MACs to scale by: its time stays in the rest of the run
+        a, c = 0.0, t / m
+        if t_half is not None and m_half is not None and m_half < 0.9 * m:
+            slope = (t - t_half) / (m - m_half)
+            if slope <= 0:
+                a, c = t, 0.0
+            elif slope < t / m:
+                a, c = t - slope * m, slope
+        layers[n] = (a, c)
+
+    def rest(run_us: float, per: dict[str, int]) -> float:
+        return run_us - sum(a + c * per.get(n, 0) for n, (a, c) in layers.items())
+
+    m0, m1 = sum(macs.values()), sum(half_macs.values())
+    r0, r1 = rest(times.run_us, macs), rest(half_times.run_us, half_macs)
+    slope = max(0.0, (r0 - r1) / (m0 - m1)) if m0 > m1 else 0.0
+    return LatencyFit(r0 - slope * m0, slope, layers, (times.run_us, half_times.run_us), times.file)
+
+
+def latency_fit(
+    model: nn.Module,
+    example: torch.Tensor,
+    cfg: ChannelsConfig,
+    ignored: list[str],
+    layer_times: Callable[[nn.Module], Any],
+) -> LatencyFit:
+    """Profile `model` and a copy with half of each layer's channels cut (the same layers this
+    stage may cut), and fit each layer's time (`fit_layers`)."""
+    one = example[:1]
+    times, macs = layer_times(model), module_macs(model, one)
+    twin = _cut_copy(model, example, cfg, ignored, 0.5)
+    return fit_layers(macs, times, module_macs(twin, one), layer_times(twin))
+
+
+def _cut_copy(
+    model: nn.Module, example: torch.Tensor, cfg: ChannelsConfig, ignored: list[str], ratio: float
+) -> nn.Module:
+    """A copy with `ratio` of every cuttable layer's channels removed (least L1 first)."""
+    twin = copy.deepcopy(model)
+    same = replace(cfg, scope="layer", importance="l1", max_ratio=ratio)
+    _pruner(twin, example, same, ignored, steps=1).step()
+    return twin
+
+
+def _check_reachable(
+    model: nn.Module,
+    example: torch.Tensor,
+    cfg: ChannelsConfig,
+    ignored: list[str],
+    fit: LatencyFit,
+    time0: float,
+) -> None:
+    """Refuse a time goal that even the deepest cut (every layer by `cfg.max_ratio`) misses:
+    per-node and executor time does not shrink with channels, and cutting on towards an
+    unreachable goal would only cost accuracy (LeNet-5 on 8x8 digits: 23 us, of which the
+    deepest cut saves 28%)."""
+    deepest = fit.estimate(
+        module_macs(_cut_copy(model, example, cfg, ignored, cfg.max_ratio), example[:1])
+    )
+    if deepest > cfg.target_latency * time0:
+        least = math.ceil(100 * deepest / time0) / 100
+        raise InputError(
+            f"channels.target_latency {cfg.target_latency} is out of reach for this model: with "
+            f"every layer cut by max_ratio {cfg.max_ratio} its estimated batch-1 time is "
+            f"{deepest:.0f} us of {time0:.0f} us measured ({deepest / time0:.0%}; per-node and "
+            f"executor time does not shrink with channels); set target_latency >= {least:.2f} "
+            "or leave it unset"
+        )
+
+
 # --- sensitivity scope ------------------------------------------------------------------------
 
 
@@ -354,12 +502,14 @@ def sensitivity(
     ignored: list[str],
     evaluate: Callable[[nn.Module], float],
     gradients: Callable[[nn.Module], None] | None = None,
+    fit: LatencyFit | None = None,
 ) -> dict[str, Any]:
     """Cut each prunable layer alone (with every channel coupled to it) by each fraction of
     `GRID` up to `cfg.max_ratio`, on a copy, least important channels first; measure the copy
-    with `evaluate` (held-out data: never the test set) and its MACs. Layers whose coupled
-    group cannot be cut by a fraction (MultiheadAttention's head-multiple widths) are left
-    out. Returns {"baseline", "curves": {layer: {fraction: accuracy}}, "macs_saved"}."""
+    with `evaluate` (held-out data: never the test set), its MACs and, given a latency `fit`,
+    its estimated time. Layers whose coupled group cannot be cut by a fraction
+    (MultiheadAttention's head-multiple widths) are left out. Returns {"baseline", "curves":
+    {layer: {fraction: accuracy}}, "macs_saved"} and, with `fit`, "time_saved" (us)."""
     import torch_pruning as tp
 
     one = example[:1]
@@ -367,7 +517,9 @@ def sensitivity(
     names = {m: n for n, m in modules.items()}
     skip = {modules[n] for n in ignored}
     skip |= {modules[n] for projs, _ in thin.attention(model).values() for n in projs}
-    macs0 = torch_macs(model, one)
+    per0 = module_macs(model, one)
+    macs0 = sum(per0.values())
+    time0 = fit.estimate(per0) if fit else 0.0
     base = evaluate(model)
     if cfg.importance == "taylor" and gradients is not None:
         model.zero_grad(set_to_none=True)
@@ -375,6 +527,7 @@ def sensitivity(
     imp = _importance(cfg)
     curves: dict[str, dict[float, float]] = {}
     saved: dict[str, dict[float, int]] = {}
+    timed: dict[str, dict[float, float]] = {}
     with thin.tracing(model):
         graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
         roots = []
@@ -394,7 +547,7 @@ def sensitivity(
             twin_graph = tp.DependencyGraph().build_dependency(twin, example_inputs=example)
             target = twin.get_submodule(name)
             fn = twin_graph.get_pruner_of_module(target).prune_out_channels
-            curves[name], saved[name], gone = {}, {}, []
+            curves[name], saved[name], timed[name], gone = {}, {}, {}, []
             for f in (g for g in GRID if g <= cfg.max_ratio):
                 k = int(width * f)
                 if k <= len(gone) or k >= width:
@@ -409,10 +562,16 @@ def sensitivity(
                     break
                 gone += cut
                 curves[name][f] = evaluate(twin)
-                saved[name][f] = macs0 - torch_macs(twin, one)
+                per = module_macs(twin, one)
+                saved[name][f] = macs0 - sum(per.values())
+                if fit:
+                    timed[name][f] = time0 - fit.estimate(per)
     model.zero_grad(set_to_none=True)
     curves = {n: c for n, c in curves.items() if c}
-    return {"baseline": base, "curves": curves, "macs_saved": {n: saved[n] for n in curves}}
+    out = {"baseline": base, "curves": curves, "macs_saved": {n: saved[n] for n in curves}}
+    if fit:
+        out["time_saved"] = {n: timed[n] for n in curves}
+    return out
 
 
 def allocate(
@@ -420,48 +579,67 @@ def allocate(
     curves: dict[str, dict[float, float]],
     saved: dict[str, dict[float, int]],
     need: float,
-    buckets: int = 2000,
+    time_saved: dict[str, dict[float, float]] | None = None,
+    time_need: float = 0.0,
+    buckets: int | None = None,
 ) -> dict[str, float]:
     """Per-layer fractions to cut that save at least HEADROOM x `need` MACs (coupled layers'
-    savings overlap; the pruning loop stops at the real goal) at the least total accuracy
-    lost, treating layers' losses as additive: a multiple-choice knapsack, solved exactly by
-    dynamic programming over `buckets` steps of savings (each option's savings rounded down,
-    so the savings promised are met). A layer's loss at a fraction is its drop below
-    `baseline`, made monotone along its curve. If no choice saves enough, each layer's
-    largest saving. Layers left whole get 0."""
+    savings overlap; the pruning loop stops at the real goal) and, given `time_saved`, at
+    least HEADROOM x `time_need` of estimated time, at the least total accuracy lost, treating
+    layers' losses as additive: a multiple-choice knapsack, solved exactly by dynamic
+    programming over `buckets` steps of each saving (2,000 for MACs alone, 200 x 200 with
+    time; each option's savings rounded down, so the savings promised are met). A layer's loss
+    at a fraction is its drop below `baseline`, made monotone along its curve. If no choice
+    saves enough, each layer's largest cut. Layers left whole get 0."""
     names = list(curves)
-    goal = HEADROOM * need
-    if goal <= 0 or not names:
+    dims = [(saved, HEADROOM * need)]
+    if time_saved is not None:
+        dims.append((time_saved, HEADROOM * time_need))
+    dims = [(d, goal) for d, goal in dims if goal > 0]
+    if not dims or not names:
         return {n: 0.0 for n in names}
-    most = {n: max(saved[n], key=lambda f: saved[n][f], default=0.0) for n in names}
-    if sum(saved[n].get(f, 0) for n, f in most.items()) < goal:
+    most = {n: max(curves[n], default=0.0) for n in names}
+    if any(sum(d[n].get(f, 0) for n, f in most.items()) < goal for d, goal in dims):
         return {n: float(f) for n, f in most.items()}
-    unit = goal / buckets
-    cost = np.full(buckets + 1, np.inf)
+    size = buckets or (2000 if len(dims) == 1 else 200)
+    shape = (size + 1,) * len(dims)
+    grid = np.indices(shape).reshape(len(dims), -1)  # each flat state's bucket per saving
+    cost = np.full(grid.shape[1], np.inf)
     cost[0] = 0.0
-    trail = []  # per layer: (fraction chosen, bucket it came from), at each bucket
-    idx = np.arange(buckets + 1)
+    trail = []  # per layer: (fraction chosen, state it came from), at each state
     for n in names:
-        opts, worst = [(0.0, 0, 0.0)], 0.0
+        opts, worst = [(0.0, (0,) * len(dims), 0.0)], 0.0
         for f in sorted(curves[n]):
             worst = max(worst, baseline - curves[n][f])
-            opts.append((f, min(buckets, int(saved[n][f] / unit + 1e-9)), worst))
-        new = np.full(buckets + 1, np.inf)
-        frac = np.zeros(buckets + 1)
-        came = np.zeros(buckets + 1, dtype=np.int64)
-        for f, gain, loss in opts:
-            # from bucket j to min(j + gain, buckets), at `loss` more
-            reach = np.full(buckets + 1, np.inf)
-            origin = idx - gain
-            reach[gain:] = cost[: buckets + 1 - gain] + loss
-            top = int(np.argmin(cost[buckets - gain :])) + buckets - gain
-            if cost[top] + loss < reach[buckets]:
-                reach[buckets], origin[buckets] = cost[top] + loss, top
-            better = reach < new - 1e-12
-            new[better], frac[better], came[better] = reach[better], f, origin[better]
+            gains = tuple(
+                min(size, max(0, int(d[n].get(f, 0) / (goal / size) + 1e-9))) for d, goal in dims
+            )
+            opts.append((f, gains, worst))
+        best = np.full_like(cost, np.inf)
+        frac = np.zeros_like(cost)
+        came = np.zeros(cost.shape, dtype=np.int64)
+        for f, gains, loss in opts:
+            # from each state to the one `gains` further (capped at the goal), at `loss` more:
+            # the cheapest source per target state wins
+            target = np.ravel_multi_index(
+                tuple(np.minimum(grid[i] + g, size) for i, g in enumerate(gains)), shape
+            )
+            value = cost + loss
+            order = np.lexsort((value, target))
+            first = np.ones(len(order), dtype=bool)
+            first[1:] = target[order][1:] != target[order][:-1]
+            src = order[first]
+            tgt = target[src]
+            better = value[src] < best[tgt] - 1e-12
+            best[tgt[better]] = value[src[better]]
+            frac[tgt[better]] = f
+            came[tgt[better]] = src[better]
         trail.append((frac, came))
-        cost = new
-    end = buckets if np.isfinite(cost[buckets]) else int(np.flatnonzero(np.isfinite(cost)).max())
+        cost = best
+    end = cost.size - 1  # every saving at its goal
+    if not np.isfinite(cost[end]):  # rounding down left the goal out of reach: the most saved
+        reach = np.flatnonzero(np.isfinite(cost))
+        end = int(reach[np.argmax(grid[:, reach].min(axis=0))])
     chosen = {}
     for n, (frac, came) in zip(reversed(names), reversed(trail), strict=True):
         chosen[n] = float(frac[end])
@@ -469,12 +647,13 @@ def allocate(
     return {n: chosen[n] for n in names}
 
 
-def _macs_after_cut(model: nn.Module, one: torch.Tensor) -> int:
-    """MACs of the cut model, whose forward must still run: a model that reshapes by a width
-    fixed in its code (attention heads as `view(b, n, heads, 64)`) breaks when that width is
-    cut, and the user must keep those layers whole."""
+def _cost(model: nn.Module, one: torch.Tensor, fit: LatencyFit | None) -> tuple[int, float]:
+    """MACs of the cut model and, given a latency fit, its estimated batch-1 time (us). Its
+    forward must still run: a model that reshapes by a width fixed in its code (attention
+    heads as `view(b, n, heads, 64)`) breaks when that width is cut, and the user must keep
+    those layers whole."""
     try:
-        return torch_macs(model, one)
+        per = module_macs(model, one)
     except Exception as e:
         detail = one_line(e, 160)
         raise InputError(
@@ -482,6 +661,7 @@ def _macs_after_cut(model: nn.Module, one: torch.Tensor) -> int:
             f"{detail}); its forward likely uses a fixed width (e.g. attention heads): keep "
             "those layers whole with channels.ignore = ['name', ...]"
         ) from None
+    return sum(per.values()), fit.estimate(per) if fit else 0.0
 
 
 def _params(model: nn.Module) -> int:

@@ -81,16 +81,25 @@ def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
     called twice counts twice. The model runs once without autograd in eval mode; its
     train/eval flags are restored after, so BatchNorm statistics are left as they were.
     """
-    counts: list[int] = []
+    return int(sum(module_macs(model, example).values()))
+
+
+def module_macs(model: nn.Module, example: torch.Tensor) -> dict[str, int]:
+    """`torch_macs` per module: {module name: its MACs} for every counted module the forward
+    ran (a module called twice sums both calls)."""
+    counts: dict[str, int] = {}
+    names = {m: n for n, m in model.named_modules()}
 
     def hook(module, _inputs, output):
-        if isinstance(module, nn.Linear):
-            counts.append(_linear_macs(module, output))
-        else:
-            counts.append(_conv_macs(module, output))
+        macs = (
+            _linear_macs(module, output)
+            if isinstance(module, nn.Linear)
+            else _conv_macs(module, output)
+        )
+        counts[names[module]] = counts.get(names[module], 0) + macs
 
     def attention_hook(module, args, kwargs, _output):
-        counts.append(_attention_macs(module, args, kwargs))
+        counts[names[module]] = counts.get(names[module], 0) + _attention_macs(module, args, kwargs)
 
     handles = []
     flags = {m: m.training for m in model.modules()}
@@ -109,7 +118,7 @@ def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
             h.remove()
         for m, training in flags.items():
             m.training = training
-    return int(sum(counts))
+    return {n: int(c) for n, c in counts.items()}
 
 
 # --- ONNX -----------------------------------------------------------------------------------

@@ -50,21 +50,8 @@ def _session(path: Path, threads: int, providers: Sequence[str], prefix: str):
         ) from None
 
 
-def profile_ops(
-    path: Path | str,
-    x: np.ndarray,
-    runs: int = 50,
-    threads: int = 1,
-    providers: Sequence[str] = ("CPUExecutionProvider",),
-    warmup: int = 5,
-) -> dict[str, Any]:
-    """Per-operator-type time of `runs` inferences of the file at `path` on input `x`.
-
-    Returns {"runs", "total_us_per_run" (sum of kernel times), "session_us_per_run" (whole
-    runs, executor included), "ops": [{"op_type", "us_per_run", "share", "nodes"}, ...]},
-    slowest operator type first; `share` is of `total_us_per_run`, `nodes` the number of
-    distinct nodes of that type that ran. The `warmup` runs before are left out.
-    """
+def _trace(path, x, runs, threads, providers, warmup) -> list[dict]:
+    """The profiler's events of `warmup + runs` inferences of the file at `path` on `x`."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such file; give an .onnx model")
@@ -90,11 +77,63 @@ def profile_ops(
             ) from None
         finally:
             trace = Path(session.end_profiling())  # written now, inside tmp
-        events = json.loads(trace.read_text())
-    return _summarise(events, warmup, runs, path)
+        return json.loads(trace.read_text())
+
+
+def profile_ops(
+    path: Path | str,
+    x: np.ndarray,
+    runs: int = 50,
+    threads: int = 1,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    warmup: int = 5,
+) -> dict[str, Any]:
+    """Per-operator-type time of `runs` inferences of the file at `path` on input `x`.
+
+    Returns {"runs", "total_us_per_run" (sum of kernel times), "session_us_per_run" (whole
+    runs, executor included), "ops": [{"op_type", "us_per_run", "share", "nodes"}, ...]},
+    slowest operator type first; `share` is of `total_us_per_run`, `nodes` the number of
+    distinct nodes of that type that ran. The `warmup` runs before are left out.
+    """
+    return _summarise(_trace(path, x, runs, threads, providers, warmup), warmup, runs, Path(path))
 
 
 def _summarise(events: list[dict], warmup: int, runs: int, path: Path) -> dict[str, Any]:
+    nodes = _nodes(events, warmup, runs, path)
+    us: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for node in nodes["nodes"].values():
+        us[node["op_type"]] += node["us_per_run"]
+        count[node["op_type"]] += 1
+    total = sum(us.values())
+    ops = [
+        {"op_type": op, "us_per_run": t, "share": t / total if total else 0.0, "nodes": count[op]}
+        for op, t in sorted(us.items(), key=lambda kv: (-kv[1], kv[0]))
+    ]
+    return {
+        "runs": runs,
+        "total_us_per_run": total,
+        "session_us_per_run": nodes["session_us_per_run"],
+        "ops": ops,
+    }
+
+
+def profile_nodes(
+    path: Path | str,
+    x: np.ndarray,
+    runs: int = 50,
+    threads: int = 1,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    warmup: int = 5,
+) -> dict[str, Any]:
+    """Per-node time of `runs` inferences: {"runs", "session_us_per_run", "nodes": {name:
+    {"op_type", "us_per_run"}}}. Names are those of the graph ORT ran, after its fusions
+    (a QDQ Conv runs as a QLinearConv named after the Conv node, plus a suffix)."""
+    events = _trace(path, x, runs, threads, providers, warmup)
+    return {"runs": runs, **_nodes(events, warmup, runs, Path(path))}
+
+
+def _nodes(events: list[dict], warmup: int, runs: int, path: Path) -> dict[str, Any]:
     # Each inference is one Session "model_run" span; the warm-up runs come first, so kernel
     # events starting before the first measured run belong to them.
     spans = sorted(
@@ -109,31 +148,19 @@ def _summarise(events: list[dict], warmup: int, runs: int, path: Path) -> dict[s
     measured = spans[warmup:]
     start = measured[0]["ts"]
     us: dict[str, float] = defaultdict(float)
-    nodes: dict[str, set[str]] = defaultdict(set)
+    op: dict[str, str] = {}
     for e in events:
         if (
             e.get("cat") == "Node"
             and e.get("name", "").endswith("_kernel_time")
             and e["ts"] >= start
         ):
-            op = e.get("args", {}).get("op_name", "?")
-            us[op] += e["dur"]
-            nodes[op].add(e["name"].removesuffix("_kernel_time"))
-    total = sum(us.values())
-    ops = [
-        {
-            "op_type": op,
-            "us_per_run": t / runs,
-            "share": t / total if total else 0.0,
-            "nodes": len(nodes[op]),
-        }
-        for op, t in sorted(us.items(), key=lambda kv: (-kv[1], kv[0]))
-    ]
+            name = e["name"].removesuffix("_kernel_time")
+            us[name] += e["dur"]
+            op[name] = e.get("args", {}).get("op_name", "?")
     return {
-        "runs": runs,
-        "total_us_per_run": total / runs,
         "session_us_per_run": sum(e["dur"] for e in measured) / runs,
-        "ops": ops,
+        "nodes": {n: {"op_type": op[n], "us_per_run": t / runs} for n, t in us.items()},
     }
 
 

@@ -29,6 +29,7 @@ from compresskit.compressor import (
     envinfo,
     export,
     guard,
+    layertime,
     speedup,
 )
 from compresskit.compressor import report as report_mod
@@ -37,7 +38,7 @@ from compresskit.compressor.export import compat, int8, mobile
 from compresskit.compressor.recipe import ExportSection, Recipe
 from compresskit.models import checkpoint
 from compresskit.models.data import Dataset, check_kind, embedding_rows
-from compresskit.models.errors import InputError, StageError
+from compresskit.models.errors import InputError, StageError, one_line
 from compresskit.models.fileio import atomic_path, check_writable, refuse_link, umask
 from compresskit.models.zoo import ModelSpec, build, state_shapes
 
@@ -217,7 +218,7 @@ def shrink_to_folder(
             if recipe.channels.latency and recipe.export.enabled:
                 unthinned = copy.deepcopy(model).eval()  # timed against the thinned files
             with clock.step("channels", "channels: removing whole channels"):
-                spec, thinned = _thin(model, spec, recipe, data, hooks)
+                spec, thinned = _thin(model, spec, recipe, data, hooks, tmp, calib)
         with clock.step("deep_compression"):
             if recipe.budget.max_drop != "off":
                 model, report = budget.search(
@@ -390,6 +391,8 @@ def _thin(
     recipe: Recipe,
     data: Dataset,
     hooks: shrink_mod.Hooks,
+    tmp: Path,
+    calib: np.ndarray | None,
 ) -> tuple[ModelSpec, dict[str, Any]]:
     """The channels stage: cut `model` in place; the spec gains the replayable plan."""
     cfg = channels.ChannelsConfig.from_recipe(recipe.channels)
@@ -414,6 +417,24 @@ def _thin(
         finally:
             m.train(was)
 
+    layer_times = None
+    if cfg.target_latency is not None:
+        # Profiled as it will ship: the INT8 file when the export writes one, else FP32.
+        e = recipe.export
+        quant = quant_config(e) if e.enabled and e.int8 else None
+        calib_x = _calibration(quant, data, calib) if quant else None
+
+        def layer_times(m: nn.Module) -> layertime.LayerTimes:
+            try:
+                return layertime.measure(m, x[:2], tmp, export_config(e), quant, calib_x)
+            except (InputError, StageError):
+                raise
+            except Exception as err:
+                raise StageError(
+                    f"channels.target_latency: the model could not be profiled on ONNX Runtime "
+                    f"({type(err).__name__}: {one_line(err)}); leave target_latency unset"
+                ) from None
+
     before = hooks.test_accuracy(model)
     record = channels.thin_(
         model,
@@ -423,6 +444,7 @@ def _thin(
         gradients=gradients,
         info=hooks.info,
         evaluate=hooks.val_accuracy,
+        layer_times=layer_times,
     )
     record["test_accuracy"] = [before, hooks.test_accuracy(model)]
     # The plan must rebuild this very shape from the spec: checked here, not at decode time.

@@ -210,6 +210,16 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
             + ", ".join(f"{n} {f:.0%}" for n, f in sens["ratios"].items() if f > 0)
             + ".",
         ]
+    fit = c.get("latency_model")
+    if fit:
+        (t0, t1), goal = fit["estimated_us"], fit["target_latency"]
+        lines += [
+            "",
+            f"Time goal (channels.target_latency {goal:.0%}): the {fit['file'].upper()} file at "
+            "batch 1 on ORT CPU, 1 thread, profiled per layer before cutting and at half width: "
+            f"{t0:.0f} us measured, {t1:.0f} us estimated after ({t1 / t0:.0%}"
+            f"{'' if fit['reached'] else ', not reached'}).",
+        ]
     lat = c.get("latency")
     if lat and lat.get("rows"):
         lines += [

@@ -490,13 +490,25 @@ def test_sensitivity_scope_measures_each_layer_and_reaches_the_target():
     json.dumps(record)
 
 
+def test_an_unreachable_time_goal_exits_2_before_retraining(run, tmp_path):
+    ck = _lenet5_teacher(run, tmp_path)
+    rec = tmp_path / "far.toml"
+    rec.write_text(THIN + "target_latency = 0.1\n[export]\nort = false\n")
+    out = tmp_path / "out"
+    result = run("shrink", ck, "--recipe", rec, "--out", out)
+    assert result.exit_code == 2, result.output
+    msg = result.output.strip().splitlines()[-1]
+    assert "channels.target_latency 0.1 is out of reach" in msg and "set target_latency >=" in msg
+    assert "Traceback" not in result.output and not out.exists()
+
+
 def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp_path):
     ck = _lenet5_teacher(run, tmp_path)
     out, report = _shrink(
         run,
         ck,
         tmp_path,
-        THIN + 'scope = "sensitivity"\n'
+        THIN + 'scope = "sensitivity"\ntarget_latency = 0.85\n'
         "[prune]\nenabled = false\n[quantize]\nenabled = false\n[huffman]\nenabled = false\n"
         '[export]\nort = false\ntarget = "mobile"\n',
     )
@@ -504,6 +516,13 @@ def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp
     sens = c["sensitivity"]
     assert c["reached"] and any(f > 0 for f in sens["ratios"].values())
     assert set(sens["ratios"]) <= {"conv1", "conv2", "fc1", "fc2"}
+    # The time goal: the INT8 file profiled per layer (every layer found), time saved priced
+    fit = c["latency_model"]
+    assert fit["file"] == "int8" and set(fit["layers"]) == {"conv1", "conv2", "fc1", "fc2"}
+    assert set(sens["time_saved"]) == set(sens["curves"])
+    before, after = fit["estimated_us"]
+    assert before == fit["measured_us"][0] and 0 < after < before
+    assert fit["reached"] == (after <= 0.85 * before * (1 + 1e-9))
     lat = c["latency"]
     assert "int8" in report["onnx"], report.get("int8_not_written")
     assert [(r["batch"], r["precision"]) for r in lat["rows"]] == [
@@ -514,5 +533,5 @@ def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp
         assert r["speedup"] == pytest.approx(r["before_ms"] / r["after_ms"])
     md = (out / "report.md").read_text()
     assert "| batch | precision | unthinned ms | thinned ms | speed-up |" in md
-    assert "sensitivity analysis" in md
+    assert "sensitivity analysis" in md and "Time goal (channels.target_latency 85%)" in md
     assert not any(p.name.startswith(".unthinned") for p in out.iterdir())

@@ -1,0 +1,196 @@
+"""How long each layer of a PyTorch model takes where it will run: ONNX Runtime's CPU provider,
+batch 1, one thread, as the INT8 (or FP32) file the export stage would write.
+
+MACs say how much work a layer does, not how long it takes. On ResNet-18 at 32x32 (VNNI CPU,
+INT8, batch 1) the last stage's 3x3 convolutions run on a 1x1 feature map: ORT's QLinearConv
+does a matrix-vector product per image, bound by reading 2.4 MB of weights, and took 82 us for
+2.36M MACs where a first-stage convolution took 17 us for the same MACs. Every node also has a
+fixed cost (a 1x1 shortcut of 0.13M MACs took 7 us, and 5.5 us at 38% of its channels). So
+structured pruning that cuts MACs evenly does not cut time evenly: the channels stage asks
+this module for each layer's measured time and cuts where the time is (`compressor.channels`).
+
+    times = measure(model, example, tmp, export_cfg, quant, calib)
+    times.total_us          # one whole run, the executor included
+    times.layers            # {module name: us per run of the kernel that computes it}
+
+Kernels are matched to modules through the weight each ONNX node reads: the exporter keeps
+the parameter's name ("stages.3.layers.0.conv.weight"), the INT8 file's DequantizeLinear reads
+it under a suffix, and ORT names a fused kernel after the node it replaced plus a suffix
+("node_Conv_330_token_66"), or, for FP32 convolutions in its NCHWc layout, after the tensor
+the fused node writes ("relu_11_nchwc"). A kernel that matches no module (adds, pooling,
+quantize/dequantize) is counted in `other_us`: time the channels stage does not model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from compresskit import _datapass
+from compresskit.compressor import benchmark, export, ortprofile
+from compresskit.compressor.export import int8
+
+RUNS = 200  # batch-1 runs profiled (~0.2 s on ResNet-18); the mean per kernel is kept
+RUN_SECONDS = 0.3  # then whole runs timed without the profiler, the p50 kept
+WEIGHT_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3, "Gemm": 1, "MatMul": 1}
+# Nodes between a weight initializer and the compute node that reads it.
+PASS_THROUGH = {"DequantizeLinear", "Transpose", "Cast", "Reshape", "Identity"}
+# Elementwise nodes ORT fuses into the Conv before it (the fused node writes their output).
+FUSED_AFTER = {"Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Add", "Mul", "Sum"}
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """One profile: microseconds per batch-1 run."""
+
+    total_us: float  # whole profiled runs (ORT's model_run spans, profiler overhead included)
+    layers: dict[str, float]  # module name -> its kernel's time, profiled
+    other_us: float  # profiled kernels no module owns
+    file: str  # "int8" or "fp32": which file was profiled
+    run_us: float  # p50 of whole runs without the profiler: what an app waits for
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_us": self.run_us,
+            "total_us": self.total_us,
+            "other_us": self.other_us,
+            "file": self.file,
+            "layers": dict(self.layers),
+        }
+
+
+def measure(
+    model: nn.Module,
+    example: torch.Tensor,
+    tmp: Path,
+    export_cfg: export.ExportConfig,
+    quant: int8.QuantConfig | None,
+    calib: np.ndarray | None,
+    runs: int = RUNS,
+) -> LayerTimes:
+    """Export `model` (and quantize it with `quant`'s scheme, calibrated on `calib`, every
+    quantizable node INT8, as the unthinned file `compressor.speedup` times), profile `runs`
+    batch-1 runs, and give each module its kernel's time; then time whole runs without the
+    profiler (it adds about a microsecond per node: on a thinned ResNet-18 the profiled run
+    took 380 us and the plain one 215). Files go to `tmp` and are removed."""
+    made: list[Path] = []
+    x = example[:1]
+    try:
+        path = export.export_onnx(model.eval(), x, tmp / ".layertime.fp32.onnx", export_cfg)
+        made.append(path)
+        kind = "fp32"
+        if quant is not None and calib is not None:
+            import onnx
+
+            prepared = export.preprocess(path, tmp / ".layertime.prepared.onnx")
+            made.append(prepared)
+            with export.errors_only():
+                q = int8.Quantizer(prepared, calib, quant.method)
+                scheme = int8.scheme_for(quant, int8.resolve_reduce_range(quant, _flags()))
+                proto = q.build(scheme)
+            path = tmp / ".layertime.int8.onnx"
+            onnx.save(proto, str(path))
+            made.append(path)
+            kind = "int8"
+        with _datapass.data_pass():  # the model runs on inputs, as INT8 timing does
+            prof = ortprofile.profile_nodes(path, x.numpy(), runs=runs)
+            call = benchmark.onnx_runner(path, x.numpy(), threads=1)
+            run_us = 1000 * benchmark.p50_ms([call], RUN_SECONDS)[0]
+        owners = kernel_owners(path, list(prof["nodes"]), {n for n, _ in model.named_modules()})
+    finally:
+        for p in made:
+            p.unlink(missing_ok=True)
+    layers: dict[str, float] = {}
+    other = 0.0
+    for kernel, rec in prof["nodes"].items():
+        owner = owners.get(kernel)
+        if owner is None:
+            other += rec["us_per_run"]
+        else:
+            layers[owner] = layers.get(owner, 0.0) + rec["us_per_run"]
+    return LayerTimes(prof["session_us_per_run"], layers, other, kind, run_us)
+
+
+def _flags() -> set[str]:
+    from compresskit.compressor import envinfo
+
+    return envinfo.cpu_flags()
+
+
+def node_owners(graph, modules: set[str]) -> dict[str, str]:
+    """ONNX node name -> the module whose weight it reads, for Conv/Gemm/MatMul nodes."""
+    producer = {out: n for n in graph.node for out in n.output}
+    inits = {i.name for i in graph.initializer}
+    owners = {}
+    for node in graph.node:
+        at = WEIGHT_OPS.get(node.op_type)
+        if at is None or len(node.input) <= at:
+            continue
+        name = node.input[at]
+        for _ in range(4):  # back through DequantizeLinear / Transpose to the initializer
+            if name in inits or name not in producer:
+                break
+            up = producer[name]
+            if up.op_type not in PASS_THROUGH or not up.input:
+                break
+            name = up.input[0]
+        owner = _module_of(name, modules)
+        if owner is not None:
+            owners[node.name] = owner
+    return owners
+
+
+def _module_of(weight: str, modules: set[str]) -> str | None:
+    """'a.b.conv.weight_quantized' -> 'a.b.conv' when the model has that module."""
+    base = weight.split("_quantized")[0]
+    for suffix in (".weight", ".in_proj_weight", ".weight_orig"):
+        if base.endswith(suffix) and base[: -len(suffix)] in modules:
+            return base[: -len(suffix)]
+    return None
+
+
+def kernel_owners(path: Path, kernels: list[str], modules: set[str]) -> dict[str, str]:
+    """Kernel name (as ORT's profiler reports it) -> module name, for kernels that compute a
+    module's Conv/Gemm/MatMul."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    owners = node_owners(graph, modules)
+    producer = {out: n for n in graph.node for out in n.output}
+    names = sorted(owners, key=len, reverse=True)  # longest first: node_Conv_330 before _33
+    found = {}
+    for k in kernels:
+        if k in owners:
+            found[k] = owners[k]
+            continue
+        hit = next((n for n in names if k.startswith(n + "_")), None)
+        if hit is None and k.endswith("_nchwc"):
+            hit = _fused_into(k.removesuffix("_nchwc"), producer, owners)
+        if hit is not None:
+            found[k] = owners[hit]
+    return found
+
+
+def _fused_into(tensor: str, producer: dict, owners: dict[str, str]) -> str | None:
+    """The Conv node whose fused kernel writes `tensor`: its producer, or the Conv behind the
+    activation/add ORT fused into it."""
+    for _ in range(3):
+        node = producer.get(tensor)
+        if node is None:
+            return None
+        if node.name in owners:
+            return node.name
+        if node.op_type not in FUSED_AFTER or not node.input:
+            return None
+        # An Add fused into a Conv reads the Conv's output among its inputs: follow the one a
+        # Conv produced.
+        tensor = next(
+            (i for i in node.input if producer.get(i) is not None and producer[i].name in owners),
+            node.input[0],
+        )
+    return None
