@@ -10,8 +10,11 @@ model at least that of unstructured pruning alone.
 For each model, through the real CLI in subprocesses:
   1. `compress train` (the teacher: VGG on digits, ResNet-18 on 2,000 3x32x32 digits images);
   2. `compress shrink` with only the export on: the unthinned FP32 and INT8 files;
-  3. `compress shrink` with `[channels]` (target_macs 0.5, 3 rounds of `--retrain` epochs)
-     and the export: the thinned FP32 and INT8 files;
+  3. `compress shrink` with `[channels]` (target_macs 0.5, 3 rounds of `--retrain` epochs;
+     by default scope "sensitivity" with target_latency 0.5: half the MACs and, estimated from
+     a per-layer profile of the INT8 file, half the batch-1 time; `--scope layer
+     --target-latency off` is the MACs-only uniform cut) and the export: the thinned FP32 and
+     INT8 files;
   4. with --archive: Deep Compression alone, and `[channels]` + Deep Compression, for the
      archive ratios against the original model;
   5. `compress bench` on the four ONNX files: p50 latency at batch 1 and 64 on ORT's CPU
@@ -94,12 +97,15 @@ def main() -> None:
     ap.add_argument("--retrain", type=int, default=2, help="epochs per round of retraining")
     ap.add_argument("--archive", action="store_true", help="also the Deep Compression runs")
     ap.add_argument("--round-to", type=int, default=8, help="channels.round_to (0 = off)")
-    ap.add_argument("--scope", default="layer", help="channels.scope: layer | global | sensitivity")
+    ap.add_argument(
+        "--scope", default="sensitivity", help="channels.scope: layer | global | sensitivity"
+    )
     ap.add_argument(
         "--target-latency",
-        type=float,
-        default=None,
-        help="channels.target_latency: also keep at most this fraction of the measured time",
+        type=lambda v: None if v == "off" else float(v),
+        default=0.5,
+        help="channels.target_latency: also keep at most this fraction of the measured "
+        "batch-1 time (off: MACs alone)",
     )
     ap.add_argument("--workdir", default=None)
     opts = ap.parse_args()

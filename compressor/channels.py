@@ -476,8 +476,9 @@ def _check_reachable(
 ) -> None:
     """Refuse a time goal that even the deepest cut (every layer by `cfg.max_ratio`) misses:
     per-node and executor time does not shrink with channels, and cutting on towards an
-    unreachable goal would only cost accuracy (LeNet-5 on 8x8 digits: 23 us, of which the
-    deepest cut saves 28%)."""
+    unreachable goal would only cost accuracy (LeNet-5 on 8x8 digits: 24 us, of which the
+    deepest cut saves 35%; before this check a goal of 0.6 cut it to 4% of its MACs and 64%
+    accuracy)."""
     deepest = fit.estimate(
         module_macs(_cut_copy(model, example, cfg, ignored, cfg.max_ratio), example[:1])
     )
