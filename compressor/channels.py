@@ -216,7 +216,7 @@ def thin_(
     Taylor importance, called before every increment.
     `evaluate(model)`: accuracy on held-out data; needed by the sensitivity scope.
     `layer_times(model)`: a batch-1 profile where the model will run (`compressor.layertime`:
-    `.total_us`, `.layers` {module: us}); needed by `cfg.target_latency`.
+    `.run_us` whole run, `.layers` {module: us}, `.file`); needed by `cfg.target_latency`.
 
     Returns a plain-data record: MACs and parameters before and after, per-layer widths,
     per-round figures, and `plan`, the replayable channel plan (`models.thin`).
@@ -435,10 +435,19 @@ def fit_layers(
     def rest(run_us: float, per: dict[str, int]) -> float:
         return run_us - sum(a + c * per.get(n, 0) for n, (a, c) in layers.items())
 
+    # The profiler's own per-node cost can make the kernels add up to more than a plain run:
+    # scale them down to it, so the rest of the run is never negative.
+    spent = times.run_us - rest(times.run_us, macs)
+    if spent > times.run_us > 0:
+        k = times.run_us / spent
+        layers = {n: (a * k, c * k) for n, (a, c) in layers.items()}
     m0, m1 = sum(macs.values()), sum(half_macs.values())
     r0, r1 = rest(times.run_us, macs), rest(half_times.run_us, half_macs)
     slope = max(0.0, (r0 - r1) / (m0 - m1)) if m0 > m1 else 0.0
-    return LatencyFit(r0 - slope * m0, slope, layers, (times.run_us, half_times.run_us), times.file)
+    fixed = r0 - slope * m0
+    if fixed < 0:  # a rest that would turn negative when cut further: proportional instead
+        fixed, slope = 0.0, r0 / m0
+    return LatencyFit(fixed, slope, layers, (times.run_us, half_times.run_us), times.file)
 
 
 def latency_fit(
@@ -474,19 +483,19 @@ def _check_reachable(
     fit: LatencyFit,
     time0: float,
 ) -> None:
-    """Refuse a time goal that even the deepest cut (every layer by `cfg.max_ratio`) misses:
+    """Refuse a time goal that even the deepest cut misses (every layer by `cfg.max_ratio`, or
+    by the sensitivity grid's largest fraction under that scope):
     per-node and executor time does not shrink with channels, and cutting on towards an
     unreachable goal would only cost accuracy (LeNet-5 on 8x8 digits: 24 us, of which the
     deepest cut saves 35%; before this check a goal of 0.6 cut it to 4% of its MACs and 64%
     accuracy)."""
-    deepest = fit.estimate(
-        module_macs(_cut_copy(model, example, cfg, ignored, cfg.max_ratio), example[:1])
-    )
+    ratio = min(cfg.max_ratio, max(GRID)) if cfg.scope == "sensitivity" else cfg.max_ratio
+    deepest = fit.estimate(module_macs(_cut_copy(model, example, cfg, ignored, ratio), example[:1]))
     if deepest > cfg.target_latency * time0:
         least = math.ceil(100 * deepest / time0) / 100
         raise InputError(
             f"channels.target_latency {cfg.target_latency} is out of reach for this model: with "
-            f"every layer cut by max_ratio {cfg.max_ratio} its estimated batch-1 time is "
+            f"every layer cut by {ratio:.0%} its estimated batch-1 time is "
             f"{deepest:.0f} us of {time0:.0f} us measured ({deepest / time0:.0%}; per-node and "
             f"executor time does not shrink with channels); set target_latency >= {least:.2f} "
             "or leave it unset"
@@ -588,10 +597,11 @@ def allocate(
     savings overlap; the pruning loop stops at the real goal) and, given `time_saved`, at
     least HEADROOM x `time_need` of estimated time, at the least total accuracy lost, treating
     layers' losses as additive: a multiple-choice knapsack, solved exactly by dynamic
-    programming over `buckets` steps of each saving (2,000 for MACs alone, 200 x 200 with
-    time; each option's savings rounded down, so the savings promised are met). A layer's loss
-    at a fraction is its drop below `baseline`, made monotone along its curve. If no choice
-    saves enough, each layer's largest cut. Layers left whole get 0."""
+    programming over `buckets` steps of each saving (2,000 for one saving, 200 x 200 for
+    two; each option's savings rounded down, so the savings promised are met). A layer's loss
+    at a fraction is its drop below `baseline`, made monotone along its curve. If every
+    layer's largest cut together saves less than the goal with its headroom, the goal alone is
+    bought; if less than the goal itself, each layer's largest cut. Layers left whole get 0."""
     names = list(curves)
     dims = [(saved, HEADROOM * need)]
     if time_saved is not None:
@@ -600,8 +610,14 @@ def allocate(
     if not dims or not names:
         return {n: 0.0 for n in names}
     most = {n: max(curves[n], default=0.0) for n in names}
-    if any(sum(d[n].get(f, 0) for n, f in most.items()) < goal for d, goal in dims):
-        return {n: float(f) for n, f in most.items()}
+    available = [sum(d[n].get(f, 0) for n, f in most.items()) for d, _ in dims]
+    if any(a < goal / HEADROOM for a, (_, goal) in zip(available, dims, strict=True)):
+        return {n: float(f) for n, f in most.items()}  # not even the goal itself: all in
+    # short of the headroom only: aim at the goal itself, still at the least accuracy lost
+    dims = [
+        (d, goal if a >= goal else goal / HEADROOM)
+        for a, (d, goal) in zip(available, dims, strict=True)
+    ]
     size = buckets or (2000 if len(dims) == 1 else 200)
     shape = (size + 1,) * len(dims)
     grid = np.indices(shape).reshape(len(dims), -1)  # each flat state's bucket per saving
@@ -640,7 +656,9 @@ def allocate(
     end = cost.size - 1  # every saving at its goal
     if not np.isfinite(cost[end]):  # rounding down left the goal out of reach: the most saved
         reach = np.flatnonzero(np.isfinite(cost))
-        end = int(reach[np.argmax(grid[:, reach].min(axis=0))])
+        score = grid[:, reach].min(axis=0)
+        best = reach[score == score.max()]
+        end = int(best[np.argmin(cost[best])])  # and of those, the cheapest
     chosen = {}
     for n, (frac, came) in zip(reversed(names), reversed(trail), strict=True):
         chosen[n] = float(frac[end])

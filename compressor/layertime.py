@@ -10,15 +10,20 @@ structured pruning that cuts MACs evenly does not cut time evenly: the channels 
 this module for each layer's measured time and cuts where the time is (`compressor.channels`).
 
     times = measure(model, example, tmp, export_cfg, quant, calib)
-    times.total_us          # one whole run, the executor included
+    times.run_us            # one whole run, the executor included, no profiler
     times.layers            # {module name: us per run of the kernel that computes it}
 
 Kernels are matched to modules through the weight each ONNX node reads: the exporter keeps
 the parameter's name ("stages.3.layers.0.conv.weight"), the INT8 file's DequantizeLinear reads
 it under a suffix, and ORT names a fused kernel after the node it replaced plus a suffix
 ("node_Conv_330_token_66"), or, for FP32 convolutions in its NCHWc layout, after the tensor
-the fused node writes ("relu_11_nchwc"). A kernel that matches no module (adds, pooling,
-quantize/dequantize) is counted in `other_us`: time the channels stage does not model.
+the fused node writes ("relu_11_nchwc"). Only compute kernels (Conv, Gemm, MatMul and their
+fused and quantized forms) are matched; the rest (adds, pooling, quantize/dequantize) is
+`other_us`, which the channels stage models as a whole, with the executor's time.
+
+The file profiled has every quantizable node in INT8 with this build's own scheme, as the
+unthinned file `compressor.speedup` times: the shipped file may use ORT's default scheme or
+keep a few nodes in FP32 after the agreement search.
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ WEIGHT_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3, "Gemm": 1, "MatMul"
 PASS_THROUGH = {"DequantizeLinear", "Transpose", "Cast", "Reshape", "Identity"}
 # Elementwise nodes ORT fuses into the Conv before it (the fused node writes their output).
 FUSED_AFTER = {"Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Add", "Mul", "Sum"}
+# Kernels (ORT's op names after its fusions) that compute a Conv, Gemm or MatMul.
+COMPUTE = {
+    "Conv", "FusedConv", "NchwcConv", "QLinearConv", "ConvInteger", "Gemm", "FusedGemm", "QGemm",
+    "MatMul", "FusedMatMul", "QLinearMatMul", "MatMulInteger", "MatMulIntegerToFloat",
+    "DynamicQuantizeMatMul",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,30 +89,30 @@ def measure(
     batch-1 runs, and give each module its kernel's time; then time whole runs without the
     profiler (it adds about a microsecond per node: on a thinned ResNet-18 the profiled run
     took 380 us and the plain one 215). Files go to `tmp` and are removed."""
-    made: list[Path] = []
+    fp32, prepared, quantized = (tmp / f".layertime.{k}.onnx" for k in ("fp32", "prep", "int8"))
+    made = [fp32]  # removed whatever happens, a half-written file included
     x = example[:1]
     try:
-        path = export.export_onnx(model.eval(), x, tmp / ".layertime.fp32.onnx", export_cfg)
-        made.append(path)
+        path = export.export_onnx(model, x, fp32, export_cfg)  # exports an eval-mode copy
         kind = "fp32"
         if quant is not None and calib is not None:
             import onnx
 
-            prepared = export.preprocess(path, tmp / ".layertime.prepared.onnx")
-            made.append(prepared)
+            made += [prepared, quantized]
+            export.preprocess(path, prepared)
             with export.errors_only():
                 q = int8.Quantizer(prepared, calib, quant.method)
                 scheme = int8.scheme_for(quant, int8.resolve_reduce_range(quant, _flags()))
                 proto = q.build(scheme)
-            path = tmp / ".layertime.int8.onnx"
+            path = quantized
             onnx.save(proto, str(path))
-            made.append(path)
             kind = "int8"
         with _datapass.data_pass():  # the model runs on inputs, as INT8 timing does
             prof = ortprofile.profile_nodes(path, x.numpy(), runs=runs)
             call = benchmark.onnx_runner(path, x.numpy(), threads=1)
             run_us = 1000 * benchmark.p50_ms([call], RUN_SECONDS)[0]
-        owners = kernel_owners(path, list(prof["nodes"]), {n for n, _ in model.named_modules()})
+        kernels = {k: rec["op_type"] for k, rec in prof["nodes"].items()}
+        owners = kernel_owners(path, kernels, {n for n, _ in model.named_modules()})
     finally:
         for p in made:
             p.unlink(missing_ok=True)
@@ -154,9 +165,9 @@ def _module_of(weight: str, modules: set[str]) -> str | None:
     return None
 
 
-def kernel_owners(path: Path, kernels: list[str], modules: set[str]) -> dict[str, str]:
-    """Kernel name (as ORT's profiler reports it) -> module name, for kernels that compute a
-    module's Conv/Gemm/MatMul."""
+def kernel_owners(path: Path, kernels: dict[str, str], modules: set[str]) -> dict[str, str]:
+    """Kernel name -> module name, for the compute kernels (`kernels`: name -> ORT op type, as
+    the profiler reports them) that compute a module's Conv/Gemm/MatMul."""
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -164,19 +175,23 @@ def kernel_owners(path: Path, kernels: list[str], modules: set[str]) -> dict[str
     producer = {out: n for n in graph.node for out in n.output}
     names = sorted(owners, key=len, reverse=True)  # longest first: node_Conv_330 before _33
     found = {}
-    for k in kernels:
+    for k, op in kernels.items():
+        if op not in COMPUTE:
+            continue
         if k in owners:
             found[k] = owners[k]
             continue
         hit = next((n for n in names if k.startswith(n + "_")), None)
         if hit is None and k.endswith("_nchwc"):
-            hit = _fused_into(k.removesuffix("_nchwc"), producer, owners)
+            hit = _fused_into(k.removesuffix("_nchwc"), producer, owners, set(kernels))
         if hit is not None:
             found[k] = owners[hit]
     return found
 
 
-def _fused_into(tensor: str, producer: dict, owners: dict[str, str]) -> str | None:
+def _fused_into(
+    tensor: str, producer: dict, owners: dict[str, str], kernels: set[str]
+) -> str | None:
     """The Conv node whose fused kernel writes `tensor`: its producer, or the Conv behind the
     activation/add ORT fused into it."""
     for _ in range(3):
@@ -187,10 +202,9 @@ def _fused_into(tensor: str, producer: dict, owners: dict[str, str]) -> str | No
             return node.name
         if node.op_type not in FUSED_AFTER or not node.input:
             return None
-        # An Add fused into a Conv reads the Conv's output among its inputs: follow the one a
-        # Conv produced.
-        tensor = next(
-            (i for i in node.input if producer.get(i) is not None and producer[i].name in owners),
-            node.input[0],
-        )
+        # An Add fused into a Conv reads that Conv's output; when both inputs come from Convs
+        # (a downsampling block), the other one has a kernel of its own
+        convs = [i for i in node.input if i in producer and producer[i].name in owners]
+        alone = [i for i in convs if f"{i}_nchwc" not in kernels]
+        tensor = (alone or convs or list(node.input))[0]
     return None

@@ -427,12 +427,10 @@ def _thin(
         def layer_times(m: nn.Module) -> layertime.LayerTimes:
             try:
                 return layertime.measure(m, x[:2], tmp, export_config(e), quant, calib_x)
-            except (InputError, StageError):
-                raise
-            except Exception as err:
+            except Exception as err:  # its messages name our temporary files, not the user's
                 raise StageError(
                     f"channels.target_latency: the model could not be profiled on ONNX Runtime "
-                    f"({type(err).__name__}: {one_line(err)}); leave target_latency unset"
+                    f"({one_line(err)}); leave target_latency unset"
                 ) from None
 
     before = hooks.test_accuracy(model)

@@ -521,8 +521,8 @@ def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp
     assert fit["file"] == "int8" and set(fit["layers"]) == {"conv1", "conv2", "fc1", "fc2"}
     assert set(sens["time_saved"]) == set(sens["curves"])
     before, after = fit["estimated_us"]
-    assert before == fit["measured_us"][0] and 0 < after < before
-    assert fit["reached"] == (after <= 0.85 * before * (1 + 1e-9))
+    assert before == pytest.approx(fit["measured_us"][0]) and 0 < after < before
+    assert fit["reached"] and after <= 0.85 * before * (1 + 1e-6)  # within reach: the goal held
     lat = c["latency"]
     assert "int8" in report["onnx"], report.get("int8_not_written")
     assert [(r["batch"], r["precision"]) for r in lat["rows"]] == [
