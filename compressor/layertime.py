@@ -16,7 +16,7 @@ this module for each layer's measured time and cuts where the time is (`compress
 Kernels are matched to modules through the weight each ONNX node reads: the exporter keeps
 the parameter's name ("stages.3.layers.0.conv.weight"), the INT8 file's DequantizeLinear reads
 it under a suffix, and ORT names a fused kernel after the node it replaced plus a suffix
-("node_Conv_330_token_66"), or, for FP32 convolutions in its NCHWc layout, after the tensor
+("node_Conv_330_token_66", "node_MatMul_95/MatMulAddFusion"), or, for FP32 convolutions in its NCHWc layout, after the tensor
 the fused node writes ("relu_11_nchwc"). Only compute kernels (Conv, Gemm, MatMul and their
 fused and quantized forms) are matched; the rest (adds, pooling, quantize/dequantize) is
 `other_us`, which the channels stage models as a whole, with the executor's time.
@@ -28,6 +28,7 @@ keep a few nodes in FP32 after the agreement search.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from compresskit.compressor.export import int8
 RUNS = 200  # batch-1 runs profiled (~0.2 s on ResNet-18); the mean per kernel is kept
 RUN_SECONDS = 0.3  # then whole runs timed without the profiler, the p50 kept
 WEIGHT_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3, "Gemm": 1, "MatMul": 1}
+WEIGHTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttention)
 # Nodes between a weight initializer and the compute node that reads it.
 PASS_THROUGH = {"DequantizeLinear", "Transpose", "Cast", "Reshape", "Identity"}
 # Elementwise nodes ORT fuses into the Conv before it (the fused node writes their output).
@@ -92,8 +94,11 @@ def measure(
     fp32, prepared, quantized = (tmp / f".layertime.{k}.onnx" for k in ("fp32", "prep", "int8"))
     made = [fp32]  # removed whatever happens, a half-written file included
     x = example[:1]
+    # Exported from two samples: torch.export fixes a batch dimension of size 1, and the file
+    # must take the calibration batches too.
+    pair = torch.cat([x, x]) if len(example) < 2 else example[:2]
     try:
-        path = export.export_onnx(model, x, fp32, export_cfg)  # exports an eval-mode copy
+        path = export.export_onnx(model, pair, fp32, export_cfg)  # exports an eval-mode copy
         kind = "fp32"
         if quant is not None and calib is not None:
             import onnx
@@ -112,7 +117,8 @@ def measure(
             call = benchmark.onnx_runner(path, x.numpy(), threads=1)
             run_us = 1000 * benchmark.p50_ms([call], RUN_SECONDS)[0]
         kernels = {k: rec["op_type"] for k, rec in prof["nodes"].items()}
-        owners = kernel_owners(path, kernels, {n for n, _ in model.named_modules()})
+        weighted = {n for n, m in model.named_modules() if isinstance(m, WEIGHTED)}
+        owners = kernel_owners(path, kernels, weighted, fp32 if kind == "int8" else None)
     finally:
         for p in made:
             p.unlink(missing_ok=True)
@@ -150,10 +156,26 @@ def node_owners(graph, modules: set[str]) -> dict[str, str]:
             if up.op_type not in PASS_THROUGH or not up.input:
                 break
             name = up.input[0]
-        owner = _module_of(name, modules)
+        if name not in inits:
+            continue  # an activation: QK^T, or a matmul of two computed tensors
+        owner = _module_of(name, modules) or _scoped(node, modules)
         if owner is not None:
             owners[node.name] = owner
     return owners
+
+
+def _scoped(node, modules: set[str]) -> str | None:
+    """The deepest module in the node's name scopes (torch's exporter records them): for a
+    Linear on 3-D inputs, exported as a MatMul whose weight was transposed into a constant
+    named after nothing ("val_31")."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                return None
+            return next((m for m in reversed(scopes) if m in modules and m), None)
+    return None
 
 
 def _module_of(weight: str, modules: set[str]) -> str | None:
@@ -165,25 +187,33 @@ def _module_of(weight: str, modules: set[str]) -> str | None:
     return None
 
 
-def kernel_owners(path: Path, kernels: dict[str, str], modules: set[str]) -> dict[str, str]:
+def kernel_owners(
+    path: Path, kernels: dict[str, str], modules: set[str], source: Path | None = None
+) -> dict[str, str]:
     """Kernel name -> module name, for the compute kernels (`kernels`: name -> ORT op type, as
-    the profiler reports them) that compute a module's Conv/Gemm/MatMul."""
+    the profiler reports them) that compute a module's Conv/Gemm/MatMul. `source`: the FP32
+    file an INT8 `path` was quantized from; the quantizer keeps node names but drops the name
+    scopes and renames transposed weights, so its nodes' owners fill in."""
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
     owners = node_owners(graph, modules)
+    if source is not None:
+        fp32 = node_owners(onnx.load(str(source), load_external_data=False).graph, modules)
+        owners = fp32 | owners
     producer = {out: n for n in graph.node for out in n.output}
     names = sorted(owners, key=len, reverse=True)  # longest first: node_Conv_330 before _33
     found = {}
     for k, op in kernels.items():
         if op not in COMPUTE:
             continue
-        if k in owners:
-            found[k] = owners[k]
+        node = k.removeprefix("fused ")  # ORT's FusedGemm: "fused node_linear_12"
+        if node in owners:
+            found[k] = owners[node]
             continue
-        hit = next((n for n in names if k.startswith(n + "_")), None)
-        if hit is None and k.endswith("_nchwc"):
-            hit = _fused_into(k.removesuffix("_nchwc"), producer, owners, set(kernels))
+        hit = next((n for n in names if node.startswith((n + "_", n + "/"))), None)
+        if hit is None and node.endswith("_nchwc"):
+            hit = _fused_into(node.removesuffix("_nchwc"), producer, owners, set(kernels))
         if hit is not None:
             found[k] = owners[hit]
     return found
