@@ -31,14 +31,13 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from compresskit import _datapass
-from compresskit.compressor import benchmark, export, ortprofile
+from compresskit.compressor import benchmark, export, ortprofile, speedup
 from compresskit.compressor.export import int8
 
 RUNS = 200  # batch-1 runs profiled (~0.2 s on ResNet-18); the mean per kernel is kept
@@ -67,15 +66,6 @@ class LayerTimes:
     file: str  # "int8" or "fp32": which file was profiled
     run_us: float  # p50 of whole runs without the profiler: what an app waits for
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_us": self.run_us,
-            "total_us": self.total_us,
-            "other_us": self.other_us,
-            "file": self.file,
-            "layers": dict(self.layers),
-        }
-
 
 def measure(
     model: nn.Module,
@@ -91,8 +81,8 @@ def measure(
     batch-1 runs, and give each module its kernel's time; then time whole runs without the
     profiler (it adds about a microsecond per node: on a thinned ResNet-18 the profiled run
     took 380 us and the plain one 215). Files go to `tmp` and are removed."""
-    fp32, prepared, quantized = (tmp / f".layertime.{k}.onnx" for k in ("fp32", "prep", "int8"))
-    made = [fp32]  # removed whatever happens, a half-written file included
+    fp32, quantized = tmp / ".layertime.fp32.onnx", tmp / ".layertime.int8.onnx"
+    made = [fp32, quantized]  # removed whatever happens, a half-written file included
     x = example[:1]
     # Exported from two samples: torch.export fixes a batch dimension of size 1, and the file
     # must take the calibration batches too.
@@ -101,16 +91,7 @@ def measure(
         path = export.export_onnx(model, pair, fp32, export_cfg)  # exports an eval-mode copy
         kind = "fp32"
         if quant is not None and calib is not None:
-            import onnx
-
-            made += [prepared, quantized]
-            export.preprocess(path, prepared)
-            with export.errors_only():
-                q = int8.Quantizer(prepared, calib, quant.method)
-                scheme = int8.scheme_for(quant, int8.resolve_reduce_range(quant, _flags()))
-                proto = q.build(scheme)
-            path = quantized
-            onnx.save(proto, str(path))
+            path = speedup.all_int8(path, quantized, calib, quant)
             kind = "int8"
         with _datapass.data_pass():  # the model runs on inputs, as INT8 timing does
             prof = ortprofile.profile_nodes(path, x.numpy(), runs=runs)
@@ -131,12 +112,6 @@ def measure(
         else:
             layers[owner] = layers.get(owner, 0.0) + rec["us_per_run"]
     return LayerTimes(prof["session_us_per_run"], layers, other, kind, run_us)
-
-
-def _flags() -> set[str]:
-    from compresskit.compressor import envinfo
-
-    return envinfo.cpu_flags()
 
 
 def node_owners(graph, modules: set[str]) -> dict[str, str]:

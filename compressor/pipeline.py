@@ -419,7 +419,7 @@ def _thin(
 
     layer_times = None
     if cfg.target_latency is not None:
-        # Profiled as it will ship: the INT8 file when the export writes one, else FP32.
+        # Profiled as INT8 when the export writes an INT8 file, else as FP32.
         e = recipe.export
         quant = quant_config(e) if e.enabled and e.int8 else None
         calib_x = _calibration(quant, data, calib) if quant else None

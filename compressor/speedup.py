@@ -31,6 +31,32 @@ BATCHES = (1, 64)
 SECONDS = 0.6  # per batch size, all four files interleaved
 
 
+def all_int8(
+    fp32: Path,
+    out: Path,
+    calib: np.ndarray,
+    quant: int8.QuantConfig,
+    ort_default: bool = False,
+    ir_version: int | None = None,
+) -> Path:
+    """Write `fp32` with every quantizable node in INT8 at `out`: calibrated on `calib`, in this
+    build's scheme for `quant` on this CPU (or ORT's default scheme). A file to time, not to
+    ship: the agreement search that chooses the shipped file's FP32 nodes is not run."""
+    import onnx
+
+    prepared = out.with_name(out.name + ".prepared.onnx")
+    try:
+        export.preprocess(fp32, prepared)
+        with export.errors_only():
+            q = int8.Quantizer(prepared, calib, quant.method)
+            ours = int8.scheme_for(quant, int8.resolve_reduce_range(quant, envinfo.cpu_flags()))
+            model = q.build(int8.ORT_DEFAULT if ort_default else ours, ir_version=ir_version)
+    finally:
+        prepared.unlink(missing_ok=True)
+    onnx.save(model, str(out))
+    return out
+
+
 def compare(
     unthinned: nn.Module,
     fp32: Path,
@@ -57,18 +83,9 @@ def compare(
         made.append(before)
         files["fp32"] = [before, fp32]
         if int8_file is not None and scheme is not None:
-            prepared = export.preprocess(before, tmp / ".unthinned.prepared.onnx")
-            made.append(prepared)
-            with export.errors_only():
-                q = int8.Quantizer(prepared, calib, quant.method)
-                ours = int8.scheme_for(quant, int8.resolve_reduce_range(quant, flags))
-                chosen = int8.ORT_DEFAULT if scheme == int8.ORT_DEFAULT.name else ours
-                model = q.build(chosen, ir_version=ir_version)
-            import onnx
-
             path = tmp / ".unthinned.int8.onnx"
-            onnx.save(model, str(path))
             made.append(path)
+            all_int8(before, path, calib, quant, scheme == int8.ORT_DEFAULT.name, ir_version)
             files["int8"] = [path, int8_file]
         rows = []
         for b in BATCHES:
