@@ -244,7 +244,7 @@ def thin_(
     heads0 = head_counts(model)
     plan: list[list[Any]] = []
     rounds = []
-    ratios = sens = fit = None
+    ratios = sens = fit = shortfall = None
     if cfg.target_latency is not None:
         info("channels: profiling the model and a half-width copy (ORT CPU, batch 1)")
         fit = latency_fit(model, example, cfg, ignored, layer_times)
@@ -265,13 +265,9 @@ def thin_(
             + ", ".join(f"{n} {f:.0%}" for n, f in ratios.items() if f > 0)
         )
     macs, est = macs0, time0
-    for r in range(1, cfg.rounds + 1):
-        goal = macs0 * (1 - (1 - cfg.target_macs) * r / cfg.rounds)
-        time_goal = time0 * (1 - (1 - (cfg.target_latency or 1.0)) * r / cfg.rounds)
-        if cfg.heads > 0:
-            plan += _remove_heads(model, example, cfg, heads0, ignored, r, gradients)
-            macs, est = _cost(model, one, fit)
-        pruner = _pruner(model, example, cfg, ignored, ratios)
+
+    def cut_until_goals(pruner, goal: float, time_goal: float) -> None:
+        nonlocal macs, est
         steps = 0
         while (macs > goal or est > time_goal * (1 + 1e-9)) and steps < STEPS:
             if gradients is not None and cfg.importance == "taylor":
@@ -280,7 +276,25 @@ def thin_(
             pruner.step()
             steps += 1
             macs, est = _cost(model, one, fit)
-        plan += [thin.entry(*h) for h in pruner.DG.pruning_history()]
+        plan.extend(thin.entry(*h) for h in pruner.DG.pruning_history())
+
+    for r in range(1, cfg.rounds + 1):
+        goal = macs0 * (1 - (1 - cfg.target_macs) * r / cfg.rounds)
+        time_goal = time0 * (1 - (1 - (cfg.target_latency or 1.0)) * r / cfg.rounds)
+        if cfg.heads > 0:
+            plan += _remove_heads(model, example, cfg, heads0, ignored, r, gradients)
+            macs, est = _cost(model, one, fit)
+        cut_until_goals(_pruner(model, example, cfg, ignored, ratios), goal, time_goal)
+        if ratios is not None and r == cfg.rounds and (macs > goal or est > time_goal * (1 + 1e-9)):
+            # The allocation adds layers' savings as if independent, but coupled layers'
+            # overlap (conv1's outputs are conv2's inputs) and the time fit's fixed costs can
+            # leave the combined cut short of a goal, by how much depends on the machine's
+            # profile: cut on evenly, each layer toward max_ratio of its original width.
+            rest = _rest_ratios(model, widths0, ignored, cfg.max_ratio)
+            if rest:
+                info("channels: the allocated cuts fell short of a goal; cutting on evenly")
+                shortfall = {"macs": macs, "estimated_us": est}
+                cut_until_goals(_pruner(model, example, cfg, ignored, rest), goal, time_goal)
         model.zero_grad(set_to_none=True)
         timed = f", {est / time0:.0%} of the estimated time" if fit else ""
         info(
@@ -290,6 +304,8 @@ def thin_(
         if retrain is not None and cfg.retrain_epochs > 0:
             retrain(model, cfg.retrain_epochs, cfg.lr)
         rounds.append({"round": r, "macs": macs, "goal": goal, "parameters": _params(model)})
+        if shortfall is not None and r == cfg.rounds:
+            rounds[-1]["even_cut_from"] = shortfall  # where the allocated cuts stopped
         if fit:
             rounds[-1] |= {"estimated_us": est, "time_goal_us": time_goal}
     after = widths(model)
@@ -664,6 +680,23 @@ def allocate(
         chosen[n] = float(frac[end])
         end = int(came[end])
     return {n: chosen[n] for n in names}
+
+
+def _rest_ratios(
+    model: nn.Module, widths0: dict[str, int], ignored: list[str], max_ratio: float
+) -> dict[str, float]:
+    """Per layer, the fraction of its current width still to remove to leave (1 - max_ratio)
+    of its original width (layers already there, kept whole or attention: none)."""
+    skip = set(ignored) | {n for projs, _ in thin.attention(model).values() for n in projs}
+    now = widths(model)
+    rest = {}
+    for name in prunable(model):
+        if name in skip or name not in widths0 or now.get(name, 0) <= 0:
+            continue
+        r = 1 - (1 - max_ratio) * widths0[name] / now[name]
+        if r > 1e-9:
+            rest[name] = r
+    return rest
 
 
 def _cost(model: nn.Module, one: torch.Tensor, fit: LatencyFit | None) -> tuple[int, float]:

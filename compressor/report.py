@@ -201,7 +201,7 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
             f"{c['archive_ratio_vs_original']:.1f}× smaller"
         )
     lines[-1] += "."
-    sens = c.get("sensitivity")
+    sens, fit = c.get("sensitivity"), c.get("latency_model")
     if sens:
         lines += [
             "",
@@ -210,7 +210,17 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
             + ", ".join(f"{n} {f:.0%}" for n, f in sens["ratios"].items() if f > 0)
             + ".",
         ]
-    fit = c.get("latency_model")
+        short = c["rounds"][-1].get("even_cut_from") if c["rounds"] else None
+        if short:
+            lines[-1] += (
+                f" Those cuts together stopped at {short['macs'] / m0:.0%} of the MACs"
+                + (
+                    f" and {short['estimated_us'] / fit['estimated_us'][0]:.0%} of the time"
+                    if fit
+                    else ""
+                )
+                + " (coupled layers' savings overlap); the last round cut on evenly to the goal."
+            )
     if fit:
         (t0, t1), goal = fit["estimated_us"], fit["target_latency"]
         lines += [

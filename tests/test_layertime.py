@@ -4,6 +4,7 @@ time against its MACs, the two-resource allocation against a brute-force optimum
 channels stage reaching a time goal as well as a MACs goal."""
 
 import itertools
+import math
 from types import SimpleNamespace
 
 import onnx
@@ -11,10 +12,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from compresskit.compressor import channels, export, layertime, recipe
+from compresskit.compressor import channels, export, layertime, recipe, report
 from compresskit.compressor.export import int8
 from compresskit.compressor.flops import module_macs, torch_macs
-from compresskit.models import zoo
+from compresskit.models import thin, zoo
 from compresskit.models.errors import InputError
 
 
@@ -229,6 +230,50 @@ def test_thin_reaches_the_time_goal_as_well_as_the_macs_goal(scope):
             record["sensitivity"]["time_saved"] and widths[slow]["after"] < widths[slow]["before"]
         )
     assert [r.get("estimated_us") is not None for r in record["rounds"]] == [True, True]
+
+
+def test_allocated_cuts_that_fall_short_are_finished_evenly(monkeypatch):
+    """The allocation adds layers' savings as if independent; when the combined cut falls
+    short (coupled layers overlap; on another machine's profile by another amount), the last
+    round cuts on evenly until both goals hold, never past max_ratio of a layer."""
+    model, x = tiny()
+    slow = "blocks.0.block.0"
+    kept0 = sum(channels.widths(model).values())
+
+    def evaluate(m):
+        return sum(channels.widths(m).values()) / kept0
+
+    # an allocation far short of both goals: every layer 5%
+    monkeypatch.setattr(
+        channels, "allocate", lambda _b, curves, *a, **k: dict.fromkeys(curves, 0.05)
+    )
+    messages = []
+    cfg = channels.ChannelsConfig(
+        target_macs=0.7, target_latency=0.6, rounds=2, retrain_epochs=0, scope="sensitivity"
+    )
+    record = channels.thin_(
+        model, x[:2], cfg, evaluate=evaluate, layer_times=_synthetic_times(slow),
+        info=messages.append,
+    )  # fmt: skip
+    lat = record["latency_model"]
+    before, after = lat["estimated_us"]
+    assert record["reached"] and record["macs_ratio"] <= 0.7
+    assert lat["reached"] and after <= 0.6 * before * (1 + 1e-9)
+    assert after == pytest.approx(_synthetic_times(slow)(model).run_us, rel=1e-6)
+    short = record["rounds"][-1]["even_cut_from"]
+    assert short["estimated_us"] > 0.6 * before or short["macs"] > 0.7 * record["macs"][0]
+    assert "even_cut_from" not in record["rounds"][0]
+    assert any("fell short" in m for m in messages)
+    md = "\n".join(report._channel_lines({"channels": record | {"test_accuracy": [0.9, 0.9]}}))
+    assert "stopped at" in md and "the last round cut on evenly to the goal" in md
+    for row in record["layers"]:  # max_ratio (0.9) of each layer's original width at most
+        assert row["after"] >= math.floor(0.1 * row["before"])
+    # The replayable plan reproduces the thinned model from a fresh copy
+    again = tiny()[0]
+    thin.apply_(again, record["plan"])
+    assert {k: v.shape for k, v in again.state_dict().items()} == {
+        k: v.shape for k, v in model.state_dict().items()
+    }
 
 
 @pytest.mark.parametrize("value", [0, 1.5, "fast", True])
