@@ -52,6 +52,40 @@ def test_prior_gradient_matches_the_closed_form():
     assert torch.allclose(r.sum(1), torch.ones(40, dtype=torch.float64))
 
 
+def _autograd_prior(w, means, log_vars, log_mixing):
+    return -torch.logsumexp(softshare.log_joint(w, means, log_vars, log_mixing), dim=1).sum()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "n", "k", "tol"), [(torch.float64, 40, 5, 1e-10), (torch.float32, 20_000, 255, 1e-4)]
+)
+def test_blocked_prior_matches_autograd_of_its_closed_form(dtype, n, k, tol):
+    """Every gradient (weights, means, log variances, mixing logits), in blocks of
+    PRIOR_CHUNK weights (20,000 is three blocks) and with 255 components, as autograd of
+    log_joint gives it."""
+    g = torch.Generator().manual_seed(3)
+    w0 = 0.05 * torch.randn(n, generator=g, dtype=dtype)
+    means0 = torch.cat(
+        [torch.zeros(1, dtype=dtype), 0.05 * torch.randn(k - 1, generator=g, dtype=dtype)]
+    )
+    lv0 = torch.log(0.002 + 0.003 * torch.rand(k, generator=g, dtype=dtype) ** 2)
+    logits0 = torch.randn(k, generator=g, dtype=dtype)
+    got = []
+    for fn in (softshare.neg_log_prior, _autograd_prior):
+        w, means, lv, logits = (t.clone().requires_grad_(True) for t in (w0, means0, lv0, logits0))
+        loss = fn(w, means, lv, torch.log_softmax(logits, 0))
+        loss.backward()
+        got.append([loss.detach(), w.grad, means.grad, lv.grad, logits.grad])
+    for mine, ref in zip(*got, strict=True):
+        scale = ref.abs().max()
+        assert (mine - ref).abs().max() <= tol * scale, (mine, ref)
+    # weights that need no gradient: only the prior's parameters get one
+    means = means0.clone().requires_grad_(True)
+    softshare.neg_log_prior(w0, means, lv0, torch.log_softmax(logits0, 0)).backward()
+    assert torch.allclose(means.grad, got[1][2], rtol=0, atol=tol * got[1][2].abs().max())
+    assert float(softshare.neg_log_prior(w0[:0], means0, lv0, torch.log_softmax(logits0, 0))) == 0
+
+
 def test_snap_takes_the_most_responsible_component():
     means = torch.tensor([0.0, 0.5, -0.5, 2.0])  # component 0 is the zero one
     log_vars = torch.log(torch.full((4,), 0.01))
