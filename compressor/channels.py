@@ -289,12 +289,14 @@ def thin_(
             # The allocation adds layers' savings as if independent, but coupled layers'
             # overlap (conv1's outputs are conv2's inputs) and the time fit's fixed costs can
             # leave the combined cut short of a goal, by how much depends on the machine's
-            # profile: cut on evenly, each layer toward max_ratio of its original width.
-            rest = _rest_ratios(model, widths0, ignored, cfg.max_ratio)
-            if rest:
-                info("channels: the allocated cuts fell short of a goal; cutting on evenly")
-                shortfall = {"macs": macs, "estimated_us": est}
-                cut_until_goals(_pruner(model, example, cfg, ignored, rest), goal, time_goal)
+            # profile: cut on evenly toward max_ratio of each layer's original width, first
+            # the layers the analysis found cheap to cut, then, if still short, every layer.
+            shortfall = {"macs": macs, "estimated_us": est}
+            info("channels: the allocated cuts fell short of a goal; cutting on evenly")
+            for only in ({n for n, f in ratios.items() if f > 0}, None):
+                rest = _rest_ratios(model, widths0, ignored, cfg.max_ratio, only)
+                if rest and (macs > goal or est > time_goal * (1 + 1e-9)):
+                    cut_until_goals(_pruner(model, example, cfg, ignored, rest), goal, time_goal)
         model.zero_grad(set_to_none=True)
         timed = f", {est / time0:.0%} of the estimated time" if fit else ""
         info(
@@ -683,15 +685,22 @@ def allocate(
 
 
 def _rest_ratios(
-    model: nn.Module, widths0: dict[str, int], ignored: list[str], max_ratio: float
+    model: nn.Module,
+    widths0: dict[str, int],
+    ignored: list[str],
+    max_ratio: float,
+    only: set[str] | None = None,
 ) -> dict[str, float]:
-    """Per layer, the fraction of its current width still to remove to leave (1 - max_ratio)
-    of its original width (layers already there, kept whole or attention: none)."""
+    """Per layer (of `only`, if given), the fraction of its current width still to remove to
+    leave (1 - max_ratio) of its original width (layers already there, kept whole or q/k/v
+    projections: none)."""
     skip = set(ignored) | {n for projs, _ in thin.attention(model).values() for n in projs}
     now = widths(model)
     rest = {}
     for name in prunable(model):
         if name in skip or name not in widths0 or now.get(name, 0) <= 0:
+            continue
+        if only is not None and name not in only:
             continue
         r = 1 - (1 - max_ratio) * widths0[name] / now[name]
         if r > 1e-9:

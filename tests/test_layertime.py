@@ -276,6 +276,19 @@ def test_allocated_cuts_that_fall_short_are_finished_evenly(monkeypatch):
     }
 
 
+def test_rest_ratios_leave_max_ratio_of_the_original_width():
+    model, _ = tiny()
+    widths0 = channels.widths(model)
+    name = channels.prunable(model)[0]
+    doubled = {n: 2 * w for n, w in widths0.items()}  # as if half of every layer were cut
+    rest = channels._rest_ratios(model, doubled, [], 0.9)
+    assert rest[name] == pytest.approx(1 - 0.1 * 2)  # 0.1 of twice the width: 80% of now
+    assert set(channels._rest_ratios(model, doubled, [], 0.9, {name})) == {name}
+    assert name not in channels._rest_ratios(model, doubled, [name], 0.9)
+    tenfold = {n: 10 * w for n, w in widths0.items()}  # already cut to 10%: nothing left
+    assert channels._rest_ratios(model, tenfold, [], 0.9) == {}
+
+
 @pytest.mark.parametrize("value", [0, 1.5, "fast", True])
 def test_a_bad_target_latency_is_refused(value):
     with pytest.raises(InputError, match="channels.target_latency"):
