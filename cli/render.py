@@ -274,8 +274,9 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
             "predicted before retraining); "
             + ", ".join(f"{n} {r['sparsity']:g}/{r['bits']}b" for n, r in b["layers"].items())
         )
-        if b.get("coarse"):
-            stderr.print(f"note: {b['coarse']}")
+        for key in ("coarse", "method_note"):
+            if b.get(key):
+                stderr.print(f"note: {b[key]}")
         if not b["met"]:
             stderr.print(
                 f"warning: no trial stayed within --max-drop {b['max_drop']:g}; kept the one "

@@ -161,6 +161,7 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
         "resolve it. The recipe below re-runs the kept trial without the search.",
         "",
         *([f"**Coarse:** {b['coarse']}.", ""] if b.get("coarse") else []),
+        *([f"**Note:** {b['method_note']}.", ""] if b.get("method_note") else []),
         "| trial | predicted drop (curves) | validation drop (retrained) | paired 95% interval "
         "| mean p(right class) drop | archive bytes | within |",
         "|---|---|---|---|---|---|---|",

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from compresskit.compressor import budget, kmeans, shrink
+from compresskit.compressor import budget, kmeans, report, shrink
 from compresskit.compressor import recipe as recipe_mod
 from compresskit.models.errors import InputError
 
@@ -382,3 +382,24 @@ def test_a_budget_of_one_or_two_samples_is_called_coarse():
     assert budget.coarseness(0.375, 800) is None  # 3 samples
     assert budget.coarseness(0.2, 6000) is None  # MNIST's train files: 12 samples
     assert budget.coarseness(0.0, 800) is None  # lose none: nothing to resolve
+
+
+def test_soft_trials_are_noted_as_outside_the_curves_model():
+    note = budget.method_note("soft")
+    assert note.startswith('quantize.method = "soft": the search prices settings with k-means')
+    assert budget.method_note("kmeans") is None
+    trial = {
+        "trial": 1, "lost": 3, "val_drop": 0.375, "val_drop_interval": [-0.375, 1.125],
+        "predicted_drop": 0.0, "val_soft_drop": 0.23, "archive_bytes": 36_652,
+        "within_budget": False,
+    }  # fmt: skip
+    b = {
+        "max_drop": 0.2, "validation_samples": 800, "allowed_lost": 1, "grid":
+        {"sparsities": [0.0], "bits": [5]}, "frontier_points": 1, "trials": [trial],
+        "chosen_trial": 1, "met": False, "val_drop": 0.375, "predicted_drop": 0.0,
+        "val_soft_drop": 0.23, "coarse": None, "method_note": note,
+        "layers": {"fc1": {"sparsity": 0.0, "bits": 5, "lost_alone": 0, "bytes": 102_074}},
+    }  # fmt: skip
+    assert f"**Note:** {note}." in "\n".join(report._budget_lines({"budget": b}))
+    b["method_note"] = None
+    assert "**Note:**" not in "\n".join(report._budget_lines({"budget": b}))
