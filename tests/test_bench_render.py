@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from rich.cells import cell_len
 
 from compresskit.cli import render
+from compresskit.compressor import envinfo
 
 GOLDEN = Path(__file__).parent / "golden"
 HEADERS = (
@@ -271,14 +272,23 @@ QUICK = ["--batch", "1", "--min-runs", "3", "--min-seconds", "0.01", "-q"]
 
 
 @CPU_ONLY
+@pytest.mark.parametrize("bf16", [True, False])
 def test_default_providers_run_what_is_installed_and_name_the_rest_once(
-    run, tiny_models, monkeypatch
+    run, tiny_models, monkeypatch, bf16
 ):
+    # Whether the CPU has native bf16 decides the torch bf16 variant (skipped, with a reason,
+    # where it would only emulate it): pinned both ways, so no CI CPU changes the output.
+    monkeypatch.setattr(envinfo, "bf16_supported", lambda: bf16)
     monkeypatch.setenv("COLUMNS", "80")
     result = run("bench", *tiny_models, *QUICK)
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    assert "skipped" not in out
+    skips = [line for line in out.splitlines() if line.startswith("skipped")]
+    if bf16:
+        assert not skips
+    else:
+        assert len(skips) == 1 and skips[0].startswith("skipped on torch-cpu (student.pt)")
+        assert "bf16" in out
     assert out.count("not installed:") == 1
     assert "ORT-CUDA, TensorRT (pip install onnxruntime-gpu)" in out and "torch-cuda" in out
     assert all(cell_len(line) <= 80 for line in out.splitlines())
@@ -302,6 +312,7 @@ def test_the_json_keeps_every_skip(run, tiny_models):
 
 @CPU_ONLY
 def test_providers_asked_for_but_missing_are_one_line_each(run, tiny_models, monkeypatch):
+    monkeypatch.setattr(envinfo, "bf16_supported", lambda: True)  # no CPU-dependent skip
     monkeypatch.setenv("COLUMNS", "80")
     args = ["--providers", "torch,cpu,cuda,tensorrt", "--wide"]
     result = run("bench", *tiny_models, *QUICK, *args)

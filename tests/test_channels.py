@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from compresskit.compressor import channels, recipe
-from compresskit.compressor.flops import onnx_macs, torch_macs
+from compresskit.compressor import channels, layertime, recipe
+from compresskit.compressor.flops import module_macs, onnx_macs, torch_macs
 from compresskit.models import thin, zoo
 from compresskit.models.errors import InputError
 
@@ -490,7 +490,19 @@ def test_sensitivity_scope_measures_each_layer_and_reaches_the_target():
     json.dumps(record)
 
 
-def test_an_unreachable_time_goal_exits_2_before_retraining(run, tmp_path):
+def _steady_profile(model, example, *_args, **_kwargs):
+    """A deterministic profile in place of ORT's (which moves by tens of % between runs): per
+    layer 2 us + 1e-4 us per MAC, and 10 us the run itself."""
+    per = module_macs(model, example[:1])
+    layers = {n: 2.0 + 1e-4 * m for n, m in per.items()}
+    total = 10.0 + sum(layers.values())
+    return layertime.LayerTimes(total, layers, 0.0, "int8", total)
+
+
+def test_an_unreachable_time_goal_exits_2_before_retraining(run, tmp_path, monkeypatch):
+    # On measured profiles the deepest cut's estimate ranged 39-76% of the run on one idle
+    # machine: a synthetic one keeps the goal out of reach wherever the test runs.
+    monkeypatch.setattr(layertime, "measure", _steady_profile)
     ck = _lenet5_teacher(run, tmp_path)
     rec = tmp_path / "far.toml"
     rec.write_text(THIN + "target_latency = 0.1\n[export]\nort = false\n")

@@ -60,6 +60,8 @@ def test_clock_counts_passes_outside_training_only():
     time.sleep(0.05)  # per-weight work
     t = clock.record()
     assert t["training"] >= 0.15  # the loop's evaluation is training time
-    assert 0.05 <= t["data_passes"] < 0.1  # the outside pass only, not the loop's 0.1 s
+    # the outside pass only: counting the loop's 0.1 s too would give >= 0.15 (the margin
+    # absorbs a busy machine's sleep overshoot)
+    assert 0.05 <= t["data_passes"] < 0.15
     assert t["per_weight"] >= 0.05
     assert abs(t["training"] + t["data_passes"] + t["per_weight"] - t["total"]) < 0.005
