@@ -299,6 +299,20 @@ class PSWorker:
             for a, b in self.bounds
         ]
         self._watch = _watch_group() if ps.mode != "sync" else None
+        # The pulled weights can land in the parameters themselves: where the wire carries
+        # float32 and every parameter is a float32 CPU tensor, each becomes a view of the
+        # receive buffer (no copy after every pull: 50-70 us of a 0.46 ms round trip for 200 kB
+        # on 2 cores). The worker runs no optimizer of its own; its parameters change only here.
+        params = _params(model)
+        self._in_place = self.wire == torch.float32 and all(
+            p.dtype == torch.float32 and p.device.type == "cpu" for p in params
+        )
+        if self._in_place:
+            with torch.no_grad():
+                for p, a, b in zip(params, self._offsets, self._offsets[1:], strict=False):
+                    view = self._in[a:b].view(p.shape)
+                    view.copy_(p)
+                    p.data = view
 
     # -- the batch schedule (the interface of trainer.Batches)
     def per_epoch(self, epoch: int) -> int:
@@ -370,9 +384,10 @@ class PSWorker:
         self.stats.push_messages += len(pushes)
         self.stats.pull_messages += len(pulls)
         self._wait(pushes + pulls)
-        with torch.no_grad():
-            for p, a, b in zip(params, self._offsets, self._offsets[1:], strict=False):
-                p.copy_(self._in[a:b].view(p.shape))
+        if not self._in_place:
+            with torch.no_grad():
+                for p, a, b in zip(params, self._offsets, self._offsets[1:], strict=False):
+                    p.copy_(self._in[a:b].view(p.shape))
         self.stats.comm_bytes += 2 * self._in.numel() * self._in.element_size()
         self.stats.steps += 1
         self.stats.samples += samples

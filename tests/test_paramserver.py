@@ -369,3 +369,25 @@ def test_summary_prints_the_staleness_histogram(run, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert "parameter server ps-async: 2 workers, 1 servers" in result.stdout
     assert "staleness (updates between pull and push): 0: " in result.stdout
+
+
+@pytest.mark.parametrize(("compression", "in_place"), [("none", True), ("fp16", False)])
+def test_a_worker_pulls_straight_into_its_parameters_where_the_wire_allows(compression, in_place):
+    """float32 on the wire: every parameter becomes a view of the receive buffer (values
+    kept), so a pull needs no copy; fp16 on the wire: the parameters stay their own."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    worker = psm.PSWorker(PSConfig("sync", 1, 2), 0, model, 64, 8, 1, "sgd", compression)
+    assert worker._in_place is in_place
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    buf = worker._in
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+    inside = [lo <= p.data_ptr() < hi for p in model.parameters()]
+    assert all(inside) if in_place else not any(inside)
+    if in_place:  # what lands in the buffer is what the model computes with
+        buf.fill_(0.5)
+        assert all(bool((p == 0.5).all()) for p in model.parameters())
