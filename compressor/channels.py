@@ -284,7 +284,10 @@ def thin_(
         if cfg.heads > 0:
             plan += _remove_heads(model, example, cfg, heads0, ignored, r, gradients)
             macs, est = _cost(model, one, fit)
-        cut_until_goals(_pruner(model, example, cfg, ignored, ratios), goal, time_goal)
+        # The allocation's fractions are of each layer's original width; a pruner cuts
+        # fractions of the width it starts from, so each round converts them.
+        now = None if ratios is None else _ratios_now(model, widths0, ignored, ratios, cfg.round_to)
+        cut_until_goals(_pruner(model, example, cfg, ignored, now), goal, time_goal)
         if ratios is not None and r == cfg.rounds and (macs > goal or est > time_goal * (1 + 1e-9)):
             # The allocation adds layers' savings as if independent, but coupled layers'
             # overlap (conv1's outputs are conv2's inputs) and the time fit's fixed costs can
@@ -293,8 +296,9 @@ def thin_(
             # the layers the analysis found cheap to cut, then, if still short, every layer.
             shortfall = {"macs": macs, "estimated_us": est}
             info("channels: the allocated cuts fell short of a goal; cutting on evenly")
-            for only in ({n for n, f in ratios.items() if f > 0}, None):
-                rest = _rest_ratios(model, widths0, ignored, cfg.max_ratio, only)
+            for only in ({n for n, f in ratios.items() if f > 0}, set(prunable(model))):
+                targets = dict.fromkeys(only, cfg.max_ratio)
+                rest = _ratios_now(model, widths0, ignored, targets, cfg.round_to)
                 if rest and (macs > goal or est > time_goal * (1 + 1e-9)):
                     cut_until_goals(_pruner(model, example, cfg, ignored, rest), goal, time_goal)
         model.zero_grad(set_to_none=True)
@@ -684,28 +688,31 @@ def allocate(
     return {n: chosen[n] for n in names}
 
 
-def _rest_ratios(
+def _ratios_now(
     model: nn.Module,
     widths0: dict[str, int],
     ignored: list[str],
-    max_ratio: float,
-    only: set[str] | None = None,
+    targets: dict[str, float],
+    round_to: int = 0,
 ) -> dict[str, float]:
-    """Per layer (of `only`, if given), the fraction of its current width still to remove to
-    leave (1 - max_ratio) of its original width (layers already there, kept whole or q/k/v
-    projections: none)."""
+    """Per layer of `targets` ({layer: fraction of its ORIGINAL width to remove}), the fraction
+    of its current width a pruner built now must remove to get there and no further (layers
+    already there, kept whole, or q/k/v projections: none). torch-pruning keeps
+    int(width x (1 - r)) channels, rounded down to `round_to`: the count kept is rounded up to
+    `round_to` here and r aims half a channel above it (1 - 0.9 is 0.0999..., and int() alone
+    would drop one channel more)."""
     skip = set(ignored) | {n for projs, _ in thin.attention(model).values() for n in projs}
     now = widths(model)
-    rest = {}
-    for name in prunable(model):
-        if name in skip or name not in widths0 or now.get(name, 0) <= 0:
+    out = {}
+    for name, frac in targets.items():
+        if frac <= 0 or name in skip or name not in widths0 or now.get(name, 0) <= 0:
             continue
-        if only is not None and name not in only:
-            continue
-        r = 1 - (1 - max_ratio) * widths0[name] / now[name]
-        if r > 1e-9:
-            rest[name] = r
-    return rest
+        keep = math.ceil((1 - frac) * widths0[name] - 1e-9)
+        if round_to:
+            keep = math.ceil(keep / round_to) * round_to
+        if now[name] > keep:
+            out[name] = 1 - (keep + 0.5) / now[name]
+    return out
 
 
 def _cost(model: nn.Module, one: torch.Tensor, fit: LatencyFit | None) -> tuple[int, float]:

@@ -220,7 +220,8 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
                     if fit
                     else ""
                 )
-                + " (coupled layers' savings overlap); the last round cut on evenly to the goal."
+                + " (coupled layers' savings overlap); the last round cut on evenly from there, "
+                "up to channels.max_ratio of each layer's width."
             )
     if fit:
         (t0, t1), goal = fit["estimated_us"], fit["target_latency"]

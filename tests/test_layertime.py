@@ -11,6 +11,7 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper
+from torch import nn
 
 from compresskit.compressor import channels, export, layertime, recipe, report
 from compresskit.compressor.export import int8
@@ -265,7 +266,7 @@ def test_allocated_cuts_that_fall_short_are_finished_evenly(monkeypatch):
     assert "even_cut_from" not in record["rounds"][0]
     assert any("fell short" in m for m in messages)
     md = "\n".join(report._channel_lines({"channels": record | {"test_accuracy": [0.9, 0.9]}}))
-    assert "stopped at" in md and "the last round cut on evenly to the goal" in md
+    assert "stopped at" in md and "the last round cut on evenly from there" in md
     for row in record["layers"]:  # max_ratio (0.9) of each layer's original width at most
         assert row["after"] >= math.floor(0.1 * row["before"])
     # The replayable plan reproduces the thinned model from a fresh copy
@@ -276,17 +277,49 @@ def test_allocated_cuts_that_fall_short_are_finished_evenly(monkeypatch):
     }
 
 
-def test_rest_ratios_leave_max_ratio_of_the_original_width():
+class _Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 200), nn.Linear(200, 200), nn.Linear(200, 10)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def test_ratios_now_aim_at_a_fraction_of_the_original_width():
     model, _ = tiny()
     widths0 = channels.widths(model)
     name = channels.prunable(model)[0]
-    doubled = {n: 2 * w for n, w in widths0.items()}  # as if half of every layer were cut
-    rest = channels._rest_ratios(model, doubled, [], 0.9)
-    assert rest[name] == pytest.approx(1 - 0.1 * 2)  # 0.1 of twice the width: 80% of now
-    assert set(channels._rest_ratios(model, doubled, [], 0.9, {name})) == {name}
-    assert name not in channels._rest_ratios(model, doubled, [name], 0.9)
-    tenfold = {n: 10 * w for n, w in widths0.items()}  # already cut to 10%: nothing left
-    assert channels._rest_ratios(model, tenfold, [], 0.9) == {}
+    w = widths0[name]
+    doubled = {n: 2 * v for n, v in widths0.items()}  # as if half of every layer were cut
+    now = channels._ratios_now(model, doubled, [], {name: 0.9})
+    keep = math.ceil(0.1 * 2 * w - 1e-9)
+    assert int(w * (1 - now[name])) == keep  # what torch-pruning keeps: no channel less
+    assert channels._ratios_now(model, doubled, [name], {name: 0.9}) == {}  # kept whole
+    tenfold = {n: 10 * v for n, v in widths0.items()}  # already cut to 10%: nothing left
+    assert channels._ratios_now(model, tenfold, [], dict.fromkeys(widths0, 0.9)) == {}
+    wide = _Wide()  # 200 wide: 10% is 20 channels, rounded up to 24 for round_to = 8
+    rounded = channels._ratios_now(wide, channels.widths(wide), [], {"a": 0.9}, round_to=8)
+    assert int(200 * (1 - rounded["a"])) == 24
+
+
+@pytest.mark.parametrize("alloc", [0.9, 0.5])
+def test_the_allocation_holds_over_rounds_and_max_ratio_over_the_even_cut(alloc, monkeypatch):
+    """Each round's pruner starts from a thinner model: the allocation's fractions (of the
+    original width) must not compound, and the even cut stops at max_ratio of the original."""
+    torch.manual_seed(0)
+    model, x = _Wide(), torch.randn(8, 16)
+    monkeypatch.setattr(
+        channels, "allocate", lambda _b, curves, *a, **k: dict.fromkeys(curves, alloc)
+    )
+    cfg = channels.ChannelsConfig(
+        target_macs=0.02, rounds=3, retrain_epochs=0, scope="sensitivity", max_ratio=0.9
+    )
+    record = channels.thin_(model, x[:2], cfg, evaluate=lambda m: 1.0)
+    after = {r["name"]: r["after"] for r in record["layers"]}
+    assert after["a"] == after["b"] == 20  # 10% of 200 kept, not 19, not 10
+    assert not record["reached"]  # 2% of the MACs is past what max_ratio allows
+    assert "even_cut_from" in record["rounds"][-1]
 
 
 @pytest.mark.parametrize("value", [0, 1.5, "fast", True])
