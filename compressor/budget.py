@@ -453,6 +453,9 @@ def search(
     p = recipe.prune
     prunable = set(prune.weight_layers(model, p.embeddings)) if p.enabled else set()
     judge = Judge(model, hooks.val_data, cfg.max_drop)
+    note = method_note(recipe.quantize.method)
+    if note:  # said again in the record; here before the trials' minutes
+        hooks.info(f"budget: {note}")
     plan = Plan.of(
         measure(
             model,

@@ -85,11 +85,19 @@ class _NegLogPrior(torch.autograd.Function):
     on 2 cores, minutes an epoch. Here log(pi_j N(w_i | mu_j, var_j)) is the product of the
     basis [1, w_i, w_i^2] with three coefficients per component (one small matrix product per
     block), and what the backward pass needs is summed as the block goes: per weight
-    sum_j r_ij (w_i - mu_j) / var_j, per component sum_i r_ij [1, w_i, w_i^2]. Measured on
-    that layer (2-core EPYC): 2.9 s -> 0.30 s a step; 31 components 156 -> 44 ms."""
+    sum_j r_ij (w_i - mu_j) / var_j, per component sum_i r_ij [1, w_i, w_i^2] (in float64: the
+    backward pass takes differences of those sums). Measured on that layer side by side
+    (2-core EPYC, `benchmarks/softshare_prior.py`): 3.6 s -> 0.37 s a step; 31 components
+    156 -> 50 ms. First-order only: nothing here trains through the prior's gradient."""
 
     @staticmethod
     def forward(ctx, w, means, log_vars, log_mixing):
+        # The expanded form cancels large terms: never in bfloat16 under an autocast region.
+        with torch.autocast(w.device.type, enabled=False):
+            return _NegLogPrior._forward(ctx, w, means, log_vars, log_mixing)
+
+    @staticmethod
+    def _forward(ctx, w, means, log_vars, log_mixing):
         dtype = w.dtype
         ctx.dtypes = [t.dtype for t in (means, log_vars, log_mixing)]
         means, log_vars, log_mixing = (t.detach().to(dtype) for t in (means, log_vars, log_mixing))
@@ -104,8 +112,9 @@ class _NegLogPrior(torch.autograd.Function):
         per_weight = torch.stack([inv, means * inv], 1)  # (K, 2)
         w = w.detach()
         grad_w = torch.empty_like(w) if ctx.needs_input_grad[0] else None
-        sums = torch.zeros(3, len(means), dtype=dtype)  # sum_i r_ij [1, w_i, w_i^2]
-        total = torch.zeros((), dtype=torch.float64)
+        # sum_i r_ij [1, w_i, w_i^2]
+        sums = torch.zeros(3, len(means), dtype=torch.float64, device=w.device)
+        total = torch.zeros((), dtype=torch.float64, device=w.device)
         for start in range(0, w.numel(), PRIOR_CHUNK):
             part = w[start : start + PRIOR_CHUNK]
             basis = torch.stack([torch.ones_like(part), part, part * part], 1)  # (c, 3)
@@ -118,18 +127,21 @@ class _NegLogPrior(torch.autograd.Function):
             if grad_w is not None:
                 t = a @ per_weight
                 grad_w[start : start + PRIOR_CHUNK] = part * t[:, 0] - t[:, 1]
-            sums += basis.T @ a
-        ctx.save_for_backward(grad_w if grad_w is not None else torch.empty(0), sums, means, inv)
+            sums += (basis.T @ a).double()
+        ctx.save_for_backward(
+            grad_w if grad_w is not None else torch.empty(0), sums, means.double(), inv.double()
+        )
         ctx.has_w = grad_w is not None
         return total.to(dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         grad_w, (r, rw, rw2), means, inv = ctx.saved_tensors
         # dL/da_ij = -r_ij, with a_ij = log pi_j - (log 2 pi + log var_j + (w_i - mu_j)^2/var_j)/2
         sq = rw2 - 2 * means * rw + means**2 * r  # sum_i r_ij (w_i - mu_j)^2
         grads = (-(rw - means * r) * inv, 0.5 * (r - sq * inv), -r)
-        rest = [(g * x).to(d) for x, d in zip(grads, ctx.dtypes, strict=True)]
+        rest = [(g.double() * x).to(d) for x, d in zip(grads, ctx.dtypes, strict=True)]
         return g * grad_w if ctx.has_w else None, *rest
 
 
