@@ -266,10 +266,13 @@ def thin_(
         )
     macs, est = macs0, time0
 
+    def short(goal: float, time_goal: float) -> bool:
+        return macs > goal or est > time_goal * (1 + 1e-9)
+
     def cut_until_goals(pruner, goal: float, time_goal: float) -> None:
         nonlocal macs, est
         steps = 0
-        while (macs > goal or est > time_goal * (1 + 1e-9)) and steps < STEPS:
+        while short(goal, time_goal) and steps < STEPS:
             if gradients is not None and cfg.importance == "taylor":
                 model.zero_grad(set_to_none=True)
                 gradients(model)
@@ -288,7 +291,7 @@ def thin_(
         # fractions of the width it starts from, so each round converts them.
         now = None if ratios is None else _ratios_now(model, widths0, ignored, ratios, cfg.round_to)
         cut_until_goals(_pruner(model, example, cfg, ignored, now), goal, time_goal)
-        if ratios is not None and r == cfg.rounds and (macs > goal or est > time_goal * (1 + 1e-9)):
+        if ratios is not None and r == cfg.rounds and short(goal, time_goal):
             # The allocation adds layers' savings as if independent, but coupled layers'
             # overlap (conv1's outputs are conv2's inputs) and the time fit's fixed costs can
             # leave the combined cut short of a goal, by how much depends on the machine's
@@ -299,7 +302,7 @@ def thin_(
             for only in ({n for n, f in ratios.items() if f > 0}, set(prunable(model))):
                 targets = dict.fromkeys(only, cfg.max_ratio)
                 rest = _ratios_now(model, widths0, ignored, targets, cfg.round_to)
-                if rest and (macs > goal or est > time_goal * (1 + 1e-9)):
+                if rest and short(goal, time_goal):
                     cut_until_goals(_pruner(model, example, cfg, ignored, rest), goal, time_goal)
         model.zero_grad(set_to_none=True)
         timed = f", {est / time0:.0%} of the estimated time" if fit else ""
