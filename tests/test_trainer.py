@@ -163,3 +163,28 @@ def test_fit_returns_the_final_models_per_sample_test_hits(digits):
     want = correct(model, digits.x_test, digits.y_test)
     assert result.test_correct is not None and torch.equal(result.test_correct, want)
     assert result.test_accuracy == int(want.sum()) / len(want)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_optimizer_is_fused_on_cpu_and_takes_the_default_loops_steps(name):
+    """The fused kernel is asked for where torch has it, and moves the weights as the default
+    loop does (to rounding): checkpoints and the parameter server's shard agree either way."""
+    from compresskit.distrib.trainer import optimizer_for
+
+    cfg = TrainConfig(optimizer=name, lr=0.05, weight_decay=1e-3)
+    start = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    grads = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for fused in (True, None):
+        p = torch.nn.Parameter(start.clone())
+        opt = optimizer_for([p], cfg)
+        assert opt.param_groups[0]["fused"] is True
+        opt.param_groups[0]["fused"] = fused
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        out[fused] = p.detach()
+    assert not torch.equal(out[True], start)
+    torch.testing.assert_close(out[True], out[None], rtol=1e-6, atol=1e-6)
+    meta = torch.nn.Parameter(torch.empty(3, device="meta"))
+    assert optimizer_for([meta], cfg).param_groups[0]["fused"] is None

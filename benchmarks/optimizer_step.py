@@ -1,0 +1,90 @@
+"""One optimizer step, torch's default loop against its fused kernel, side by side.
+
+    python benchmarks/optimizer_step.py               # about 20 s on 2 cores
+    python benchmarks/optimizer_step.py --sizes 266610 --threads 1
+
+A parameter server runs one step per update on its shard, a flat tensor (distrib/paramserver.py),
+and every training stage runs one per batch; `trainer.optimizer_for` asks for the fused kernel
+where torch has it. For each size (MobileNet on digits, LeNet-300-100, ResNet-18 as one tensor)
+and each optimizer as `compress train` makes it, this prints the median step time of the two,
+taken in alternating blocks, their ratio, and the largest difference between the weights after
+the same 50 steps from the same start (the two round differently; the update is the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+SIZES = (37_000, 266_610, 11_200_000)
+
+
+def make(kind: str, param: torch.Tensor, fused: bool | None) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD([param], lr=0.05, momentum=0.9, weight_decay=5e-4, fused=fused)
+    return torch.optim.Adam([param], lr=3e-3, weight_decay=5e-4, fused=fused)
+
+
+def step_time(opt: torch.optim.Optimizer, steps: int) -> float:
+    t = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return (time.perf_counter() - t) / steps
+
+
+def drift(kind: str, n: int, steps: int = 50) -> float:
+    """Largest |w_default - w_fused| after `steps` identical steps from the same start."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g) for _ in range(4)]
+    out = []
+    for fused in (None, True):
+        p = torch.nn.Parameter(start.clone())
+        opt = make(kind, p, fused)
+        for s in range(steps):
+            p.grad = grads[s % len(grads)]
+            opt.step()
+        out.append(p.detach())
+    return float((out[0] - out[1]).abs().max())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--blocks", type=int, default=7, help="alternating blocks per figure")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(
+        f"optimizer step: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{args.threads} threads, medians of {args.blocks} alternating blocks"
+    )
+    print(
+        f"{'optimizer':<9} {'values':>11} {'default':>11} {'fused':>11} {'ratio':>7} {'max |dw|':>9}"
+    )
+    for n in (int(s) for s in args.sizes.split(",")):
+        steps = max(3, min(500, int(2e7 / n)))  # about 0.1-0.5 s a block
+        for kind in ("adam", "sgd"):
+            opts = {}
+            for fused in (None, True):
+                p = torch.nn.Parameter(torch.randn(n))
+                p.grad = torch.randn(n)
+                opts[fused] = make(kind, p, fused)
+                step_time(opts[fused], 3)  # make the state, warm the caches
+            times = {None: [], True: []}
+            for _ in range(args.blocks):
+                for fused, opt in opts.items():
+                    times[fused].append(step_time(opt, steps))
+            a, b = statistics.median(times[None]), statistics.median(times[True])
+            print(
+                f"{kind:<9} {n:>11,} {a * 1e6:>8.0f} us {b * 1e6:>8.0f} us {a / b:>6.2f}x "
+                f"{drift(kind, min(n, 300_000)):>9.1e}"
+            )
+
+
+if __name__ == "__main__":
+    main()
