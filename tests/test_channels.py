@@ -514,7 +514,18 @@ def test_an_unreachable_time_goal_exits_2_before_retraining(run, tmp_path, monke
     assert "Traceback" not in result.output and not out.exists()
 
 
-def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp_path):
+def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp_path, monkeypatch):
+    # Every profile is measured for real (ORT finds every layer), but the goal is judged on a
+    # steady one: whether LeNet-5's 20 us can lose 15% depends on the CPU's per-node overhead
+    # (CI's EPYC: yes; an AMX Xeon: 89% at the deepest cut), which is not what this tests.
+    real, found = layertime.measure, []
+
+    def measure(model, example, *args, **kwargs):
+        got = real(model, example, *args, **kwargs)
+        found.append((got.file, set(got.layers)))
+        return _steady_profile(model, example)
+
+    monkeypatch.setattr(layertime, "measure", measure)
     ck = _lenet5_teacher(run, tmp_path)
     out, report = _shrink(
         run,
@@ -530,6 +541,7 @@ def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp
     assert set(sens["ratios"]) <= {"conv1", "conv2", "fc1", "fc2"}
     # The time goal: the INT8 file profiled per layer (every layer found), time saved priced
     fit = c["latency_model"]
+    assert found and all(f == (fit["file"], {"conv1", "conv2", "fc1", "fc2"}) for f in found)
     assert fit["file"] == "int8" and set(fit["layers"]) == {"conv1", "conv2", "fc1", "fc2"}
     assert set(sens["time_saved"]) == set(sens["curves"])
     before, after = fit["estimated_us"]
