@@ -461,16 +461,10 @@ def _spread(values: list[float]) -> str:
 
 
 def _cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    return sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
+    """The flags that decide the INT8/BF16 kernels (envinfo's list), plus fma and avx_vnni."""
+    from compresskit.compressor import envinfo
+
+    return sorted(envinfo.cpu_flags() & {*envinfo.CPU_FLAGS, "avx_vnni", "fma"})
 
 
 if __name__ == "__main__":

@@ -61,6 +61,27 @@ def test_mask_keeps_pruned_weights_at_exact_positive_zero_through_retraining():
         assert torch.all(w[mask] != 0)
 
 
+def test_mask_is_where_bit_for_bit_and_follows_a_tightened_mask():
+    """The multiply-and-add form gives where(mask, w, +0.0) exactly: the same bits (no -0.0
+    from negative pruned originals), the same gradient, and a new mask as soon as it changes."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, generator=g, dtype=torch.float64).requires_grad_()
+    keep = torch.rand(4096, generator=g) > 0.5
+    m = prune.Mask(keep)
+    for dtype in (torch.float64, torch.float32):
+        x = w.to(dtype)
+        got, ref = m(x), torch.where(keep, x, torch.zeros((), dtype=dtype))
+        assert torch.equal(got, ref) and torch.equal(torch.signbit(got), torch.signbit(ref))
+    assert torch.signbit(w[~keep]).any()  # negative originals where pruned: -0.0 was possible
+    up = torch.randn(4096, generator=g, dtype=torch.float64)
+    (gw,) = torch.autograd.grad(m(w), w, up)
+    assert torch.equal(gw, torch.where(keep, up, 0.0))
+    m.mask.copy_(m.mask & (torch.arange(4096) % 2 == 0))  # set_mask_ tightens in place
+    assert torch.equal(m(w), torch.where(m.mask, w, 0.0))
+    m.mask = torch.ones(4096, dtype=torch.bool)  # a new tensor: the cache is not reused
+    assert torch.equal(m(w), w)
+
+
 def test_iterative_rounds_reach_the_target_and_masks_only_tighten():
     model = tiny("lenet300", in_shape=(1, 8, 8))
     cfg = prune.PruneConfig(sparsity={"fc1": 0.9, "fc2.weight": 0.5})
