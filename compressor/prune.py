@@ -152,12 +152,14 @@ def global_threshold(weights: list[torch.Tensor], sparsity: float) -> float:
 class Mask(nn.Module):
     """weight = where(mask, original, +0.0): pruned weights are exactly zero on every forward.
 
-    Computed as original x mask + 0.0, the mask cached in the weight's dtype: bit for bit the
-    same tensor (x1.0 keeps a kept weight; a pruned one's product is +0.0 or -0.0, and
-    -0.0 + 0.0 is +0.0 in IEEE arithmetic), at a third of the time, since torch.where over a
-    bool mask is slow on CPU (2.36M weights, forward and backward: 7.7 ms against 2.5 ms; it
-    made pruned ResNet-18 train 48% slower than dense, measured in the profile that found it).
-    An original at a pruned position stays finite: its gradient is the mask's zero.
+    Computed as original x mask + 0.0, the mask cached in the weight's dtype: for finite
+    originals bit for bit the same tensor (x1.0 keeps a kept weight; a pruned one's product is
+    +0.0 or -0.0, and -0.0 + 0.0 is +0.0 in IEEE arithmetic; a kept -0.0 becomes +0.0), at a
+    third of the time, since torch.where over a bool mask is slow on CPU (2.36M weights,
+    forward and backward: 7.7 ms against 2.5 ms; it made pruned ResNet-18 train 48% slower
+    than dense, measured in the profile that found it). Pruned originals stay finite:
+    `set_mask_` zeroes them and their gradient is the mask's zero (a run whose gradients are
+    not finite is stopped as diverged). Cost: the cached mask, 4 bytes a weight until `bake_`.
     """
 
     def __init__(self, mask: torch.Tensor) -> None:
@@ -169,7 +171,11 @@ class Mask(nn.Module):
         """The mask in `like`'s dtype and device, rebuilt when the mask is replaced or changed
         in place (`set_mask_` tightens it with copy_, which bumps its version)."""
         m, c = self.mask, self._cache
-        if m.is_inference():  # an inference tensor keeps no version counter: no cache
+        # An inference tensor keeps no version counter, and one made under inference_mode
+        # cannot be saved for a later backward: neither is cached.
+        if m.is_inference() or torch.is_inference_mode_enabled():
+            if c is not None and c[0] is m and c[1] == m._version and c[2].dtype == like.dtype:
+                return c[2].to(device=like.device)
             return m.to(dtype=like.dtype, device=like.device)
         if (
             c is None

@@ -143,9 +143,18 @@ class PSConfig:
 # ---- pure tensor plumbing: flatten, shard, rejoin ------------------------------------------
 
 
+ALIGN = 64  # elements; a multiple of every CPU's float32 and float64 vector width
+
+
 def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
-    """Cut a flat vector of `numel` elements into `servers` contiguous [start, end) ranges whose
-    sizes differ by at most one element (balanced by bytes: every element is fp32)."""
+    """Cut a flat vector of `numel` elements into `servers` contiguous [start, end) ranges,
+    balanced by bytes (every element is fp32).
+
+    Boundaries fall on multiples of ALIGN wherever the vector holds ALIGN elements a server
+    (sizes then differ by less than 2 x ALIGN): torch's fused Adam runs a vectorised body and
+    a scalar tail per tensor, which round differently, so only shards cut on vector blocks
+    update every value as any other shard count does, and a checkpoint resumes bit for bit
+    under another --servers. Smaller vectors are cut to within one element."""
     if servers < 1:
         raise InputError(f"--servers {servers}: give 1 or more")
     if servers > numel:
@@ -153,10 +162,11 @@ def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
             f"--servers {servers}: the model has only {numel} parameter values to shard; "
             f"give --servers {numel} or fewer"
         )
-    base, extra = divmod(numel, servers)
+    unit = ALIGN if numel >= ALIGN * servers else 1
+    base, extra = divmod(numel // unit, servers)
     bounds, start = [], 0
     for s in range(servers):
-        end = start + base + (s < extra)
+        end = start + unit * (base + (s < extra)) if s < servers - 1 else numel
         bounds.append((start, end))
         start = end
     return bounds

@@ -319,30 +319,26 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
 def optimizer_for(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer `cfg` names over `params` (a parameter server passes its one shard).
 
-    Fused where torch has the kernel for every parameter's device and dtype: one pass over
-    each tensor instead of a dozen elementwise ops, the same update to rounding. On CPU, Adam
-    over 266k values (LeNet-300-100) takes 0.23 ms fused against 0.96 ms, a cost a parameter
-    server pays on every update (benchmarks/optimizer_step.py)."""
-    fused = _fusable(params)
+    Adam runs torch's fused kernel where it has one for every parameter: one pass over each
+    tensor instead of a dozen elementwise ops, the same update to rounding. On CPU an Adam
+    step over LeNet-300-100's 266k values takes 0.13 ms fused against 1.15 ms, a cost a
+    parameter server pays on every update (benchmarks/optimizer_step.py). SGD keeps torch's
+    loop: its fused kernel fails on sparse gradients and when some parameters have a momentum
+    buffer and others not yet (a branch used from a later step on), which the loop handles."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
-            params,
-            lr=cfg.learning_rate,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-            fused=fused,
+            params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
     return torch.optim.Adam(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=fused
+        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=_fusable(params)
     )
 
 
 def _fusable(params: list[nn.Parameter]) -> bool | None:
-    """True when torch's fused optimizer kernels take every tensor (floating point on CPU or
-    CUDA, torch >= 2.4); None, torch's default loop, otherwise (e.g. a model on MPS)."""
+    """True when torch's fused Adam takes every tensor (floating point on CPU or CUDA, torch
+    >= 2.4); None, torch's default loop, otherwise (e.g. a model on MPS)."""
     ok = bool(params) and all(
-        p.is_floating_point() and p.device.type in ("cpu", "cuda") and not p.is_sparse
-        for p in params
+        p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
     )
     return True if ok else None
 

@@ -82,6 +82,16 @@ def test_mask_is_where_bit_for_bit_and_follows_a_tightened_mask():
     assert torch.equal(m(w), w)
 
 
+def test_a_masked_layer_still_trains_after_an_inference_mode_forward():
+    layer = nn.Linear(8, 4)
+    prune.set_mask_(layer, "weight", torch.rand(4, 8) > 0.5)
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        layer(x)
+    layer(x).sum().backward()  # a mask cached under inference_mode could not be saved for this
+    assert layer.parametrizations.weight.original.grad is not None
+
+
 def test_iterative_rounds_reach_the_target_and_masks_only_tighten():
     model = tiny("lenet300", in_shape=(1, 8, 8))
     cfg = prune.PruneConfig(sparsity={"fc1": 0.9, "fc2.weight": 0.5})

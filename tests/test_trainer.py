@@ -165,13 +165,12 @@ def test_fit_returns_the_final_models_per_sample_test_hits(digits):
     assert result.test_accuracy == int(want.sum()) / len(want)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd"])
-def test_optimizer_is_fused_on_cpu_and_takes_the_default_loops_steps(name):
+def test_adam_is_fused_on_cpu_and_takes_the_default_loops_steps():
     """The fused kernel is asked for where torch has it, and moves the weights as the default
     loop does (to rounding): checkpoints and the parameter server's shard agree either way."""
     from compresskit.distrib.trainer import optimizer_for
 
-    cfg = TrainConfig(optimizer=name, lr=0.05, weight_decay=1e-3)
+    cfg = TrainConfig(optimizer="adam", lr=0.05, weight_decay=1e-3)
     start = torch.randn(300, generator=torch.Generator().manual_seed(0))
     grads = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
     out = {}
@@ -188,3 +187,18 @@ def test_optimizer_is_fused_on_cpu_and_takes_the_default_loops_steps(name):
     torch.testing.assert_close(out[True], out[None], rtol=1e-6, atol=1e-6)
     meta = torch.nn.Parameter(torch.empty(3, device="meta"))
     assert optimizer_for([meta], cfg).param_groups[0]["fused"] is None
+
+
+def test_sgd_with_momentum_takes_a_parameter_that_starts_late():
+    """A branch first used at step 2 gets its momentum buffer then; torch's fused SGD fails on
+    such a half-made state, so SGD keeps the loop."""
+    from compresskit.distrib.trainer import optimizer_for
+
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = optimizer_for([*a.parameters(), *b.parameters()], TrainConfig(optimizer="sgd"))
+    x = torch.randn(2, 4)
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        (b(a(x)) if step else a(x)).sum().backward()
+        opt.step()
+    assert all("momentum_buffer" in opt.state[p] for p in b.parameters())
