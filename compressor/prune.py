@@ -171,21 +171,21 @@ class Mask(nn.Module):
         """The mask in `like`'s dtype and device, rebuilt when the mask is replaced or changed
         in place (`set_mask_` tightens it with copy_, which bumps its version)."""
         m, c = self.mask, self._cache
+        if (
+            c is not None
+            and c[0] is m
+            and not m.is_inference()
+            and c[1] == m._version
+            and c[2].dtype == like.dtype
+            and c[2].device == like.device
+        ):
+            return c[2]
+        scale = m.to(dtype=like.dtype, device=like.device)
         # An inference tensor keeps no version counter, and one made under inference_mode
         # cannot be saved for a later backward: neither is cached.
-        if m.is_inference() or torch.is_inference_mode_enabled():
-            if c is not None and c[0] is m and c[1] == m._version and c[2].dtype == like.dtype:
-                return c[2].to(device=like.device)
-            return m.to(dtype=like.dtype, device=like.device)
-        if (
-            c is None
-            or c[0] is not m
-            or c[1] != m._version
-            or c[2].dtype != like.dtype
-            or c[2].device != like.device
-        ):
-            c = self._cache = (m, m._version, m.to(dtype=like.dtype, device=like.device))
-        return c[2]
+        if not (m.is_inference() or torch.is_inference_mode_enabled()):
+            self._cache = (m, m._version, scale)
+        return scale
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return (w * self._scale(w)).add_(0.0)  # x1.0 or +-0.0, then -0.0 -> +0.0
