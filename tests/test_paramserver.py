@@ -69,6 +69,59 @@ def test_shard_count_does_not_change_a_fused_adam_step():
     assert all(torch.equal(ends[1], ends[s]) for s in (2, 3, 5, 7))
 
 
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd-momentum-decay": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=1e-4, fused=True),
+    "adam-loop": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
+}
+
+
+def _server_steps(make, direct: bool, steps: int = 20):
+    """`steps` updates of one 5,003-value shard at a changing lr, as `_Server.apply` makes
+    them: the direct call where it says it can, else step(). Returns the weights, the state
+    and how many updates took the direct call."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5_003, generator=g))
+    opt = make([p])
+    fn = psm._direct_step(opt, p) if direct else None
+    used = 0
+    for i in range(steps):
+        grad = torch.randn(5_003, generator=g)
+        opt.param_groups[0]["lr"] *= 0.5 if i % 3 else 2.0
+        if fn is not None and fn(grad):
+            used += 1
+        else:
+            p.grad = grad
+            opt.step()
+    return p.detach(), opt.state_dict()["state"].get(0, {}), used
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_servers_direct_update_is_torchs_step_bit_for_bit(name):
+    weights, state, used = _server_steps(OPTIMIZERS[name], direct=True)
+    ref_weights, ref_state, _ = _server_steps(OPTIMIZERS[name], direct=False)
+    # Only an update that has to make the state (the first, where it has any) takes step().
+    assert used == (20 if name == "sgd" else 19)
+    assert torch.equal(weights, ref_weights)
+    assert sorted(state) == sorted(ref_state)
+    for key, value in state.items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(ref_state[key])), key
+
+
+def test_the_server_keeps_step_for_what_the_direct_update_does_not_mirror():
+    p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    assert psm._direct_step(torch.optim.AdamW([p]), p) is None  # another optimizer
+    assert psm._direct_step(torch.optim.SGD([p, q], lr=0.1), p) is None  # not one shard
+    hooked = torch.optim.Adam([p])
+    hooked.register_step_post_hook(lambda *a: None)
+    assert psm._direct_step(hooked, p) is None  # a hook step() would have called
+    sparse = psm._direct_step(torch.optim.SGD([p], lr=0.1), p)
+    assert sparse(torch.zeros(4).to_sparse()) is False  # step() handles sparse gradients
+
+
 def test_more_servers_than_values_is_refused():
     with pytest.raises(InputError, match="only 41 parameter values"):
         psm.shard_bounds(41, 42)
