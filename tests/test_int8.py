@@ -790,3 +790,34 @@ def test_quantizer_calibrates_in_activation_sized_batches(prepared, monkeypatch)
     assert whole.ranges.keys() == q.ranges.keys()
     for name in q.ranges:
         assert np.array_equal(whole.ranges[name].range_value, q.ranges[name].range_value), name
+
+
+def test_the_no_int8_reason_names_the_figure_that_missed_the_floor():
+    # Counted agreement held (160 of 160) but the bound on new inputs did not: say so, not
+    # "agreement 1.0000 below 0.995".
+    bound = I.Selection(
+        scheme=None,
+        model=None,
+        fallen_back=26,
+        agreement_before_fallback=1.0,
+        expected_before_fallback=0.9955,
+        expected_low_before_fallback=0.9905,
+    )
+    line = I.no_int8_reason(bound, 0.995)
+    assert "1.0000 on the check inputs" in line and "lower bound of 0.9905" in line
+    assert "below min_agreement 0.995" in line and "all 26 INT8 nodes back in FP32" in line
+    counted = I.Selection(
+        scheme=None,
+        model=None,
+        fallen_back=3,
+        agreement_before_fallback=0.98,
+        expected_low_before_fallback=0.97,
+    )
+    line = I.no_int8_reason(counted, 0.995)
+    assert "top-1 agreement with FP32 0.9800, below min_agreement 0.995" in line
+    assert "lower bound" not in line
+    slower = I.Selection(
+        scheme=None, model=None, fp32_nodes={"a": "INT8 slower", "b": "INT8 slower"}
+    )
+    assert I.no_int8_reason(slower, 0.995) == "INT8 slower"
+    assert I.no_int8_reason(I.Selection(scheme=None, model=None), 0.995) == "no quantizable node"
