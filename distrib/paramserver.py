@@ -54,6 +54,7 @@ its shard or its batch for ever.
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 import threading
 import time
@@ -583,6 +584,7 @@ class _Server:
         if self.direct is None or not self.direct(grad):
             self.param.grad = grad
             self.optimizer.step()
+            self.param.grad = None  # not the receive buffer's owner for the rest of the run
         self.version += 1
 
     def reply(self, workers: Sequence[int]) -> None:
@@ -716,8 +718,8 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
     Python cost 60-90 us of a 0.5 ms round trip, on every update.
 
     Returns `fn(grad) -> bool`: False when the state is not made yet (the first step, or
-    SGD's first with momentum), so the caller steps the usual way, which makes it. None for
-    any other optimizer, one with hooks, or settings this does not mirror: always step()."""
+    SGD's first with momentum) or a hook was registered since, so the caller steps the usual
+    way. None for any other optimizer or settings this does not mirror: always step()."""
     groups = optimizer.param_groups
     kind = type(optimizer)
     if (
@@ -727,13 +729,19 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
         or groups[0]["params"][0] is not param
         or groups[0].get("differentiable")
         or groups[0].get("capturable")
-        or optimizer._optimizer_step_pre_hooks
-        or optimizer._optimizer_step_post_hooks
-        or torch_optimizer._global_optimizer_pre_hooks
-        or torch_optimizer._global_optimizer_post_hooks
     ):
         return None
-    group, state = groups[0], optimizer.state
+    # torch >= 2.7 passes AdamW's flag to the shared functional; older ones have no such
+    # argument (and no such group key): pass exactly what this version's step() passes.
+    decoupled = "decoupled_weight_decay" in inspect.signature(adam_update).parameters
+
+    def hooked() -> bool:  # hooks step() would call
+        return bool(
+            optimizer._optimizer_step_pre_hooks
+            or optimizer._optimizer_step_post_hooks
+            or torch_optimizer._global_optimizer_pre_hooks
+            or torch_optimizer._global_optimizer_post_hooks
+        )
 
     def scaled() -> dict[str, Any]:  # AMP's scaler sets these on the optimizer
         return {
@@ -741,9 +749,11 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
             "found_inf": getattr(optimizer, "found_inf", None),
         }
 
+    # The group and the state are looked up on every call: load_state_dict replaces both.
     def sgd(grad: torch.Tensor) -> bool:
+        group, state = optimizer.param_groups[0], optimizer.state
         buf = state[param].get("momentum_buffer") if param in state else None
-        if grad.is_sparse or (group["momentum"] != 0 and buf is None):
+        if grad.is_sparse or (group["momentum"] != 0 and buf is None) or hooked():
             return False
         with torch.no_grad():
             sgd_update(
@@ -764,10 +774,11 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
         return True  # a momentum buffer is updated in place: the state holds it already
 
     def adam(grad: torch.Tensor) -> bool:
-        st = state.get(param)
-        if not st or "step" not in st or grad.is_sparse:
+        group, st = optimizer.param_groups[0], optimizer.state.get(param)
+        if not st or "step" not in st or grad.is_sparse or hooked():
             return False
         beta1, beta2 = group["betas"]
+        flag = {"decoupled_weight_decay": group["decoupled_weight_decay"]} if decoupled else {}
         with torch.no_grad():
             adam_update(
                 [param],
@@ -788,7 +799,7 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
                 capturable=group["capturable"],
                 differentiable=group["differentiable"],
                 fused=group["fused"],
-                decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+                **flag,
                 **scaled(),
             )
         return True

@@ -116,8 +116,12 @@ def test_the_server_keeps_step_for_what_the_direct_update_does_not_mirror():
     assert psm._direct_step(torch.optim.AdamW([p]), p) is None  # another optimizer
     assert psm._direct_step(torch.optim.SGD([p, q], lr=0.1), p) is None  # not one shard
     hooked = torch.optim.Adam([p])
-    hooked.register_step_post_hook(lambda *a: None)
-    assert psm._direct_step(hooked, p) is None  # a hook step() would have called
+    direct = psm._direct_step(hooked, p)
+    p.grad = torch.ones(4)
+    hooked.step()  # makes the state
+    calls = []
+    hooked.register_step_post_hook(lambda *a: calls.append(1))
+    assert direct(torch.ones(4)) is False and not calls  # a hook step() would call: step()
     sparse = psm._direct_step(torch.optim.SGD([p], lr=0.1), p)
     assert sparse(torch.zeros(4).to_sparse()) is False  # step() handles sparse gradients
 
