@@ -19,7 +19,7 @@ NNAPI/CoreML verdicts. Then the two cost ratios the issue asks for:
   costed at the measured dense epoch.
 
 Both are also printed less the fixed cost every shrink pays whatever the model (imports,
-exporter set-up, ORT sessions, plots: about 9 s on 2 cores), measured by a first "floor" run on
+exporter set-up, ORT sessions, plots: 4-9 s on 2 cores), measured by a first "floor" run on
 a 25k-weight MLP. Peak RSS is printed over the interpreter's (compress imported) and as a
 multiple of the FP32 model's bytes; then, for the issue's "4x the FP32 model plus the data",
 over the model's own code (transformers' modules imported, nothing allocated) and memory's

@@ -718,8 +718,8 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
     Python cost 60-90 us of a 0.5 ms round trip, on every update.
 
     Returns `fn(grad) -> bool`: False when the state is not made yet (the first step, or
-    SGD's first with momentum) or a hook was registered since, so the caller steps the usual
-    way. None for any other optimizer or settings this does not mirror: always step()."""
+    SGD's first with momentum) or a hook or a differentiable/capturable group was set since,
+    so the caller steps the usual way. None for any other optimizer or settings this does not mirror: always step()."""
     groups = optimizer.param_groups
     kind = type(optimizer)
     if (
@@ -735,9 +735,12 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
     # argument (and no such group key): pass exactly what this version's step() passes.
     decoupled = "decoupled_weight_decay" in inspect.signature(adam_update).parameters
 
-    def hooked() -> bool:  # hooks step() would call
+    def hooked() -> bool:  # hooks step() would call, or settings since loaded it would honour
+        group = optimizer.param_groups[0]
         return bool(
-            optimizer._optimizer_step_pre_hooks
+            group.get("differentiable")
+            or group.get("capturable")
+            or optimizer._optimizer_step_pre_hooks
             or optimizer._optimizer_step_post_hooks
             or torch_optimizer._global_optimizer_pre_hooks
             or torch_optimizer._global_optimizer_post_hooks

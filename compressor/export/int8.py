@@ -1333,24 +1333,32 @@ def choose(
     )
 
 
+WHOLE_MODEL = "whole model: "  # the reason given when host timing found all of INT8 slower
+
+
 def no_int8_reason(best: Selection, floor: float) -> str:
     """One line on why `best` ships no INT8 file. It names the figure that missed: the
     agreement counted on the check inputs can be 1.0000 while the 95% lower bound of the one
-    expected on new inputs misses the floor (a small ViT on 160 validation samples)."""
+    expected on new inputs misses the floor (a small ViT on 160 validation samples). Host
+    timing that found the INT8 file slower decides last, so it is named first."""
+    reasons = sorted(set(best.fp32_nodes.values()))
+    slower = [r for r in reasons if r.startswith(WHOLE_MODEL)]
+    if slower:
+        return slower[0]
     if not best.fallen_back:
-        return "; ".join(sorted(set(best.fp32_nodes.values()))[:1]) or "no quantizable node"
+        return reasons[0] if reasons else "no quantizable node"
     counted, low = best.agreement_before_fallback, best.expected_low_before_fallback
     if counted < floor:
-        missed = f"top-1 agreement with FP32 {counted:.4f}"
+        missed = f"top-1 agreement with FP32 {counted:.4f}, below min_agreement {floor}"
     else:
         missed = (
             f"top-1 agreement with FP32 {counted:.4f} on the check inputs, but on new inputs "
-            f"{best.expected_before_fallback:.4f} expected with a 95% lower bound of {low:.4f} "
-            f"(more validation samples narrow it)"
+            f"{best.expected_before_fallback:.4f} expected with a 95% lower bound of {low:.4f}, "
+            f"below min_agreement {floor} (more validation samples narrow the bound)"
         )
     return (
-        f"with every node in INT8, {missed}, below min_agreement {floor}; it held only with "
-        f"all {best.fallen_back} INT8 nodes back in FP32"
+        f"with every node in INT8, {missed}; it held only with all {best.fallen_back} INT8 "
+        f"nodes back in FP32"
     )
 
 
@@ -1496,7 +1504,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
             ms = 1000 * np.median(t, axis=0)
             latency = {"fp32": float(ms[0]), "int8": float(ms[1])}
             if n_int8 and fp32_clearly_faster(t[:, 0], t[:, 1]):
-                why = f"whole model: INT8 {ms[1]:.3f} ms vs FP32 {ms[0]:.3f} ms"
+                why = f"{WHOLE_MODEL}INT8 {ms[1]:.3f} ms vs FP32 {ms[0]:.3f} ms"
                 excluded.update({n: why for n in q.nodes if n not in excluded})
                 model, agree, mse, n_int8, n_bias = build(), 1.0, 0.0, 0, 0
                 latency["int8"] = latency["fp32"]
