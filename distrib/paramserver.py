@@ -719,7 +719,8 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
 
     Returns `fn(grad) -> bool`: False when the state is not made yet (the first step, or
     SGD's first with momentum) or a hook or a differentiable/capturable group was set since,
-    so the caller steps the usual way. None for any other optimizer or settings this does not mirror: always step()."""
+    so the caller steps the usual way. None for any other optimizer, or settings this does
+    not mirror: always step()."""
     groups = optimizer.param_groups
     kind = type(optimizer)
     if (
