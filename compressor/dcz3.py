@@ -105,6 +105,10 @@ class Writer:
         planes = entropy.planes_of(raw, itemsize)
         return self.planes.encode(self.enc, planes, f"dense:{dtype}", mode)
 
+    def dense_bits(self, raw: bytes, itemsize: int, dtype: int = 0) -> float:
+        """`dense`'s bits estimated, not coded: nothing changes (`Planes.estimate_bits`)."""
+        return self.planes.estimate_bits(entropy.planes_of(raw, itemsize), f"dense:{dtype}")
+
     def codebook(self, codebook: np.ndarray, mode: int | None = None) -> int:
         """Code a codebook's float32 byte planes; return their plane-model mode."""
         planes = entropy.planes_of(np.asarray(codebook, "<f4").tobytes(), 4)

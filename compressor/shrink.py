@@ -423,18 +423,13 @@ def prefer_dense_(model: nn.Module, recipe: Recipe) -> list[str]:
             # float16 would overflow: stays shared, or dense float32 where `_entries` finds
             # that smaller; priced the same way here.
             dense32 = archive.Dense(key, _baked_value(model, key).detach(), store_fp16=True)
-            version = context.version
-            smaller = archive.record_size(dense32, version, context) < archive.record_size(
-                shared, version, context
-            )
-            context.add(dense32 if smaller else shared)
+            s_bytes, d_bytes, _ = archive.sizes(shared, dense32, context.version, context)
+            context.add(dense32 if d_bytes < s_bytes else shared)
             continue
         as16 = torch.where(s.mask, codebook.half().float()[s.index], 0.0)
         dense = archive.Dense(key, as16, store_fp16=True)
-        version = context.version
-        if archive.record_size(dense, version, context) < archive.record_size(
-            shared, version, context
-        ):
+        s_bytes, d_bytes, _ = archive.sizes(shared, dense, context.version, context)
+        if d_bytes < s_bytes:
             with torch.no_grad():
                 s.codebook.copy_(s.codebook.half().float())
             rounded.append(layers[key].name)
@@ -493,8 +488,7 @@ def record_bytes(layer: prune.Layer, value: torch.Tensor, recipe: Recipe) -> int
     if dense16 and (not value.numel() or bool(value.abs().max() <= _FP16_MAX)):
         value = value.half().float()
     dense = archive.Dense(layer.key, value, store_fp16=dense16)
-    version = _format(recipe)
-    return min(archive.record_size(shared, version), archive.record_size(dense, version))
+    return min(archive.sizes(shared, dense, _format(recipe))[:2])
 
 
 def _entries(model: nn.Module, recipe: Recipe):
@@ -563,31 +557,35 @@ def _smaller(
     info: dict[str, Any],
     context: archive.ArchiveContext,
 ):
-    """The smaller record of the two (measured by encoding both), noted in `info`.
+    """The smaller record of the two, noted in `info`. The shared record is always coded;
+    the dense one too unless its estimate is plainly larger (`archive.sizes`): then its figure
+    is the estimate, marked "≈" and `dense_bytes_estimated`.
 
     The dense figure reported is float16's whenever `quantize.dense` asks for it, rounded or
     not: what dense storage would cost. Only an exact record is ever chosen, and `prefer_dense_`
     has made the layers where float16 wins exact.
     """
     version = context.version
-    s_bytes = archive.record_size(shared, version, context)
-    d_bytes = archive.record_size(dense, version, context)
+    s_bytes, d_bytes, guessed = archive.sizes(shared, dense, version, context)
     dtype = "fp16" if archive.stored_dtype(dense) == torch.float16 else "fp32"
     t = dense.tensor
     if dense.store_fp16 and dtype == "fp32" and t.numel() and bool(t.abs().max() <= _FP16_MAX):
         as16 = archive.Dense(dense.name, t.half().float(), store_fp16=True)
-        shown, shown_dtype = archive.record_size(as16, version, context), "fp16"
+        shown, shown_guessed = archive.dense_size(as16, s_bytes, version, context)
+        shown_dtype = "fp16"
     else:
-        shown, shown_dtype = d_bytes, dtype
+        shown, shown_dtype, shown_guessed = d_bytes, dtype, guessed
     if d_bytes < s_bytes:
         why, chosen = f"dense {dtype}: {d_bytes:,} B < shared {s_bytes:,} B", dense
     else:
-        why, chosen = f"shared: {s_bytes:,} B <= dense {shown_dtype} {shown:,} B", shared
+        about = "≈" if shown_guessed else ""
+        why, chosen = f"shared: {s_bytes:,} B <= dense {shown_dtype} {about}{shown:,} B", shared
     info.update(
         encoding="shared" if chosen is shared else f"dense {dtype}",
         encoding_reason=why,
         shared_bytes=s_bytes,
         dense_bytes=d_bytes if chosen is dense else shown,
+        dense_bytes_estimated=chosen is shared and shown_guessed,
     )
     return chosen
 
@@ -700,7 +698,13 @@ def _layer_rows(info, stats: archive.Encoded | None) -> list[dict[str, Any]]:
             "gap_bits": i["gap_bits"],
             "codebook": i["codebook"],
         }
-        for k in ("encoding", "encoding_reason", "shared_bytes", "dense_bytes"):
+        for k in (
+            "encoding",
+            "encoding_reason",
+            "shared_bytes",
+            "dense_bytes",
+            "dense_bytes_estimated",
+        ):
             if k in i:
                 row[k] = i[k]
         s = stats.layers.get(name) if stats else None

@@ -311,3 +311,35 @@ def test_the_pricing_context_prices_as_the_whole_writer_would():
         ), e.name
         context.add(e)
         archive._write_record_v3(full, e)
+
+
+def test_a_dense_records_estimate_is_within_bytes_of_coding_it_and_changes_nothing():
+    """`archive.dense_size_estimate` prices a dense record from its planes' code length under
+    the same models, without a range coder: what `archive.sizes` trusts when it is plainly
+    the larger of two records."""
+    g = torch.Generator().manual_seed(0)
+    levels = torch.linspace(-0.1, 0.1, 16)
+    tensors = {
+        "normal": torch.randn(200_000, generator=g) * 0.02,
+        "fp16-exact": (torch.randn(50_000, generator=g) * 0.05).half().float(),
+        "bn": torch.rand(64, generator=g) + 0.5,
+        "zeros": torch.zeros(10_000),
+        "shared": levels[torch.randint(0, 16, (30_000,), generator=g)],
+    }
+    context = archive.ArchiveContext(3)
+    context.add(archive.Dense("before", torch.randn(5_000, generator=g), store_fp16=False))
+    before = {k: [m.counts.copy() for m in ms] for k, ms in context.writer.planes.models.items()}
+    for name, t in tensors.items():
+        for fp16 in (False, True):
+            for ctx in (None, context):
+                e = archive.Dense(name, t, store_fp16=fp16)
+                exact = archive.record_size(e, 3, ctx)
+                guess = archive.dense_size_estimate(e, ctx)
+                assert abs(guess - exact) <= 1e-4 * exact + 8, (name, fp16, exact, guess)
+    after = context.writer.planes.models
+    assert before.keys() == after.keys()
+    assert all(
+        np.array_equal(a, m.counts)
+        for k in before
+        for a, m in zip(before[k], after[k], strict=True)
+    )

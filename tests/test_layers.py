@@ -2,6 +2,7 @@
 per-layer choice between a shared and a dense record, and the fast shared-weight forward."""
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -215,6 +216,32 @@ def test_each_layer_is_stored_the_smaller_way(dense):
     decoded = archive.decode(archive.encode(entries, {"name": "x"}, {})[0])
     shrink._check_bit_identical(model, decoded.state_dict)  # raises on any difference
     assert kmeans.distinct_values(model.tiny.weight) <= 2**8
+
+
+@pytest.mark.parametrize("dense", ["float16", "float32"])
+def test_estimated_dense_prices_choose_what_coding_both_chooses(dense, monkeypatch):
+    """A dense record whose estimate is plainly larger is not coded (`archive.sizes`): the
+    records chosen, and so the archive, are byte for byte those of coding both ways."""
+
+    def archive_of(slack):
+        monkeypatch.setattr(archive, "ESTIMATE_SLACK", slack)
+        torch.manual_seed(0)
+        model = BigAndTiny()
+        prune.prune_(model, prune.PruneConfig(sparsity={"big": 0.9}))
+        kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=8, bits={"big": 3}))
+        r = recipe.resolve({"quantize": {"dense": dense}})
+        rounded = shrink.prefer_dense_(model, r)
+        entries, info = shrink._entries(model, r)
+        return rounded, archive.encode(entries, {"name": "x"}, {})[0], info
+
+    rounded, data, info = archive_of(archive.ESTIMATE_SLACK)
+    exact_rounded, exact_data, exact_info = archive_of(math.inf)  # never trust an estimate
+    assert rounded == exact_rounded and data == exact_data
+    big, exact_big = info["big.weight"], exact_info["big.weight"]
+    assert big["dense_bytes_estimated"] and not exact_big["dense_bytes_estimated"]
+    assert abs(big["dense_bytes"] - exact_big["dense_bytes"]) <= 8
+    assert "≈" in big["encoding_reason"] and "≈" not in exact_big["encoding_reason"]
+    assert not info["tiny.weight"].get("dense_bytes_estimated")  # chosen: always coded
 
 
 def test_shrink_stores_no_layer_worse_than_dense_fp16(tmp_path):
