@@ -60,6 +60,7 @@ MAX_CONTEXT_K = 256
 # readers take whatever modes a file's directory names.
 CHOOSE_MARGIN = 0.995
 MASK_PRIOR = 16  # pseudo-counts of the mask's density in every zero-run context
+QUANT_BITS = 24  # constriction's default precision for Categorical(perfect=False)
 
 
 def adaptive_bits(ctx: np.ndarray, sym: np.ndarray, k: int) -> float:
@@ -123,13 +124,16 @@ class _Model:
         np.add.at(self.counts, (ctx, sym), 1)
 
     def bits(self, sym: np.ndarray, ctx: np.ndarray | None = None) -> float:
-        """The code length `encode` would spend on this step's symbols, in bits, from the same
-        probabilities (the coder quantizes them and adds its flush; `Planes.estimate_bits`),
-        then the same update. By counts, not per symbol: a bincount and k logarithms."""
+        """A lower bound, to a fraction of a bit a symbol, of what `encode` spends on this
+        step's symbols, then the same update. constriction's leaky quantizer gives a symbol of
+        probability p at least ceil(p 2^24) + 1 of 2^24, at most p 2^24 + 2: priced so, a rare
+        symbol never costs more than the coder pays for it (over 2^20 values in one model,
+        exact -log2 p would overprice it). By counts, not symbol by symbol."""
         if sym.size == 0:
             return 0.0
         w = self.counts * 2.0 + 1.0  # (contexts, k), as `_probs`
-        cost = np.log2(w.sum(1, keepdims=True)) - np.log2(w)
+        p = w / w.sum(1, keepdims=True)
+        cost = QUANT_BITS - np.log2(p * 2.0**QUANT_BITS + 2.0)
         if ctx is None:
             seen = np.bincount(sym, minlength=self.k)
             self.counts[0] += seen

@@ -119,7 +119,8 @@ def markdown(
         "",
         "Bits are per kept weight; index bits are the relative-index (gap) code, escapes "
         "included. Size is the layer's archive record against its FP32 dense bytes. A shared "
-        "layer is stored dense where that record is smaller (both are encoded and measured).",
+        "layer is stored dense where that record is smaller (both priced; the dense one "
+        "estimated, marked ≈, where it is plainly the larger).",
         "",
         *_plot_lines(report, plots),
         "## Recipe",

@@ -11,10 +11,11 @@ parameter of the dense FP32 model and include codebooks and index overhead; the 
 the archive file itself, header and checksum included.
 
 Each shared layer is stored in the archive the cheaper way, measured by encoding its record
-both ways: shared (codebook, code-length tables, Huffman streams of indices and gaps) or dense
-(`quantize.dense`, float16 by default). A layer of a few dozen weights costs more in tables
-than its values; there, the codebook is rounded to float16 in the model too, so the archive
-still decodes to exactly the model that was measured, and the report says which and why.
+both ways (the dense one only estimated where it is plainly the larger): shared (codebook,
+code-length tables, Huffman streams of indices and gaps) or dense (`quantize.dense`, float16
+by default). A layer of a few dozen weights costs more in tables than its values; there, the
+codebook is rounded to float16 in the model too, so the archive still decodes to exactly the
+model that was measured, and the report says which and why.
 """
 
 from __future__ import annotations
@@ -496,7 +497,8 @@ def _entries(model: nn.Module, recipe: Recipe):
     facts the report needs (kept, bits, codebook size, gap widths and escapes at the fixed
     width; for a shared layer, both record sizes and which one is stored).
 
-    A shared layer's record is encoded both ways and the smaller is kept (shared on a tie).
+    A shared layer's record is priced both ways and the smaller is kept (shared on a tie); the
+    dense one is range-coded unless its estimate is plainly the larger (`archive.sizes`).
     The dense record stores float16 only where that is exact (`prefer_dense_` makes it so), so
     either way the archive decodes to the model's values bit for bit.
     """
