@@ -372,21 +372,21 @@ class Planes:
             start = end
         return out
 
-    def _code(self, enc, planes: np.ndarray, models: list[_Model]) -> None:
+    def _pieces(self, planes: np.ndarray, models: list[_Model]):
+        """(model, symbols, contexts) of each step, in coding order: plane 1 in the context
+        of plane 0. A plane's steps are cut before its model takes any of them."""
         for j, (p, model) in enumerate(zip(planes, models, strict=True)):
             p = p.astype(np.int64)
             above = planes[0].astype(np.int64) if j == 1 else None
             for a, b in self._steps(model, p.size):
-                model.encode(enc, p[a:b], None if above is None else above[a:b])
+                yield model, p[a:b], None if above is None else above[a:b]
+
+    def _code(self, enc, planes: np.ndarray, models: list[_Model]) -> None:
+        for model, sym, ctx in self._pieces(planes, models):
+            model.encode(enc, sym, ctx)
 
     def _bits(self, planes: np.ndarray, models: list[_Model]) -> float:
-        total = 0.0
-        for j, (p, model) in enumerate(zip(planes, models, strict=True)):
-            p = p.astype(np.int64)
-            above = planes[0].astype(np.int64) if j == 1 else None
-            for a, b in self._steps(model, p.size):
-                total += model.bits(p[a:b], None if above is None else above[a:b])
-        return total
+        return sum(model.bits(sym, ctx) for model, sym, ctx in self._pieces(planes, models))
 
     def estimate_bits(self, planes: np.ndarray, family: str) -> float:
         """What `encode(..., mode=None)` would spend on `planes`, in bits, without coding them

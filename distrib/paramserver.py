@@ -718,9 +718,9 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
     Python cost 60-90 us of a 0.5 ms round trip, on every update.
 
     Returns `fn(grad) -> bool`: False when the state is not made yet (the first step, or
-    SGD's first with momentum) or a hook or a differentiable/capturable group was set since,
-    so the caller steps the usual way. None for any other optimizer, or settings this does
-    not mirror: always step()."""
+    SGD's first with momentum), a hook is registered or the group is differentiable or
+    capturable (checked on every call), so the caller steps the usual way. None for any other
+    optimizer or more than this one tensor: always step()."""
     groups = optimizer.param_groups
     kind = type(optimizer)
     if (
@@ -728,15 +728,13 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
         or len(groups) != 1
         or len(groups[0]["params"]) != 1
         or groups[0]["params"][0] is not param
-        or groups[0].get("differentiable")
-        or groups[0].get("capturable")
     ):
         return None
     # torch >= 2.7 passes AdamW's flag to the shared functional; older ones have no such
     # argument (and no such group key): pass exactly what this version's step() passes.
     decoupled = "decoupled_weight_decay" in inspect.signature(adam_update).parameters
 
-    def hooked() -> bool:  # hooks step() would call, or settings since loaded it would honour
+    def needs_step() -> bool:  # hooks step() would call, or settings only step() honours
         group = optimizer.param_groups[0]
         return bool(
             group.get("differentiable")
@@ -757,7 +755,7 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
     def sgd(grad: torch.Tensor) -> bool:
         group, state = optimizer.param_groups[0], optimizer.state
         buf = state[param].get("momentum_buffer") if param in state else None
-        if grad.is_sparse or (group["momentum"] != 0 and buf is None) or hooked():
+        if grad.is_sparse or (group["momentum"] != 0 and buf is None) or needs_step():
             return False
         with torch.no_grad():
             sgd_update(
@@ -779,7 +777,7 @@ def _direct_step(optimizer: torch.optim.Optimizer, param: nn.Parameter):
 
     def adam(grad: torch.Tensor) -> bool:
         group, st = optimizer.param_groups[0], optimizer.state.get(param)
-        if not st or "step" not in st or grad.is_sparse or hooked():
+        if not st or "step" not in st or grad.is_sparse or needs_step():
             return False
         beta1, beta2 = group["betas"]
         flag = {"decoupled_weight_decay": group["decoupled_weight_decay"]} if decoupled else {}
