@@ -11,8 +11,11 @@ dense model's epoch. For each model, one epoch (`trainer.fit`, Adam, batch 32, 2
 3x32x32 images) of:
 
   dense      the model as built;
-  masked     70% of every prunable weight pruned (`prune.Mask`);
-  where      the same, with the mask applied as torch.where(mask, w, +0.0), its previous form;
+  masked     70% of every prunable weight pruned, trained as `shrink` retrains it: inside
+             `prune.zeroed_training` (pruned weights held at +0.0, their gradients masked);
+  multiply   the same, with the mask's forward on every step (`prune.Mask`: w x mask + 0.0),
+             the previous form;
+  where      the same, with the mask applied as torch.where(mask, w, +0.0), the one before;
   shared     pruned, then k-means shared (`kmeans.SharedWeights`, centroid fine-tuning);
 
 after one untimed dense epoch, in alternating runs, medians of `--reps`, and each one's time
@@ -22,6 +25,7 @@ over dense.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import time
@@ -33,7 +37,7 @@ from compresskit.distrib import trainer
 from compresskit.models import zoo
 from compresskit.models.data import Dataset
 
-KINDS = ("dense", "masked", "where", "shared")
+KINDS = ("dense", "masked", "multiply", "where", "shared")
 
 
 def _where(self: prune.Mask, w: torch.Tensor) -> torch.Tensor:
@@ -78,8 +82,10 @@ def main() -> None:
                 prune.Mask.forward = _where if kind == "where" else fast
                 try:
                     model = build(spec, kind)
+                    zeroed = prune.zeroed_training if kind == "masked" else contextlib.nullcontext
                     t = time.perf_counter()
-                    trainer.fit(model, data, cfg)
+                    with zeroed(model):
+                        trainer.fit(model, data, cfg)
                     times[kind].append(time.perf_counter() - t)
                 finally:
                     prune.Mask.forward = fast

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compresskit.compressor import pipeline
+from compresskit.compressor import pipeline, prune
 from compresskit.compressor.recipe import Recipe
 from compresskit.compressor.shrink import Hooks
 from compresskit.distrib.trainer import (
@@ -236,7 +236,10 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
             optimizer=train.optimizer,
             seed=train.seed,
         )
-        result = fit(m, data or ds, cfg, events=events, loss_fn=loss_fn or cross_entropy_loss)
+        # Masks skip their multiply while `fit` trains: its SGD and Adam start their state
+        # inside the block and keep zero weights at zero (pruned layers at dense speed).
+        with prune.zeroed_training(m):
+            result = fit(m, data or ds, cfg, events=events, loss_fn=loss_fn or cross_entropy_loss)
         # The loop's last evaluation is the test set's when it trained on `ds`: the pipeline
         # reuses its per-sample hits instead of a second pass (`Hooks.retrain`).
         return result.test_correct if data is None else None

@@ -212,3 +212,85 @@ def test_attention_projections_are_prunable_embeddings_only_when_asked():
     assert {"encoder.blocks.0.attn.in_proj_bias", "tokens.weight", "positions.weight"} <= with_bias
     kept = prune.prune_(model, prune.PruneConfig(sparsity={"encoder.blocks.0.attn.in_proj": 0.5}))
     assert kept == pytest.approx({"encoder.blocks.0.attn.in_proj_weight": 0.5})
+
+
+def _pruned(model_name, seed=0):
+    torch.manual_seed(seed)
+    m = tiny(model_name, in_shape=(1, 8, 8))
+    prune.prune_(m, prune.PruneConfig(sparsity=0.6, rounds=1))
+    return m
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        dict(optimizer="adam", weight_decay=1e-3),
+        dict(optimizer="sgd", momentum=0.9, weight_decay=1e-3),
+    ],
+)
+def test_zeroed_training_trains_exactly_as_the_masked_forward(opt):
+    """Inside zeroed_training the masks hand the layers their originals and zero the pruned
+    gradients as they accumulate: the same losses and weights, bit for bit, as the masked
+    forward, for the trainer's Adam (fused) and SGD with momentum and decay, and the mask is
+    back in place afterwards."""
+    data = load("digits")
+    cfg = TrainConfig(epochs=2, batch_size=32, lr=3e-3, seed=0, **opt)
+    ref, fast = _pruned("lenet5"), _pruned("lenet5")
+    a = fit(ref, data, cfg)
+    with prune.zeroed_training(fast):
+        assert all(p.passthrough for p in fast.modules() if isinstance(p, prune.Mask))
+        b = fit(fast, data, cfg)
+    assert [(h.train_loss, h.test_loss) for h in a.history] == [
+        (h.train_loss, h.test_loss) for h in b.history
+    ]
+    masks = prune.masks_of(fast)
+    assert masks and not any(p.passthrough for p in fast.modules() if isinstance(p, prune.Mask))
+    for name, w in ref.state_dict().items():
+        assert torch.equal(w, fast.state_dict()[name]), name
+    for name, mask in masks.items():
+        got = prune._raw(fast, name)
+        assert torch.all(got[~mask] == 0) and not torch.signbit(got[~mask]).any()
+        assert torch.equal(prune._current(*_module_and_param(fast, name)), got * mask)
+
+
+def _module_and_param(model, full):
+    module, pname = prune._split(full)
+    return model.get_submodule(module), pname
+
+
+def test_zeroed_training_follows_a_mask_tightened_inside_it():
+    m = _pruned("lenet300")
+    x = torch.randn(5, 1, 8, 8)
+    with prune.zeroed_training(m):
+        tighter = prune.masks_of(m)["fc1.weight"] & (torch.rand(m.fc1.weight.shape) > 0.5)
+        prune.set_mask_(m, "fc1.weight", tighter)
+        m(x).sum().backward()
+        grad = m.fc1.parametrizations.weight.original.grad
+        assert torch.all(grad[~tighter] == 0) and bool(grad[tighter].ne(0).any())
+        assert torch.all(m.fc1.weight[~tighter] == 0)
+
+
+def test_zeroed_training_names_a_layer_whose_pruned_weights_an_optimizer_moved():
+    """Momentum from before a mask tightened moves the newly pruned weights: the block checks
+    on leaving, says which layer, and puts the zeros back; an exception already on its way
+    out is left to propagate."""
+    m = _pruned("lenet300")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(5, 1, 8, 8)
+    m(x).sum().backward()
+    opt.step()  # momentum buffers everywhere the first mask kept
+    opt.zero_grad()
+    tighter = prune.masks_of(m)["fc2.weight"] & (
+        torch.arange(m.fc2.weight.numel()).view_as(m.fc2.weight) % 2 == 0
+    )
+    prune.set_mask_(m, "fc2.weight", tighter)
+    moved = pytest.raises(RuntimeError, match=r"moved pruned weights of fc2\.weight")
+    with moved, prune.zeroed_training(m):
+        m(x).sum().backward()
+        opt.step()
+    assert torch.all(prune._raw(m, "fc2.weight")[~tighter] == 0)
+    with pytest.raises(ValueError, match="boom"), prune.zeroed_training(m):
+        m(x).sum().backward()
+        opt.step()
+        raise ValueError("boom")
+    assert not any(p.passthrough for p in m.modules() if isinstance(p, prune.Mask))
