@@ -188,9 +188,7 @@ def record_size(e: Dense | Shared, version: int = VERSION, context: Any = None) 
     next record; without one, as the archive's first. Format 3's figure counts the range
     coder's 32-bit words (flush included), so it is exact to 4 bytes."""
     if version >= 3:
-        w = dcz3.Writer() if context is None else context.writer.fork()
-        head = _write_record_v3(w, e)[0]
-        return len(head) + (w.bits() + 7) // 8
+        return _priced(context, e, b"exact", lambda: _coded_size(e, context))
     out = io.BytesIO()
     _write_record(out, e, version)
     return out.tell()
@@ -199,8 +197,17 @@ def record_size(e: Dense | Shared, version: int = VERSION, context: Any = None) 
 # A dense record's estimated size (`dense_size_estimate`) this far over its rival's exact one
 # cannot be the smaller: the estimate is at most 8 bytes (the coder's flush) over the coded
 # size, since every symbol is priced at the coder's quantized floor (`entropy._Model.bits`).
-ESTIMATE_SLACK = 0.01
+# Twice the flush is margin enough; no share of the size is needed (it was 1 % until the
+# estimate was made a bound: ResNet-18's 8-bit convs sit 0.1-1.4 % under dense float16, and
+# each was range-coded dense twice in every shrink, 2.9 s of its pricing).
+ESTIMATE_SLACK = 0.0
 ESTIMATE_BYTES = 16
+
+
+def _coded_size(e: Dense | Shared, context: Any) -> int:
+    w = dcz3.Writer() if context is None else context.writer.fork()
+    head = _write_record_v3(w, e)[0]
+    return len(head) + (w.bits() + 7) // 8
 
 
 def dense_size_estimate(e: Dense, context: Any = None) -> float:
@@ -208,12 +215,48 @@ def dense_size_estimate(e: Dense, context: Any = None) -> float:
     models (`entropy.Planes.estimate_bits`), without range coding them: for pricing a dense
     record against a shared one that is plainly smaller (a 2.36M-weight ResNet-18 conv: 7.8 MB
     of float32 planes against well under 1 MB shared at 5 bits)."""
+    return _priced(context, e, b"estimate", lambda: _estimated_size(e, context))
+
+
+def _estimated_size(e: Dense, context: Any) -> float:
     t = e.tensor.detach().cpu().contiguous()
     stored = stored_dtype(e)
     w = dcz3.Writer() if context is None else context.writer
     bits = w.dense_bits(_raw(t.to(stored)), stored.itemsize, DTYPES.index(stored))
     head = dcz3.record_head(DTYPES.index(t.dtype), tuple(t.shape), dcz3.DENSE)
     return len(head) + len(dcz3.dense_dir(DTYPES.index(stored), 0)) + bits / 8 + 8
+
+
+def _priced(context: Any, e: Dense | Shared, kind: bytes, price: Callable[[], Any]) -> Any:
+    """`price()`, or the figure a context sharing `context.prices` found for the same record
+    after the same records before it."""
+    if context is None or context.prices is None:
+        return price()
+    key = context.key(e, kind)
+    if key not in context.prices:
+        context.prices[key] = price()
+    return context.prices[key]
+
+
+def digest(e: Dense | Shared) -> bytes:
+    """A 16-byte digest of what a record's coded bytes depend on (not its name: the header
+    holds names): kind, shape, dtype and storage, values. Cached on the record."""
+    cached = e.__dict__.get("_digest")
+    if cached is not None:
+        return cached
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(e, Dense):
+        t = e.tensor.detach().cpu().contiguous()
+        h.update(f"D{t.dtype}{tuple(t.shape)}{e.store_fp16}".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    else:
+        h.update(f"S{tuple(e.shape)}{e.gap_bits}".encode())
+        for a in (e.codebook, e.index, e.positions):
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype}{a.shape}".encode())
+            h.update(memoryview(a).cast("B"))
+    e.__dict__["_digest"] = d = h.digest()
+    return d
 
 
 def sizes(shared: Shared, dense: Dense, version: int, context: Any = None) -> tuple[int, int, bool]:
@@ -237,15 +280,28 @@ def dense_size(dense: Dense, rival: int, version: int, context: Any = None) -> t
 
 class ArchiveContext:
     """The records written so far, for pricing the next one as the archive will code it
-    (`record_size(e, version, context)`); `add` the record chosen."""
+    (`record_size(e, version, context)`); `add` the record chosen.
 
-    def __init__(self, version: int = VERSION) -> None:
+    `prices`, a dict shared by contexts that price the same records (`shrink`'s choice of
+    float16 codebooks, then its choice of records): a record priced after the same records
+    before it is looked up, not coded again (keys: `digest`s of those records and of it)."""
+
+    def __init__(self, version: int = VERSION, prices: dict | None = None) -> None:
         self.version = version
         self.writer = dcz3.Writer()
+        self.prices = prices
+        self._history = hashlib.blake2b(digest_size=16)
+
+    def key(self, e: Dense | Shared, kind: bytes) -> bytes:
+        h = self._history.copy()
+        h.update(kind + digest(e))
+        return h.digest()
 
     def add(self, e: Dense | Shared) -> None:
         if self.version < 3:
             return
+        if self.prices is not None:
+            self._history.update(digest(e))
         if isinstance(e, Dense):
             _write_record_v3(self.writer, e)
             return

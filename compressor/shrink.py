@@ -150,16 +150,18 @@ def shrink(
         report["sensitivity"], hits = _prune(model, p, hooks)
         stages.append(_stage("prune", ts, model, hits))
     q = recipe.quantize
+    # Records priced once: `prefer_dense_` prices every layer where `_entries` will again.
+    prices: dict[bytes, Any] = {}
     if q.enabled:
         ts = time.perf_counter()
         report["histogram"] = _quantize(model, q, recipe.train.seed, hooks, base_loss)
         if recipe.huffman.enabled:
-            dense = prefer_dense_(model, recipe)
+            dense = prefer_dense_(model, recipe, prices)
             if dense:
                 hooks.info(f"stored dense ({q.dense}), smaller than shared: {', '.join(dense)}")
         stages.append(_stage("quantize", ts, model))
 
-    entries, layer_info = _entries(model, recipe)
+    entries, layer_info = _entries(model, recipe, prices)
     _account(stages, entries, layer_info, baseline["bytes"], recipe)
     if recipe.huffman.enabled:
         ts = time.perf_counter()
@@ -397,12 +399,13 @@ def _choose_gap_bits(positions: np.ndarray, numel: int, fixed: int, mode: str) -
     return min(GAP_BITS_SEARCH, key=cost)
 
 
-def prefer_dense_(model: nn.Module, recipe: Recipe) -> list[str]:
+def prefer_dense_(model: nn.Module, recipe: Recipe, prices: dict | None = None) -> list[str]:
     """Round to float16 the codebook of each shared layer whose dense float16 record would be
     smaller than its shared one, so that the dense record `_entries` then measures as smaller
     is exact and decodes to the model bit for bit. Returns those layers' names.
 
     Nothing to do with `quantize.dense = "float32"`: float32 storage is exact as it is.
+    `prices` (`archive.ArchiveContext`): shared with `_entries`, which then codes nothing twice.
     """
     if recipe.quantize.dense != "float16":
         return []
@@ -411,7 +414,7 @@ def prefer_dense_(model: nn.Module, recipe: Recipe) -> list[str]:
     shared_params = kmeans.shared_params(model)
     # Priced in archive order, each record after those before it (format 3's byte-plane models
     # learn from them), as `_entries` will price them.
-    context = archive.ArchiveContext(_format(recipe))
+    context = archive.ArchiveContext(_format(recipe), prices)
     rounded = []
     for key in _baked_state_keys(model):
         s = shared_params.get(key)
@@ -492,7 +495,7 @@ def record_bytes(layer: prune.Layer, value: torch.Tensor, recipe: Recipe) -> int
     return min(archive.sizes(shared, dense, _format(recipe))[:2])
 
 
-def _entries(model: nn.Module, recipe: Recipe):
+def _entries(model: nn.Module, recipe: Recipe, prices: dict | None = None):
     """Archive entries in state_dict order, and for every layer's weight (`kmeans.layers`) the
     facts the report needs (kept, bits, codebook size, gap widths and escapes at the fixed
     width; for a shared layer, both record sizes and which one is stored).
@@ -513,7 +516,8 @@ def _entries(model: nn.Module, recipe: Recipe):
     }
     entries: list[archive.Dense | archive.Shared] = []
     info: dict[str, dict[str, Any]] = {}
-    context = archive.ArchiveContext(_format(recipe))  # prices each record where it will sit
+    # Prices each record where it will sit; `prices` holds what `prefer_dense_` coded.
+    context = archive.ArchiveContext(_format(recipe), prices)
     for key in _baked_state_keys(model):
         value = _baked_value(model, key).detach()
         dense = archive.Dense(key, value.clone(), store_fp16=dense16)

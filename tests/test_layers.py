@@ -244,6 +244,40 @@ def test_estimated_dense_prices_choose_what_coding_both_chooses(dense, monkeypat
     assert not info["tiny.weight"].get("dense_bytes_estimated")  # chosen: always coded
 
 
+def test_entries_reuse_what_prefer_dense_priced_and_choose_the_same(monkeypatch):
+    """`prefer_dense_` and `_entries` price the same records after the same records: with a
+    shared `prices` dict the second codes only what changed in between (a codebook rounded to
+    float16), and the records, the archive and the report are those of pricing twice."""
+    coded: list[str] = []
+    code = archive._coded_size
+    monkeypatch.setattr(archive, "_coded_size", lambda e, c: coded.append(e.name) or code(e, c))
+
+    def run(prices):
+        torch.manual_seed(0)
+        model = BigAndTiny()
+        prune.prune_(model, prune.PruneConfig(sparsity={"big": 0.9}))
+        kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=8, bits={"big": 3}))
+        r = recipe.resolve({})
+        rounded = shrink.prefer_dense_(model, r, prices)
+        coded.clear()
+        entries, info = shrink._entries(model, r, prices)
+        return rounded, archive.encode(entries, {"name": "x"}, {})[0], info, list(coded)
+
+    twice, once = run(None), run({})
+    assert twice[0] == once[0] == ["tiny"]  # tiny's codebook rounded: stored dense
+    assert twice[1] == once[1] and twice[2] == once[2]
+    assert "big.weight" in twice[3] and "big.weight" not in once[3]
+    assert "tiny.weight" in once[3]  # its shared record changed when its codebook was rounded
+    # A context whose records before differ finds nothing of another's.
+    prices: dict = {}
+    e = archive.Dense("w", torch.randn(1000))
+    a, b = archive.ArchiveContext(3, prices), archive.ArchiveContext(3, prices)
+    b.add(archive.Dense("before", torch.randn(10)))
+    assert a.key(e, b"exact") != b.key(e, b"exact")
+    assert archive.record_size(e, 3, a) == archive.record_size(e, 3, archive.ArchiveContext(3))
+    assert len(prices) == 1
+
+
 def test_shrink_stores_no_layer_worse_than_dense_fp16(tmp_path):
     """A tiny residual CNN through the whole pipeline (no training): every layer's record is at
     most its dense float16 record, and the report says which and why."""
