@@ -131,18 +131,17 @@ class _Model:
         exact -log2 p would overprice it). By counts, not symbol by symbol."""
         if sym.size == 0:
             return 0.0
-        w = self.counts * 2.0 + 1.0  # (contexts, k), as `_probs`
-        p = w / w.sum(1, keepdims=True)
+        flat = sym if ctx is None else ctx * self.k + sym
+        seen = np.bincount(flat, minlength=self.counts.size)
+        # Priced only where this step has symbols: a context model's table is 256 x 256, and
+        # most steps touch a small part of it.
+        at = np.flatnonzero(seen)
+        counts = self.counts.reshape(-1)
+        total = self.counts.sum(1) * 2.0 + self.k  # each context's weights, as `_probs`
+        p = (counts[at] * 2.0 + 1.0) / total[at // self.k]
         cost = QUANT_BITS - np.log2(p * 2.0**QUANT_BITS + 2.0)
-        if ctx is None:
-            seen = np.bincount(sym, minlength=self.k)
-            self.counts[0] += seen
-            return float(seen @ cost[0])
-        seen = np.bincount(ctx * self.k + sym, minlength=self.counts.size).reshape(
-            self.counts.shape
-        )
-        self.counts += seen
-        return float((seen * cost).sum())
+        counts += seen
+        return float(seen[at] @ cost)
 
     def decode(self, dec: RangeDecoder, n: int, ctx: np.ndarray | None = None) -> np.ndarray:
         if n == 0:
