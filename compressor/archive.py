@@ -302,11 +302,13 @@ class ArchiveContext:
             return
         if self.prices is not None:
             self._history.update(digest(e))
+        # Only the byte-plane models carry over to the next record (a shared record's mask and
+        # indices are coded with models of their own, so they need not be coded again here),
+        # and a fresh stream lets the writer keep its winning trial instead of coding again.
+        self.writer.drop_stream()
         if isinstance(e, Dense):
             _write_record_v3(self.writer, e)
             return
-        # Only the byte-plane models carry over to the next record: a shared record's mask and
-        # indices are coded with models of their own, so they need not be coded again here.
         self.writer.codebook(e.codebook)
 
 

@@ -102,8 +102,18 @@ class Writer:
     def dense(self, raw: bytes, itemsize: int, mode: int | None = None, dtype: int = 0) -> int:
         """Code a dense tensor's bytes; `dtype` (its stored dtype's code) keys the shared models,
         so float32 and int32 tensors never train each other's."""
-        planes = entropy.planes_of(raw, itemsize)
-        return self.planes.encode(self.enc, planes, f"dense:{dtype}", mode)
+        return self._planes(entropy.planes_of(raw, itemsize), f"dense:{dtype}", mode)
+
+    def _planes(self, planes: np.ndarray, family: str, mode: int | None) -> int:
+        if mode is None and self.bits() == 0:  # nothing coded yet: keep the winning trial
+            mode, self.enc = self.planes.encode_first(planes, family)
+            return mode
+        return self.planes.encode(self.enc, planes, family, mode)
+
+    def drop_stream(self) -> None:
+        """Forget what was coded, keep the models: all a pricing context needs of its records
+        (`archive.ArchiveContext`; `fork` copies only the models)."""
+        self.enc = entropy.RangeEncoder()
 
     def dense_bits(self, raw: bytes, itemsize: int, dtype: int = 0) -> float:
         """`dense`'s bits estimated, not coded: nothing changes (`Planes.estimate_bits`)."""
@@ -112,7 +122,7 @@ class Writer:
     def codebook(self, codebook: np.ndarray, mode: int | None = None) -> int:
         """Code a codebook's float32 byte planes; return their plane-model mode."""
         planes = entropy.planes_of(np.asarray(codebook, "<f4").tobytes(), 4)
-        return self.planes.encode(self.enc, planes, "codebook", mode)
+        return self._planes(planes, "codebook", mode)
 
     def shared(self, shape, codebook, index, positions, modes: tuple[int, int, int] | None = None):
         """Code one shared record; return (codebook mode, mask mode, index mode) and the bits

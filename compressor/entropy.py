@@ -410,15 +410,32 @@ class Planes:
         cheaper on its own), or `mode` when given."""
         shared = self._models(family, planes.shape[0])
         if mode is None:
-            trial = {}
-            for m in (SHARED, OWN):
-                scratch = RangeEncoder()
-                models = [x.copy() for x in shared] if m == SHARED else _fresh(planes.shape[0])
-                self._code(scratch, planes, models)
-                trial[m] = scratch.num_bits()
-            mode = min(trial, key=lambda m: (trial[m], m))
+            mode = self._trials(planes, family)[0]
         self._code(enc, planes, shared if mode == SHARED else _fresh(planes.shape[0]))
         return mode
+
+    def _trials(self, planes: np.ndarray, family: str) -> tuple[int, RangeEncoder, list[_Model]]:
+        """Both modes coded on fresh coders: the smaller's mode (SHARED on a tie), its coder
+        and its models after coding."""
+        shared = self._models(family, planes.shape[0])
+        best = None
+        for m in (SHARED, OWN):
+            scratch = RangeEncoder()
+            models = [x.copy() for x in shared] if m == SHARED else _fresh(planes.shape[0])
+            self._code(scratch, planes, models)
+            if best is None or scratch.num_bits() < best[1].num_bits():
+                best = (m, scratch, models)
+        assert best is not None
+        return best
+
+    def encode_first(self, planes: np.ndarray, family: str) -> tuple[int, RangeEncoder]:
+        """`encode(enc, planes, family)` for a coder that holds nothing yet: the winning trial's
+        coder is that coder, so it is returned, not coded a third time (pricing a record on a
+        fresh fork, or a pricing context that keeps only models)."""
+        mode, coder, models = self._trials(planes, family)
+        if mode == SHARED:
+            self.models[(family, planes.shape[0])] = models
+        return mode, coder
 
     def decode(
         self, dec: RangeDecoder, itemsize: int, n: int, family: str, mode: int

@@ -371,3 +371,34 @@ def test_a_dense_estimate_never_overprices_rare_symbols_after_millions_of_values
         assert archive.dense_size_estimate(e, context) <= exact + 8
         # A shared rival one byte larger: exact pricing stores dense, and so must this.
         assert archive.dense_size(e, exact + 1, 3, context) == (exact, False)
+
+
+def test_a_fresh_writer_keeps_its_winning_trial_as_coding_again_would():
+    """A writer that has coded nothing keeps the winning trial's coder and models
+    (`Planes.encode_first`) instead of coding the planes a third time: the same stream and the
+    same models as `Planes.encode` into a fresh coder, for either mode winning."""
+    g = np.random.default_rng(0)
+    warm = g.standard_normal(20_000).astype("<f4").tobytes()
+    tensors = {
+        "like the archive": g.standard_normal(5_000).astype("<f4").tobytes(),  # SHARED wins
+        "unlike it": (np.arange(5_000) % 7).astype("<f4").tobytes(),  # OWN wins
+    }
+    for name, raw in tensors.items():
+        kept, coded = dcz3.Writer(), dcz3.Writer()
+        for w in (kept, coded):
+            w.dense(warm, 4)
+            w.drop_stream()
+        mode = kept.dense(raw, 4)
+        enc = entropy.RangeEncoder()
+        assert coded.planes.encode(enc, entropy.planes_of(raw, 4), "dense:0") == mode, name
+        assert np.array_equal(kept.words(), np.asarray(enc.get_compressed(), "<u4")), name
+        ours, theirs = kept.planes.models[("dense:0", 4)], coded.planes.models[("dense:0", 4)]
+        for a, b in zip(ours, theirs, strict=True):
+            assert np.array_equal(a.counts, b.counts), name
+    modes = set()
+    for raw in tensors.values():
+        w = dcz3.Writer()
+        w.dense(warm, 4)
+        w.drop_stream()
+        modes.add(w.dense(raw, 4))
+    assert modes == {entropy.SHARED, entropy.OWN}  # both paths taken
