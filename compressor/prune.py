@@ -192,6 +192,10 @@ class Mask(nn.Module):
             self._cache = (m, m._version, scale)
         return scale
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.passthrough = False  # a copy is not in its original's `zeroed_training` block
+
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if self.passthrough:  # the original's pruned entries are +0.0 (`zeroed_training`)
             return w
@@ -313,41 +317,58 @@ def zeroed_training(model: nn.Module) -> Iterator[None]:
     `trainer.fit` does). Momentum carried from before a mask tightened would move them, so
     the block is for a training loop that starts its optimizer inside it. On leaving, every
     pruned entry is checked (one pass) and a RuntimeError names a layer whose pruned weights
-    moved. On ResNet-18 (70% pruned, batch 32, 2 cores) an epoch took 1.26x a dense one
-    masked and 1.06x this way (benchmarks/retrain_overhead.py).
+    moved. On ResNet-18 (70% pruned, batch 32, 2 cores) an epoch took 1.22x a dense one
+    masked and 1.05x this way (benchmarks/retrain_overhead.py).
 
-    Masks tightened inside the block (`set_mask_`) keep the rule: their originals are zeroed
-    and the hook reads the current mask."""
-    plugs = []
+    Masks tightened inside the block (`set_mask_`) keep the rule, their originals zeroed and
+    the hook reading the current mask, as long as the optimizer holds no state for the newly
+    pruned entries. Left to the masked forward: a frozen original (nothing trains it), one
+    original under two masks (a weight tied between layers), a mask stacked with another
+    parametrization. A copy made inside the block (`copy.deepcopy`) is an ordinary masked
+    model; an original replaced inside the block (`.to()` with torch's overwrite-on-conversion
+    flag) lost its hook, and leaving says so."""
+    candidates: dict[int, list] = {}
     for mname, module in model.named_modules():
         if not parametrize.is_parametrized(module):
             continue
         for pname, plist in module.parametrizations.items():
             if len(plist) != 1 or not isinstance(plist[0], Mask):
                 continue  # stacked with another parametrization: left to its own forward
-            mask, original = plist[0], plist.original
+            original = plist.original
+            if original.requires_grad:
+                name = f"{mname}.{pname}" if mname else pname
+                candidates.setdefault(id(original), []).append((name, plist, original))
+    plugs = []
+    finished = False
+    try:
+        for tied in candidates.values():
+            if len(tied) > 1:
+                continue  # one weight, several masks: each module's forward masks its own use
+            name, plist, original = tied[0]
+            mask = plist[0]
             with torch.no_grad():
                 original.masked_fill_(~mask.mask, 0.0)  # +0.0, as the masked forward gives
             handle = original.register_post_accumulate_grad_hook(mask.mask_grad_)
             mask.passthrough = True
-            plugs.append((f"{mname}.{pname}" if mname else pname, mask, original, handle))
-    finished = False
-    try:
+            plugs.append((name, plist, mask, original, handle))
         yield
         finished = True
     finally:
         moved = []
-        for name, mask, original, handle in plugs:
+        for name, plist, mask, original, handle in plugs:
             handle.remove()
             mask.passthrough = False
+            if plist.original is not original:
+                moved.append(f"{name} (its parameter was replaced inside the block)")
+                continue
             with torch.no_grad():
                 if bool(original.masked_select(~mask.mask).ne(0).any()):
                     moved.append(name)
                     original.masked_fill_(~mask.mask, 0.0)
         if moved and finished:  # an exception on its way out is the one to report
             raise RuntimeError(
-                f"prune.zeroed_training: the optimizer moved pruned weights of {', '.join(moved)} "
-                "(it must keep a zero weight with zero gradient and state at zero)"
+                f"prune.zeroed_training: pruned weights of {', '.join(moved)} left zero (an "
+                "optimizer must keep a zero weight with zero gradient and state at zero)"
             )
 
 

@@ -284,7 +284,7 @@ def test_zeroed_training_names_a_layer_whose_pruned_weights_an_optimizer_moved()
         torch.arange(m.fc2.weight.numel()).view_as(m.fc2.weight) % 2 == 0
     )
     prune.set_mask_(m, "fc2.weight", tighter)
-    moved = pytest.raises(RuntimeError, match=r"moved pruned weights of fc2\.weight")
+    moved = pytest.raises(RuntimeError, match=r"pruned weights of fc2\.weight left zero")
     with moved, prune.zeroed_training(m):
         m(x).sum().backward()
         opt.step()
@@ -294,3 +294,35 @@ def test_zeroed_training_names_a_layer_whose_pruned_weights_an_optimizer_moved()
         opt.step()
         raise ValueError("boom")
     assert not any(p.passthrough for p in m.modules() if isinstance(p, prune.Mask))
+
+
+def test_zeroed_training_leaves_frozen_tied_and_copied_masks_to_the_masked_forward():
+    """A frozen original (no hook can be registered on it), one weight tied between two
+    layers under two masks, a copy made inside the block: each keeps the masked forward. A
+    parameter replaced inside the block lost its hook, and leaving says which."""
+    import copy
+
+    frozen = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    for layer in frozen:
+        prune.set_mask_(layer, "weight", torch.rand(layer.weight.shape) > 0.5)
+    frozen[1].parametrizations.weight.original.requires_grad_(False)
+    with prune.zeroed_training(frozen):
+        assert frozen[0].parametrizations.weight[0].passthrough
+        assert not frozen[1].parametrizations.weight[0].passthrough
+        twin = copy.deepcopy(frozen)
+        assert not twin[0].parametrizations.weight[0].passthrough
+    assert not frozen[0].parametrizations.weight[0].passthrough
+
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    prune.set_mask_(tied[0], "weight", torch.rand(4, 4) > 0.3)
+    prune.set_mask_(tied[1], "weight", torch.rand(4, 4) > 0.6)
+    assert tied[0].parametrizations.weight.original is tied[1].parametrizations.weight.original
+    with prune.zeroed_training(tied):
+        assert not any(p.passthrough for p in tied.modules() if isinstance(p, prune.Mask))
+
+    m = _pruned("lenet300")
+    swapped = pytest.raises(RuntimeError, match=r"fc1\.weight \(its parameter was replaced")
+    with swapped, prune.zeroed_training(m):
+        plist = m.fc1.parametrizations.weight
+        plist.original = nn.Parameter(plist.original.detach().clone())
