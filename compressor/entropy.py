@@ -136,11 +136,10 @@ class _Model:
         # Priced only where this step has symbols: a context model's table is 256 x 256, and
         # most steps touch a small part of it.
         at = np.flatnonzero(seen)
-        counts = self.counts.reshape(-1)
         total = self.counts.sum(1) * 2.0 + self.k  # each context's weights, as `_probs`
-        p = (counts[at] * 2.0 + 1.0) / total[at // self.k]
+        p = (self.counts.reshape(-1)[at] * 2.0 + 1.0) / total[at // self.k]
         cost = QUANT_BITS - np.log2(p * 2.0**QUANT_BITS + 2.0)
-        counts += seen
+        self.counts += seen.reshape(self.counts.shape)
         return float(seen[at] @ cost)
 
     def decode(self, dec: RangeDecoder, n: int, ctx: np.ndarray | None = None) -> np.ndarray:

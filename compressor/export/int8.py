@@ -881,6 +881,46 @@ def node_errors(
     `reference` is the FP32 model the INT8 graph was quantized from (`Quantizer.model`, the
     same node names), as a ModelProto or its bytes."""
     import onnx
+
+    built = _error_graph(model, reference)
+    if built is None:
+        return {}
+    m, outs, names = built
+    # Through a file, the twin model let go before ORT builds its session: from bytes, the
+    # model, its bytes and ORT's own copies were alive together. ResNet-18's `choose` alone
+    # (45 MB model) peaked 816 MiB that way, 741 MiB this way; a whole shrink 1,219 -> 1,178
+    # MiB, its peak still here, in the second scheme's pass (the first scheme's files alive).
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "errors.onnx"
+        onnx.save(m, str(path))
+        del m, built  # nothing else holds the twin graph (see `_error_graph`)
+        sess = session(path, optimized, lean=True)
+    inp = sess.get_inputs()[0].name
+    sums = {t: 0.0 for t in names}
+    total = 0
+    with _datapass.data_pass():
+        for i in range(0, len(x), batch):
+            part = x[i : i + batch]
+            for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
+                # sums of squares add up over batches; channel means are weighted by batch size
+                w = len(part) if t.endswith("/shift") else 1
+                sums[t] = sums[t] + v.astype(np.float64) * w
+            total += len(part)
+    result = {}
+    for node, (sse, ss, shift) in outs.items():
+        err, sig = float(sums[sse]), float(sums[ss])
+        nmse = err / sig if sig > 0 else (0.0 if err == 0 else float("inf"))
+        result[node] = NodeError(nmse, None if shift is None else sums[shift] / max(total, 1))
+    return result
+
+
+def _error_graph(model, reference):
+    """`node_errors`' graph: (the FP32 model with each INT8 node's twin and the reductions of
+    its error placed right after its original, {node: (sse, ss, shift) output names}, the
+    output names), or None when no INT8 node has an FP32 original. Built in a function of
+    its own so that nothing but the returned model refers to it (protobuf sub-messages keep
+    their whole message alive)."""
+    import onnx
     from onnx import helper, numpy_helper
 
     ref = onnx.load_from_string(reference) if isinstance(reference, bytes) else reference
@@ -971,7 +1011,7 @@ def node_errors(
                 )
         outs[n.name] = (sse, ss, shift)
     if not outs:
-        return {}
+        return None
     # Each twin right after its original, so ORT runs it while the original's input and output
     # are fresh and frees them: appended at the end, every FP32 activation a twin reads stayed
     # alive to the end of the graph. With ORT's priority-based order (it honours this
@@ -987,34 +1027,7 @@ def node_errors(
     names = [t for v in outs.values() for t in v if t is not None]
     del g.output[:]  # only the reductions: the logits are not needed here
     g.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in names)
-    # Through a file, the twin model let go before ORT builds its session: from bytes, the
-    # model, its bytes and ORT's own copies were alive together. ResNet-18's `choose` alone
-    # (45 MB model) peaked 816 MiB that way, 749 MiB this way; a whole shrink 1,219 -> 1,193
-    # MiB, its peak still here, in the second scheme's pass (the first scheme's files alive).
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "errors.onnx"
-        onnx.save(m, str(path))
-        del m, g
-        added_inits.clear()  # copied into the graph by extend
-        after.clear()
-        sess = session(path, optimized, lean=True)
-    inp = sess.get_inputs()[0].name
-    sums = {t: 0.0 for t in names}
-    total = 0
-    with _datapass.data_pass():
-        for i in range(0, len(x), batch):
-            part = x[i : i + batch]
-            for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
-                # sums of squares add up over batches; channel means are weighted by batch size
-                w = len(part) if t.endswith("/shift") else 1
-                sums[t] = sums[t] + v.astype(np.float64) * w
-            total += len(part)
-    result = {}
-    for node, (sse, ss, shift) in outs.items():
-        err, sig = float(sums[sse]), float(sums[ss])
-        nmse = err / sig if sig > 0 else (0.0 if err == 0 else float("inf"))
-        result[node] = NodeError(nmse, None if shift is None else sums[shift] / max(total, 1))
-    return result
+    return m, outs, names
 
 
 def apply_bias_shifts(model, errors: dict[str, NodeError]) -> tuple[Any, int]:
