@@ -12,8 +12,8 @@ the archive file itself, header and checksum included.
 
 Each shared layer is stored in the archive the cheaper way, measured by encoding its record
 both ways (the dense one only estimated where it is plainly the larger): shared (codebook,
-code-length tables, Huffman streams of indices and gaps) or dense (`quantize.dense`, float16
-by default). A layer of a few dozen weights costs more in tables than its values; there, the
+coded positions and indices) or dense (`quantize.dense`, float16 by default). A layer of a
+few dozen weights costs more in codebook and framing than its values; there, the
 codebook is rounded to float16 in the model too, so the archive still decodes to exactly the
 model that was measured, and the report says which and why.
 """

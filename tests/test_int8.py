@@ -792,12 +792,15 @@ def test_quantizer_calibrates_in_activation_sized_batches(prepared, monkeypatch)
         assert np.array_equal(whole.ranges[name].range_value, q.ranges[name].range_value), name
 
 
+def _no_file(**figures):
+    """A selection that ships no INT8 file, with the figures `no_int8_reason` reads."""
+    return I.Selection(scheme=None, model=None, **figures)
+
+
 def test_the_no_int8_reason_names_the_figure_that_missed_the_floor():
     # Counted agreement held (160 of 160) but the bound on new inputs did not: say so, not
     # "agreement 1.0000 below 0.995".
-    bound = I.Selection(
-        scheme=None,
-        model=None,
+    bound = _no_file(
         fallen_back=26,
         agreement_before_fallback=1.0,
         expected_before_fallback=0.9955,
@@ -807,9 +810,7 @@ def test_the_no_int8_reason_names_the_figure_that_missed_the_floor():
     assert "1.0000 on the check inputs" in line
     assert "lower bound of 0.9905, below min_agreement 0.995" in line
     assert "all 26 INT8 nodes back in FP32" in line
-    counted = I.Selection(
-        scheme=None,
-        model=None,
+    counted = _no_file(
         fallen_back=3,
         agreement_before_fallback=0.98,
         expected_low_before_fallback=0.97,
@@ -820,9 +821,7 @@ def test_the_no_int8_reason_names_the_figure_that_missed_the_floor():
     # The floor held with 3 nodes back, then host timing found the whole INT8 file slower:
     # that is the reason, not the floor.
     timed = "whole model: INT8 1.200 ms vs FP32 1.000 ms"
-    slower = I.Selection(
-        scheme=None,
-        model=None,
+    slower = _no_file(
         fallen_back=3,
         agreement_before_fallback=0.99,
         fp32_nodes={"a": "accuracy: ...", "b": timed},
