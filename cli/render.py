@@ -270,9 +270,17 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
         out.print(
             f"budget {b['max_drop']:g} points ({b['allowed_lost']} of {b['validation_samples']:,} "
             f"validation samples): kept trial {b['chosen_trial']} of {len(b['trials'])}, "
-            f"validation drop {b['val_drop']:+.2f} measured ({won['predicted_drop']:.2f} "
-            "predicted before retraining); "
-            + ", ".join(f"{n} {r['sparsity']:g}/{r['bits']}b" for n, r in b["layers"].items())
+            f"validation drop {b['val_drop']:+.2f} measured ("
+            + (
+                f"kept fractions ×{won['scale']:.3g} of the recipe's"
+                if b.get("search") == "scale"
+                else f"{won['predicted_drop']:.2f} predicted before retraining"
+            )
+            + "); "
+            + ", ".join(
+                f"{n} {r['sparsity']:g}" + (f"/{r['bits']}b" if r["bits"] else "")
+                for n, r in b["layers"].items()
+            )
         )
         for key in ("coarse", "method_note"):
             if b.get(key):

@@ -27,6 +27,12 @@ validation accuracy the user will give up.
    luck, and a search that keeps the smallest survivor finds that luck (measured in `search`).
    The report gives, per trial, the predicted (curves) and the measured (retrained) drop.
 
+The other search, `budget.search = "scale"` (the default under soft weight-sharing, whose
+prior prunes and shares on its own, which the curves' k-means cannot price), has no curves: it
+multiplies every layer's kept fraction of the recipe's own sparsities by SCALE_STEP**k and
+bisects k on the same verdicts, from k = 0 (the recipe as written) toward the smallest archive
+within the budget (`next_step`).
+
 The test split is never looked at: it is reported once, for the model that was chosen.
 """
 
@@ -47,6 +53,7 @@ from torch import nn
 
 from compresskit import _datapass, _mem
 from compresskit.compressor import kmeans, prune, stats
+from compresskit.compressor import recipe as recipe_mod
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.recipe import Recipe
 from compresskit.models.errors import InputError
@@ -205,6 +212,58 @@ def next_trial(front: list[Point], passed: int | None, failed: int | None) -> in
     return min(pool, key=lambda i: (abs(math.log(front[i].bytes / target)), i))
 
 
+SCALE_STEP = 0.7  # one step of the scale search: every layer's kept fraction times this
+SCALE_RESOLUTION = 0.25  # steps: bisection stops once a pass and a fail are this close
+SCALE_CAUTIOUS = -3  # the most cautious step: kept fractions 0.7**-3 = 2.9x the recipe's
+SCALE_AGGRESSIVE = 12  # the most aggressive: kept fractions 0.7**12 = 1.4% of the recipe's
+
+
+def scaled(sparsity: dict[str, float], k: float) -> dict[str, float]:
+    """Each layer's sparsity with its kept fraction times SCALE_STEP**k (0 to 0.9999)."""
+    f = SCALE_STEP**k
+    return {n: round(min(max(1 - (1 - s) * f, 0.0), 0.9999), 4) for n, s in sparsity.items()}
+
+
+def next_step(passed: float | None, failed: float | None) -> float | None:
+    """The scale search's next step: from 0 (the recipe as written) one step further than the
+    most aggressive pass while none has failed, one step back from the most cautious fail
+    while none has passed, then halving the gap between them; None when the gap is within
+    SCALE_RESOLUTION or the step would leave [SCALE_CAUTIOUS, SCALE_AGGRESSIVE]. `failed` is
+    the most cautious fail above `passed` (fails below a pass are noise the search ignores)."""
+    if passed is None and failed is None:
+        return 0.0
+    if failed is None:
+        k = passed + 1
+        return k if k <= SCALE_AGGRESSIVE else None
+    if passed is None:
+        k = failed - 1
+        return k if k >= SCALE_CAUTIOUS else None
+    if failed - passed <= SCALE_RESOLUTION:
+        return None
+    return (passed + failed) / 2
+
+
+def edges(verdicts: list[tuple[float, bool]]) -> tuple[float | None, float | None]:
+    """(passed, failed) for `next_step` from (step, within budget) verdicts: the most
+    aggressive pass, and the most cautious fail beyond it (a fail at or below a pass is the
+    validation split's noise, and a pass beyond a fail moves the edge past it)."""
+    passes = [k for k, ok in verdicts if ok]
+    passed = max(passes) if passes else None
+    fails = [k for k, ok in verdicts if not ok and (passed is None or k > passed)]
+    return passed, (min(fails) if fails else None)
+
+
+def base_sparsity(model: nn.Module, recipe: Recipe) -> dict[str, float]:
+    """The per-layer sparsities the scale search scales: the recipe's prune.sparsity resolved
+    on `model` ("default": by layer role; a number: every prunable layer; a table: as given)."""
+    p = recipe.prune
+    if p.sparsity == "default":
+        return shrink_mod.default_sparsity(model, p.embeddings)
+    if isinstance(p.sparsity, dict):
+        return {k: float(v) for k, v in p.sparsity.items()}
+    return {n: float(p.sparsity) for n in prune.weight_layers(model, p.embeddings)}
+
+
 # --- config ---------------------------------------------------------------------------------
 
 
@@ -217,15 +276,18 @@ class BudgetConfig:
 
     max_drop: float
     trials: int = 6
+    search: str = "layers"  # "layers" (per-layer curves) | "scale" (one factor, bisected)
     sparsities: tuple[float, ...] = (0.0, 0.5, 0.7, 0.8, 0.9, 0.93, 0.95, 0.97, 0.98)
     bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 
     @classmethod
-    def from_recipe(cls, b: Any) -> BudgetConfig:
-        """From the recipe's [budget] section (compressor.recipe.BudgetSection)."""
+    def from_recipe(cls, b: Any, method: str = "kmeans") -> BudgetConfig:
+        """From the recipe's [budget] section (compressor.recipe.BudgetSection), its search
+        "auto" resolved by `method` (quantize.method)."""
         return cls(
             max_drop=float(b.max_drop),
             trials=b.trials,
+            search=recipe_mod.budget_search(b.search, method),
             sparsities=tuple(sorted(set(b.sparsities))),
             bits=tuple(sorted(set(b.bits))),
         )
@@ -432,6 +494,62 @@ class Judge:
         }
 
 
+def check(model: nn.Module, recipe: Recipe) -> None:
+    """Refuse, before any work, a budget the search cannot run on `model` (InputError)."""
+    cfg = BudgetConfig.from_recipe(recipe.budget, recipe.quantize.method)
+    shrink_mod.check_fits_recipe(model, recipe)
+    if cfg.search == "layers":
+        settings(model, recipe, cfg)
+
+
+class _Trials:
+    """Full shrink runs judged on the validation split, one kept at a time: the smallest
+    within the budget so far (`_best`), its model, report and folder; the rest deleted."""
+
+    def __init__(self, model, spec, hooks, out_dir, metadata, archive_name, judge, trials):
+        self.model, self.spec, self.hooks, self.out_dir = model, spec, hooks, out_dir
+        self.metadata, self.archive_name, self.judge = metadata, archive_name, judge
+        self.limit = trials
+        self.records: list[dict[str, Any]] = []
+        self.kept: dict[int, tuple[nn.Module, dict[str, Any], Path]] = {}
+
+    def tell(self, message: str) -> None:
+        self.hooks.info(f"budget trial {len(self.records) + 1}/{self.limit}: {message}")
+
+    def run(self, recipe: Recipe, fields: dict[str, Any]) -> bool:
+        """Shrink a copy of the model by `recipe`; record `fields` and the verdict; True when
+        within the budget."""
+        t = len(self.records) + 1
+        m, d = copy.deepcopy(self.model), self.out_dir / f".trial-{t}"
+        d.mkdir()
+        hooks = dataclasses.replace(self.hooks, info=self.tell)
+        rep = shrink_mod.shrink(m, self.spec, recipe, hooks, d, self.metadata, self.archive_name)
+        verdict = self.judge(m)
+        self.records.append(
+            {"trial": t, **fields, "archive_bytes": rep["archive"]["bytes"], **verdict}
+        )
+        ok = verdict["within_budget"]
+        self.tell(
+            f"archive {rep['archive']['bytes']:,} bytes, validation drop "
+            f"{verdict['val_drop']:+.2f} points (mean probability of the right class "
+            f"{verdict['val_soft_drop']:+.2f}): {'within' if ok else 'over'} the budget"
+        )
+        self.kept[t] = (m, rep, d)
+        best = _best(self.records)
+        for other in [k for k in self.kept if k != best]:  # one model and archive at a time
+            shutil.rmtree(self.kept.pop(other)[2], ignore_errors=True)
+        return ok
+
+    def result(self) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
+        """The kept trial's model and report (its archive moved into `out_dir`), and its record."""
+        won = self.records[_best(self.records) - 1]
+        m, rep, d = self.kept[won["trial"]]
+        (d / self.archive_name).replace(self.out_dir / self.archive_name)
+        shutil.rmtree(d, ignore_errors=True)
+        rep["archive"]["path"] = str(self.out_dir / self.archive_name)
+        return m, rep, won
+
+
 def search(
     model: nn.Module,
     spec: dict[str, Any],
@@ -443,23 +561,35 @@ def search(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Shrink `model` to the smallest archive found within `budget.max_drop`: returns the
     chosen trial's model and report (its `recipe` the one to re-run without a search, and a
-    `budget` record of the curves' prediction and every trial), its archive in `out_dir`."""
-    cfg = BudgetConfig.from_recipe(recipe.budget)
+    `budget` record of the search and every trial), its archive in `out_dir`."""
+    cfg = BudgetConfig.from_recipe(recipe.budget, recipe.quantize.method)
     if hooks.val_data is None:
         raise InputError("--max-drop needs a validation split (Hooks.val_data)")
     check_validation(cfg.max_drop, len(hooks.val_data[1]), "the data")
-    grid = settings(model, recipe, cfg)
-    shrink_mod.check_fits_recipe(model, recipe)
+    check(model, recipe)
+    judge = Judge(model, hooks.val_data, cfg.max_drop)
+    trials = _Trials(model, spec, hooks, out_dir, metadata, archive_name, judge, cfg.trials)
+    if cfg.search == "scale":
+        record = _search_scale(model, recipe, cfg, trials)
+    else:
+        record = _search_layers(model, recipe, cfg, trials)
+    m, rep, won = trials.result()
+    rep["budget"] = {**_common(cfg, judge, trials.records, won, recipe), **record(won)}
+    return m, rep
+
+
+def _search_layers(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _Trials):
+    """Bisect the curves' frontier (module docstring, 1-3); returns the record's maker."""
+    hooks, judge = trials.hooks, trials.judge
     p = recipe.prune
     prunable = set(prune.weight_layers(model, p.embeddings)) if p.enabled else set()
-    judge = Judge(model, hooks.val_data, cfg.max_drop)
     note = method_note(recipe.quantize.method)
     if note:  # said again in the record; here before the trials' minutes
         hooks.info(f"budget: {note}")
     plan = Plan.of(
         measure(
             model,
-            grid,
+            settings(model, recipe, cfg),
             hooks.val_data,
             lambda layer, w: shrink_mod.record_bytes(layer, w, recipe),
             seed=recipe.train.seed,
@@ -472,101 +602,122 @@ def search(
         f"{front[-1].bytes:,} bytes of weights; {judge.allowed} of {judge.n} validation "
         "samples may go"
     )
-    trials: list[dict[str, Any]] = []
-    kept: dict[int, tuple[nn.Module, dict[str, Any], Path]] = {}
     # Start where the curves alone say the budget holds: retraining only recovers from there.
     i: int | None = max(
         (i for i in range(len(front)) if plan.predicted_lost(i) <= judge.allowed), default=0
     )
     passed = failed = None
-    while i is not None and len(trials) < cfg.trials:
-        t = len(trials) + 1
-
-        def tell(message: str, t: int = t, info: Callable[[str], None] = hooks.info) -> None:
-            info(f"budget trial {t}/{cfg.trials}: {message}")
-
+    tried: set[int] = set()
+    while i is not None and len(trials.records) < cfg.trials:
         predicted = plan.predicted_lost(i)
-        tell(
+        trials.tell(
             f"curves predict {front[i].bytes:,} bytes of weights, "
             f"{_points(predicted, judge.n):.2f} points lost before retraining"
         )
-        m, d = copy.deepcopy(model), out_dir / f".trial-{t}"
-        d.mkdir()
-        r = trial_recipe(recipe, plan.chosen(i), prunable)
-        rep = shrink_mod.shrink(
-            m, spec, r, dataclasses.replace(hooks, info=tell), d, metadata, archive_name
-        )
-        verdict = judge(m)
-        trials.append(
+        ok = trials.run(
+            trial_recipe(recipe, plan.chosen(i), prunable),
             {
-                "trial": t,
                 "frontier_point": i,
                 "settings": {n: [o.sparsity, o.bits] for n, o in plan.chosen(i).items()},
                 "predicted_lost": predicted,
                 "predicted_drop": _points(predicted, judge.n),
                 "predicted_kl": sum(o.kl for o in plan.chosen(i).values()),
                 "predicted_weight_bytes": front[i].bytes,
-                "archive_bytes": rep["archive"]["bytes"],
-                **verdict,
-            }
+            },
         )
-        ok = verdict["within_budget"]
-        tell(
-            f"archive {rep['archive']['bytes']:,} bytes, validation drop "
-            f"{verdict['val_drop']:+.2f} points (mean probability of the right class "
-            f"{verdict['val_soft_drop']:+.2f}): {'within' if ok else 'over'} the budget"
-        )
-        kept[t] = (m, rep, d)
-        best = _best(trials)
-        for other in [k for k in kept if k != best]:  # hold one model and archive at a time
-            shutil.rmtree(kept.pop(other)[2], ignore_errors=True)
+        tried.add(i)
         if ok:
             passed = i if passed is None or i > passed else passed
         else:
             failed = i if failed is None or i < failed else failed
         i = next_trial(front, passed, failed)
-        if i is not None and any(tr["frontier_point"] == i for tr in trials):
+        if i in tried:
             i = None
-    m, rep, d = kept[_best(trials)]
-    (d / archive_name).replace(out_dir / archive_name)
-    shutil.rmtree(d, ignore_errors=True)
-    rep["archive"]["path"] = str(out_dir / archive_name)
-    rep["budget"] = _record(cfg, judge, plan, trials, recipe)
-    return m, rep
+
+    def record(won: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "predicted_drop": won["predicted_drop"],
+            "method_note": note,
+            "frontier_points": len(front),
+            "grid": {"sparsities": list(cfg.sparsities), "bits": list(cfg.bits)},
+            "layers": {
+                n: {
+                    "sparsity": o.sparsity,
+                    "bits": o.bits,
+                    "lost_alone": o.lost,
+                    "kl_alone": o.kl,
+                    "bytes": o.bytes,
+                }
+                for n, o in plan.chosen(won["frontier_point"]).items()
+            },
+            "curves": {
+                n: [[o.sparsity, o.bits, o.lost, o.kl, o.bytes] for o in opts]
+                for n, opts in plan.options.items()
+            },
+        }
+
+    return record
 
 
-def _record(cfg, judge: Judge, plan: Plan, trials, recipe) -> dict[str, Any]:
-    won = trials[_best(trials) - 1]
+def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _Trials):
+    """Bisect one factor on every layer's kept fraction (module docstring); returns the
+    record's maker."""
+    base = base_sparsity(model, recipe)
+    hooks, judge = trials.hooks, trials.judge
+    hooks.info(
+        f"budget: scaling the kept fractions of {len(base)} layers' sparsities by "
+        f"{SCALE_STEP:g}**k from k = 0 (the recipe's); {judge.allowed} of {judge.n} validation "
+        "samples may go"
+    )
+    k = next_step(None, None)
+    while k is not None and len(trials.records) < cfg.trials:
+        sparsity = scaled(base, k)
+        trials.tell(
+            f"kept fractions x{SCALE_STEP**k:.3g} (k = {k:g}): "
+            + ", ".join(f"{n} {s:g}" for n, s in sparsity.items())
+        )
+        trials.run(
+            _scaled_recipe(recipe, sparsity),
+            {"step": k, "scale": SCALE_STEP**k, "sparsity": sparsity},
+        )
+        k = next_step(*edges([(t["step"], t["within_budget"]) for t in trials.records]))
+        if k is not None and any(t["step"] == k for t in trials.records):
+            k = None
+    rows = {row["layer"]: row for row in shrink_mod.plan(model, _scaled_recipe(recipe, base))}
+
+    def record(won: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "step": SCALE_STEP,
+            "layers": {
+                n: {"sparsity": s, "bits": rows[n]["bits"] if n in rows else None}
+                for n, s in won["sparsity"].items()
+            },
+        }
+
+    return record
+
+
+def _scaled_recipe(recipe: Recipe, sparsity: dict[str, float]) -> Recipe:
+    return recipe.replace(
+        prune=dataclasses.replace(recipe.prune, sparsity=sparsity, quality=None),
+        budget=dataclasses.replace(recipe.budget, max_drop="off"),
+    )
+
+
+def _common(cfg, judge: Judge, trials, won, recipe) -> dict[str, Any]:
     return {
+        "search": cfg.search,
         "max_drop": cfg.max_drop,
         "validation_samples": judge.n,
         "allowed_lost": judge.allowed,
         "baseline_val_correct": judge.correct,
         "met": won["within_budget"],
         "chosen_trial": won["trial"],
-        "predicted_drop": won["predicted_drop"],
         "val_drop": won["val_drop"],
         "val_drop_interval": won["val_drop_interval"],
         "val_soft_drop": won["val_soft_drop"],
         "coarse": coarseness(cfg.max_drop, judge.n),  # None, or the note renderers print
-        "method_note": method_note(recipe.quantize.method),  # likewise
-        "frontier_points": len(plan.front),
-        "grid": {"sparsities": list(cfg.sparsities), "bits": list(cfg.bits)},
-        "layers": {
-            n: {
-                "sparsity": o.sparsity,
-                "bits": o.bits,
-                "lost_alone": o.lost,
-                "kl_alone": o.kl,
-                "bytes": o.bytes,
-            }
-            for n, o in plan.chosen(won["frontier_point"]).items()
-        },
         "trials": trials,
-        "curves": {
-            n: [[o.sparsity, o.bits, o.lost, o.kl, o.bytes] for o in opts]
-            for n, opts in plan.options.items()
-        },
         "asked_recipe": recipe.to_dict(),
     }
 

@@ -339,7 +339,7 @@ def preflight(
             raise InputError(f"--max-drop needs a validation split: {data.split_note}")
         budget.check_validation(max_drop, len(data.y_val), data.spec)
         if model is not None and not recipe.distill.student:
-            budget.settings(model, recipe, budget.BudgetConfig.from_recipe(recipe.budget))
+            budget.check(model, recipe)
     if data is not None:
         distill.check_transfer(recipe.distill, data)
         if recipe.distill.student:

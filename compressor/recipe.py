@@ -8,7 +8,8 @@ any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
 
     version = 1
     [train]     batch_size, optimizer, seed, distill (alpha), temperature  # retraining
-    [budget]    max_drop = "off" | points, trials, sparsities, bits  # --max-drop: the search
+    [budget]    max_drop = "off" | points, trials, search = "auto" | "layers" | "scale",
+                sparsities, bits                                    # --max-drop: the search
     [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha,
                 hint_student, hint_teacher, hint_epochs, transfer, transfer_size, labels
     [channels]  enabled = false, target_macs = 0.5, importance ("l1" | "l2" | "taylor"), scope,
@@ -76,12 +77,17 @@ class TrainSection:
 @dataclass(frozen=True)
 class BudgetSection:
     """[budget]: an accuracy budget (compressor.budget). max_drop = points of validation
-    accuracy the result may lose; the search picks each layer's sparsity (of `sparsities`)
-    and bits (of `bits`) for the smallest archive within it, trying `trials` full shrink runs.
-    "off": the prune and quantize settings as written."""
+    accuracy the result may lose; "off": the prune and quantize settings as written. Two
+    searches try `trials` full shrink runs for the smallest archive within it:
+    "layers" picks each layer's sparsity (of `sparsities`) and bits (of `bits`) from per-layer
+    curves; "scale" multiplies every layer's kept fraction of the recipe's own sparsities
+    (prune.sparsity: "default", a number or a table) by one factor and bisects it, the bits as
+    the recipe sets them. "auto": "scale" under quantize.method = "soft" (whose prior prunes
+    and shares by itself, which the curves' k-means cannot price), else "layers"."""
 
     max_drop: float | str = "off"
     trials: int = 6
+    search: str = "auto"  # "auto" | "layers" | "scale"
     sparsities: tuple[float, ...] = (0.0, 0.5, 0.7, 0.8, 0.9, 0.93, 0.95, 0.97, 0.98)
     bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 
@@ -696,6 +702,8 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
             source, "budget.max_drop", b["max_drop"], 'points of accuracy in [0, 100), or "off"'
         )
     _int(r, source, "budget", "trials", 1, 100)
+    if b["search"] not in SEARCHES:
+        raise _bad(source, "budget.search", b["search"], '"auto", "layers" or "scale"')
     s = b["sparsities"]
     if not (isinstance(s, list) and s and all(_number(v) and 0 <= v < 1 for v in s)):
         raise _bad(source, "budget.sparsities", s, "a list of fractions in [0, 1)")
@@ -709,7 +717,23 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
     if b["max_drop"] == "off":
         return
     p = r["prune"]
-    if p["enabled"] and (
+    if budget_search(b["search"], r["quantize"]["method"]) == "scale":
+        if not p["enabled"]:
+            raise InputError(
+                f'{source}: budget.search = "scale" scales prune.sparsity, and prune is '
+                'disabled; enable it, or set budget.search = "layers"'
+            )
+        if p["quality"] is not None or p["sparsity"] == "auto":
+            given = (
+                f"prune.quality = {p['quality']!r}"
+                if p["quality"] is not None
+                else "prune.sparsity = 'auto'"
+            )
+            raise InputError(
+                f'{source}: budget.search = "scale" scales each layer\'s prune.sparsity, and '
+                f'{given} sets none before the run; give "default", a number or a table'
+            )
+    elif p["enabled"] and (
         p["quality"] is not None or p["sparsity"] == "auto" or _number(p["sparsity"])
     ):
         given = (
@@ -719,13 +743,24 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
         )
         raise InputError(
             f"{source}: budget.max_drop chooses each layer's sparsity, and {given} sets them "
-            "all; drop one of the two (a table {layer = s} fixes only the layers it names)"
+            "all; drop one of the two (a table {layer = s} fixes only the layers it names), "
+            'or set budget.search = "scale" to search one factor on them'
         )
     if not (r["quantize"]["enabled"] and r["huffman"]["enabled"]):
         raise InputError(
             f"{source}: budget.max_drop searches for the smallest archive: it needs quantize "
             "and huffman enabled"
         )
+
+
+SEARCHES = ("auto", "layers", "scale")
+
+
+def budget_search(search: str, method: str) -> str:
+    """The search a budget runs: budget.search, with "auto" resolved by quantize.method."""
+    if search != "auto":
+        return search
+    return "scale" if method == "soft" else "layers"
 
 
 def _number(v: Any) -> bool:

@@ -138,42 +138,64 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
     if not b:
         return []
     won = b["trials"][b["chosen_trial"] - 1]
+    scale = b.get("search") == "scale"
     verdict = (
         "within the budget"
         if b["met"]
         else "**over the budget: no trial met it; the one whose mean probability of the right "
         "class dropped least is kept**"
     )
+    if scale:
+        how = (
+            f"The search multiplied every layer's kept fraction of the recipe's sparsities by "
+            f"{b['step']:g}^k and bisected k: {len(b['trials'])} full shrink runs (with "
+            f"retraining). Kept: trial {b['chosen_trial']} (kept fractions ×"
+            f"{won['scale']:.3g}), validation drop {b['val_drop']:+.2f} points measured "
+            f"({won['lost']} samples, paired 95% interval [{won['val_drop_interval'][0]:+.2f}, "
+            f"{won['val_drop_interval'][1]:+.2f}]; the mean probability of the right class "
+            f"dropped {b['val_soft_drop']:+.2f} points), {verdict}."
+        )
+    else:
+        how = (
+            f"Each layer's curve ({len(b['grid']['sparsities'])} sparsities × "
+            f"{len(b['grid']['bits'])} bit widths, that layer alone, no retraining) fed an "
+            f"exact allocation over {b['frontier_points']} frontier points; "
+            f"{len(b['trials'])} full shrink runs (with retraining) were tried along it. Kept: "
+            f"trial {b['chosen_trial']}, validation drop {b['val_drop']:+.2f} points measured "
+            f"({won['lost']} samples, paired 95% interval [{won['val_drop_interval'][0]:+.2f}, "
+            f"{won['val_drop_interval'][1]:+.2f}]; the curves predicted "
+            f"{b['predicted_drop']:.2f} before retraining; the mean probability of the right "
+            f"class dropped {b['val_soft_drop']:+.2f} points), {verdict}."
+        )
     lines = [
         f"## Accuracy budget: at most {b['max_drop']:g} points",
         "",
         f"Validation split: {b['validation_samples']:,} samples, so at most "
-        f"{b['allowed_lost']} may be lost. Each layer's curve ({len(b['grid']['sparsities'])} "
-        f"sparsities × {len(b['grid']['bits'])} bit widths, that layer alone, no retraining) "
-        f"fed an exact allocation over {b['frontier_points']} frontier points; "
-        f"{len(b['trials'])} full shrink runs (with retraining) were tried along it. Kept: "
-        f"trial {b['chosen_trial']}, validation drop {b['val_drop']:+.2f} points measured "
-        f"({won['lost']} samples, paired 95% interval [{won['val_drop_interval'][0]:+.2f}, "
-        f"{won['val_drop_interval'][1]:+.2f}]; the curves predicted "
-        f"{b['predicted_drop']:.2f} before retraining; the mean probability of the right class "
-        f"dropped {b['val_soft_drop']:+.2f} points), {verdict}. A trial is within the budget "
-        "when both drops are: top-1 on few samples can pass by luck, its smooth counterpart "
-        "far less often. An interval wider than the budget says the validation split cannot "
-        "resolve it. The recipe below re-runs the kept trial without the search.",
+        f"{b['allowed_lost']} may be lost. {how} A trial is within the budget when both drops "
+        "are: top-1 on few samples can pass by luck, its smooth counterpart far less often. An "
+        "interval wider than the budget says the validation split cannot resolve it. The "
+        "recipe below re-runs the kept trial without the search.",
         "",
         *([f"**Coarse:** {b['coarse']}.", ""] if b.get("coarse") else []),
         *([f"**Note:** {b['method_note']}.", ""] if b.get("method_note") else []),
-        "| trial | predicted drop (curves) | validation drop (retrained) | paired 95% interval "
-        "| mean p(right class) drop | archive bytes | within |",
+        f"| trial | {'kept fractions ×' if scale else 'predicted drop (curves)'} | validation "
+        "drop (retrained) | paired 95% interval | mean p(right class) drop | archive bytes | "
+        "within |",
         "|---|---|---|---|---|---|---|",
     ]
     for t in b["trials"]:
         lo, hi = t["val_drop_interval"]
+        first = f"{t['scale']:.3g}" if scale else f"{t['predicted_drop']:.2f}"
         lines.append(
-            f"| {t['trial']} | {t['predicted_drop']:.2f} | {t['val_drop']:+.2f} | "
+            f"| {t['trial']} | {first} | {t['val_drop']:+.2f} | "
             f"[{lo:+.2f}, {hi:+.2f}] | {t['val_soft_drop']:+.2f} | {t['archive_bytes']:,} | "
             f"{'yes' if t['within_budget'] else 'no'} |"
         )
+    if scale:
+        lines += ["", "| layer | sparsity | bits |", "|---|---|---|"]
+        for name, r in b["layers"].items():
+            lines.append(f"| {name} | {r['sparsity']:g} | {r['bits'] or '–'} |")
+        return [*lines, ""]
     lines += ["", "| layer | sparsity | bits | samples lost alone | record bytes (curve) |"]
     lines.append("|---|---|---|---|---|")
     for name, r in b["layers"].items():

@@ -325,18 +325,27 @@ enabled = false
 """
 
 
-def test_shrink_max_drop_end_to_end(run, tmp_path):
+@pytest.mark.parametrize("search", ["layers", "scale"])
+def test_shrink_max_drop_end_to_end(run, tmp_path, search):
     ck = tmp_path / "lenet300.pt"
     assert run("train", "--model", "lenet300", "--epochs", "3", "--out", ck, "-q").exit_code == 0
-    (tmp_path / "fast.toml").write_text(FAST)
+    (tmp_path / "fast.toml").write_text(
+        FAST.replace("[budget]\n", f'[budget]\nsearch = "{search}"\n')
+    )
     out = tmp_path / "shrunk"
     args = ["--recipe", tmp_path / "fast.toml", "--max-drop", "1", "--out", out, "-q"]
-    result = run("shrink", ck, *args, "--json")
+    result = run("shrink", ck, *args, *(["--json"] if search == "layers" else []))
     assert result.exit_code == 0, result.stderr
-    b = result.json()["budget"]
+    report = json.loads((out / "report.json").read_text())
+    b = report["budget"]
+    if search == "layers":
+        assert result.json()["budget"] == b
+    else:  # the summary line names the factor the kept trial scaled the recipe's sparsities by
+        won = b["trials"][b["chosen_trial"] - 1]
+        assert f"kept fractions ×{won['scale']:.3g} of the recipe's" in result.stdout
+    assert b["search"] == search
     assert b["validation_samples"] == 143 and b["allowed_lost"] == 1
     assert len(b["trials"]) <= 2 and set(b["layers"]) == {"fc1", "fc2", "fc3"}
-    report = json.loads((out / "report.json").read_text())
     assert report["recipe"]["budget"]["max_drop"] == "off"
     md = (out / "report.md").read_text()
     assert "## Accuracy budget: at most 1 points" in md
@@ -403,3 +412,113 @@ def test_soft_trials_are_noted_as_outside_the_curves_model():
     assert f"**Note:** {note}." in "\n".join(report._budget_lines({"budget": b}))
     b["method_note"] = None
     assert "**Note:**" not in "\n".join(report._budget_lines({"budget": b}))
+
+
+# --- the scale search ------------------------------------------------------------------------
+
+
+def test_scaled_multiplies_kept_fractions():
+    base = {"fc1": 0.92, "fc2": 0.5, "out": 0.0}
+    assert budget.scaled(base, 0) == base
+    one = budget.scaled(base, 1)  # kept fractions x0.7
+    assert one == {"fc1": 0.944, "fc2": 0.65, "out": 0.3}
+    assert budget.scaled(base, -3) == {"fc1": round(1 - 0.08 / 0.343, 4), "fc2": 0.0, "out": 0.0}
+    assert budget.scaled(base, 40)["fc1"] == 0.9999  # never every weight
+
+
+def _walk(edge: float, noise: dict[float, bool] | None = None, limit: int = 20):
+    """The steps the scale search tries against an oracle: within the budget below `edge`
+    (a step's verdict flipped where `noise` says)."""
+    verdicts: list[tuple[float, bool]] = []
+    k = budget.next_step(None, None)
+    while k is not None and len(verdicts) < limit:
+        verdicts.append((k, (noise or {}).get(k, k < edge)))
+        k = budget.next_step(*budget.edges(verdicts))
+        if any(k == v for v, _ in verdicts):
+            k = None
+    return verdicts
+
+
+@pytest.mark.parametrize("edge", [2.6, 0.3, -1.4])
+def test_scale_search_brackets_the_edge(edge):
+    steps = _walk(edge)
+    assert steps[0] == (0.0, edge > 0.0)  # the recipe as written first
+    passed, failed = budget.edges(steps)
+    # It ends with the last pass and the first fail within the resolution of each other,
+    # around the edge, having only stepped outward until both sides were found.
+    assert passed < edge <= failed
+    assert failed - passed <= budget.SCALE_RESOLUTION
+    assert len(steps) <= 2 + abs(round(edge)) + 3
+
+
+def test_scale_search_ignores_a_fail_below_a_pass_and_gives_up_at_its_bounds():
+    # Step 1 fails by luck although 2 passes: the edge moves past the pass.
+    steps = _walk(2.6, noise={1.0: False})
+    assert [k for k, _ in steps[:3]] == [0.0, 1.0, 0.5]
+    assert budget.edges([(0.0, True), (1.0, False), (2.0, True)]) == (2.0, None)
+    # Nothing passes: it steps back to the most cautious step and stops there.
+    steps = _walk(-10)
+    assert [k for k, _ in steps] == [0.0, -1.0, -2.0, -3.0]
+    # Everything passes: it steps on until the most aggressive step.
+    assert _walk(99, limit=99)[-1][0] == budget.SCALE_AGGRESSIVE
+
+
+def test_recipe_resolves_and_checks_the_search():
+    def search(raw):
+        r = recipe_mod.resolve(raw)
+        return budget.BudgetConfig.from_recipe(r.budget, r.quantize.method).search
+
+    assert search({"budget": {"max_drop": 1}}) == "layers"
+    assert search({"budget": {"max_drop": 1}, "quantize": {"method": "soft"}}) == "scale"
+    assert search({"budget": {"max_drop": 1, "search": "scale"}}) == "scale"
+    soft_layers = {"budget": {"max_drop": 1, "search": "layers"}, "quantize": {"method": "soft"}}
+    assert search(soft_layers) == "layers"
+    # A single sparsity is what the scale search scales; the layer search refuses it.
+    assert search({"budget": {"max_drop": 1, "search": "scale"}, "prune": {"sparsity": 0.9}})
+    with pytest.raises(InputError, match='or set budget.search = "scale"'):
+        recipe_mod.resolve({"budget": {"max_drop": 1}, "prune": {"sparsity": 0.9}})
+    for raw, message in [
+        ({"budget": {"search": "grid"}}, "budget.search = 'grid' is impossible"),
+        (
+            {"budget": {"max_drop": 1, "search": "scale"}, "prune": {"sparsity": "auto"}},
+            "prune.sparsity = 'auto' sets none before the run",
+        ),
+        (
+            {"budget": {"max_drop": 1, "search": "scale"}, "prune": {"quality": 1.0}},
+            "prune.quality = 1.0 sets none",
+        ),
+        (
+            {"budget": {"max_drop": 1, "search": "scale"}, "prune": {"enabled": False}},
+            "prune is disabled",
+        ),
+    ]:
+        with pytest.raises(InputError, match=message.replace(".", r"\.")):
+            recipe_mod.resolve(raw)
+
+
+def test_scale_search_keeps_the_smallest_archive_within_the_budget(tmp_path):
+    base, m, rep, xv, yv = _search(tmp_path, 2.0, search="scale", trials=4)
+    b = rep["budget"]
+    assert b["search"] == "scale" and "curves" not in b
+    steps = [t["step"] for t in b["trials"]]
+    assert steps[0] == 0.0 and len(steps) == len(set(steps)) <= 4
+    default = shrink.default_sparsity(m)
+    for t in b["trials"]:  # each trial ran the recipe's sparsities scaled by its factor
+        assert t["sparsity"] == budget.scaled(default, t["step"])
+        assert t["scale"] == pytest.approx(budget.SCALE_STEP ** t["step"])
+    won = b["trials"][b["chosen_trial"] - 1]
+    assert won["lost"] == base - int((m(xv).argmax(1) == yv).sum())
+    within = [t for t in b["trials"] if t["within_budget"]]
+    assert b["met"] == bool(within)
+    if within:
+        assert won["archive_bytes"] == min(t["archive_bytes"] for t in within)
+    assert (tmp_path / "model.dcz").stat().st_size == won["archive_bytes"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.dcz"]
+    # The recipe re-runs the kept trial; the report's layers are its sparsities and bits.
+    assert rep["recipe"]["prune"]["sparsity"] == won["sparsity"]
+    assert rep["recipe"]["budget"]["max_drop"] == "off"
+    assert {n: r["sparsity"] for n, r in b["layers"].items()} == won["sparsity"]
+    assert {r["bits"] for r in b["layers"].values()} == {5}  # fc_bits, as the recipe sets
+    text = "\n".join(report._budget_lines(rep))
+    assert "multiplied every layer's kept fraction" in text
+    assert f"| {won['trial']} | {won['scale']:.3g} |" in text
