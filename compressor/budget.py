@@ -93,8 +93,8 @@ def coarseness(max_drop: float, n_val: int) -> str | None:
 
 
 def method_note(method: str) -> str | None:
-    """A note when the trials share weights by a method the curves do not model (None for
-    k-means). Soft weight-sharing's zero component prunes on its own: on MNIST LeNet-300-100
+    """A note when the layer search's trials share weights by a method its curves do not model
+    (None for k-means; the scale search has no curves). Soft weight-sharing's zero component prunes on its own: on MNIST LeNet-300-100
     trials that asked for no pruning kept 20.6% of fc1 all the same, and the archive sizes did
     not follow the frontier the bisection walks (docs/benchmarks.md)."""
     if method != "soft":
@@ -102,7 +102,8 @@ def method_note(method: str) -> str | None:
     return (
         'quantize.method = "soft": the search prices settings with k-means, but soft '
         "weight-sharing prunes by its own zero component, so trials' sizes need not follow "
-        "the frontier; a fixed recipe (e.g. prune.rounds = 6, train.distill = 0.7) may do better"
+        'the frontier; budget.search = "scale" (the default under soft sharing) scales the '
+        "recipe's own sparsities instead"
     )
 
 
