@@ -219,10 +219,19 @@ SCALE_CAUTIOUS = -3  # the most cautious step: kept fractions 0.7**-3 = 2.9x the
 SCALE_AGGRESSIVE = 12  # the most aggressive: kept fractions 0.7**12 = 1.4% of the recipe's
 
 
-def scaled(sparsity: dict[str, float], k: float) -> dict[str, float]:
-    """Each layer's sparsity with its kept fraction times SCALE_STEP**k (0 to 0.9999)."""
+def _scaled_one(s: float, f: float) -> float:
+    if s == 0:
+        return 0.0  # a layer the recipe leaves unpruned stays so
+    return round(min(max(1 - (1 - s) * f, 0.0), 0.9999), 4)
+
+
+def scaled(sparsity: dict[str, float] | float, k: float) -> dict[str, float] | float:
+    """The sparsity (one number, or per layer) with its kept fraction times SCALE_STEP**k,
+    within 0 and 0.9999; a 0 stays 0."""
     f = SCALE_STEP**k
-    return {n: round(min(max(1 - (1 - s) * f, 0.0), 0.9999), 4) for n, s in sparsity.items()}
+    if isinstance(sparsity, dict):
+        return {n: _scaled_one(s, f) for n, s in sparsity.items()}
+    return _scaled_one(sparsity, f)
 
 
 def next_step(passed: float | None, failed: float | None) -> float | None:
@@ -254,15 +263,16 @@ def edges(verdicts: list[tuple[float, bool]]) -> tuple[float | None, float | Non
     return passed, (min(fails) if fails else None)
 
 
-def base_sparsity(model: nn.Module, recipe: Recipe) -> dict[str, float]:
-    """The per-layer sparsities the scale search scales: the recipe's prune.sparsity resolved
-    on `model` ("default": by layer role; a number: every prunable layer; a table: as given)."""
+def base_sparsity(model: nn.Module, recipe: Recipe) -> dict[str, float] | float:
+    """The sparsity the scale search scales: the recipe's prune.sparsity, "default" resolved on
+    `model` by layer role; a number stays one (prune.scope "global" needs one), a table as
+    given (the layers it leaves out stay unpruned)."""
     p = recipe.prune
     if p.sparsity == "default":
         return shrink_mod.default_sparsity(model, p.embeddings)
     if isinstance(p.sparsity, dict):
         return {k: float(v) for k, v in p.sparsity.items()}
-    return {n: float(p.sparsity) for n in prune.weight_layers(model, p.embeddings)}
+    return float(p.sparsity)
 
 
 # --- config ---------------------------------------------------------------------------------
@@ -514,8 +524,10 @@ class _Trials:
         self.records: list[dict[str, Any]] = []
         self.kept: dict[int, tuple[nn.Module, dict[str, Any], Path]] = {}
 
-    def tell(self, message: str) -> None:
-        self.hooks.info(f"budget trial {len(self.records) + 1}/{self.limit}: {message}")
+    def tell(self, message: str, t: int | None = None) -> None:
+        """A progress line for trial `t` (None: the next one)."""
+        t = t or len(self.records) + 1
+        self.hooks.info(f"budget trial {t}/{self.limit}: {message}")
 
     def run(self, recipe: Recipe, fields: dict[str, Any]) -> bool:
         """Shrink a copy of the model by `recipe`; record `fields` and the verdict; True when
@@ -523,7 +535,7 @@ class _Trials:
         t = len(self.records) + 1
         m, d = copy.deepcopy(self.model), self.out_dir / f".trial-{t}"
         d.mkdir()
-        hooks = dataclasses.replace(self.hooks, info=self.tell)
+        hooks = dataclasses.replace(self.hooks, info=lambda message: self.tell(message, t))
         rep = shrink_mod.shrink(m, self.spec, recipe, hooks, d, self.metadata, self.archive_name)
         verdict = self.judge(m)
         self.records.append(
@@ -533,7 +545,8 @@ class _Trials:
         self.tell(
             f"archive {rep['archive']['bytes']:,} bytes, validation drop "
             f"{verdict['val_drop']:+.2f} points (mean probability of the right class "
-            f"{verdict['val_soft_drop']:+.2f}): {'within' if ok else 'over'} the budget"
+            f"{verdict['val_soft_drop']:+.2f}): {'within' if ok else 'over'} the budget",
+            t,
         )
         self.kept[t] = (m, rep, d)
         best = _best(self.records)
@@ -673,9 +686,12 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
     k = next_step(None, None)
     while k is not None and len(trials.records) < cfg.trials:
         sparsity = scaled(base, k)
+        if any(t["sparsity"] == sparsity for t in trials.records):
+            break  # clamped at 0 or 0.9999: the settings of a trial already run
+        shown = sparsity.items() if isinstance(sparsity, dict) else [("every layer", sparsity)]
         trials.tell(
             f"kept fractions x{SCALE_STEP**k:.3g} (k = {k:g}): "
-            + ", ".join(f"{n} {s:g}" for n, s in sparsity.items())
+            + ", ".join(f"{n} {s:g}" for n, s in shown)
         )
         trials.run(
             _scaled_recipe(recipe, sparsity),
@@ -687,18 +703,24 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
     rows = {row["layer"]: row for row in shrink_mod.plan(model, _scaled_recipe(recipe, base))}
 
     def record(won: dict[str, Any]) -> dict[str, Any]:
+        kept = won["sparsity"]
+        if not isinstance(kept, dict):  # one number: every prunable layer's
+            kept = {n: kept for n in prune.weight_layers(model, recipe.prune.embeddings)}
         return {
             "step": SCALE_STEP,
             "layers": {
-                n: {"sparsity": s, "bits": rows[n]["bits"] if n in rows else None}
-                for n, s in won["sparsity"].items()
+                n: {
+                    "sparsity": s,
+                    "bits": (rows.get(n) or rows.get(prune.layer_name(n)) or {}).get("bits"),
+                }
+                for n, s in kept.items()
             },
         }
 
     return record
 
 
-def _scaled_recipe(recipe: Recipe, sparsity: dict[str, float]) -> Recipe:
+def _scaled_recipe(recipe: Recipe, sparsity: dict[str, float] | float) -> Recipe:
     return recipe.replace(
         prune=dataclasses.replace(recipe.prune, sparsity=sparsity, quality=None),
         budget=dataclasses.replace(recipe.budget, max_drop="off"),

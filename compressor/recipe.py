@@ -718,10 +718,13 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
         return
     p = r["prune"]
     if budget_search(b["search"], r["quantize"]["method"]) == "scale":
+        how = 'budget.search = "scale"' + (
+            ' (the default under quantize.method = "soft")' if b["search"] == "auto" else ""
+        )
         if not p["enabled"]:
             raise InputError(
-                f'{source}: budget.search = "scale" scales prune.sparsity, and prune is '
-                'disabled; enable it, or set budget.search = "layers"'
+                f"{source}: {how} scales prune.sparsity, and prune is disabled; enable it, "
+                'or set budget.search = "layers"'
             )
         if p["quality"] is not None or p["sparsity"] == "auto":
             given = (
@@ -730,8 +733,9 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
                 else "prune.sparsity = 'auto'"
             )
             raise InputError(
-                f'{source}: budget.search = "scale" scales each layer\'s prune.sparsity, and '
-                f'{given} sets none before the run; give "default", a number or a table'
+                f"{source}: {how} scales each layer's prune.sparsity, and {given} sets none "
+                'before the run; give "default", a number or a table, or set budget.search = '
+                '"layers"'
             )
     elif p["enabled"] and (
         p["quality"] is not None or p["sparsity"] == "auto" or _number(p["sparsity"])

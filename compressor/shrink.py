@@ -35,7 +35,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from compresskit.compressor import archive, distill, huffman, kmeans, prune, softshare, stats
-from compresskit.compressor.recipe import HuffmanSection, PruneSection, QuantizeSection, Recipe
+from compresskit.compressor.recipe import (
+    HuffmanSection,
+    PruneSection,
+    QuantizeSection,
+    Recipe,
+    budget_search,
+)
 from compresskit.models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
@@ -197,7 +203,10 @@ def plan(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
     it will be decided."""
     check_fits_recipe(model, recipe)
     p, q = recipe.prune, recipe.quantize
-    searched = recipe.budget.max_drop != "off"
+    search = (
+        budget_search(recipe.budget.search, q.method) if recipe.budget.max_drop != "off" else ""
+    )
+    searched = search == "layers"  # sparsity and bits per layer; "scale": one factor
     found = kmeans.layers(model, p.embeddings or q.embeddings)
     if p.sparsity == "default":
         fractions: Any = default_sparsity(model, p.embeddings)
@@ -219,6 +228,8 @@ def plan(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
             sparsity = fractions.get(name, fractions.get(prune.layer_name(name), 0.0))
         else:
             sparsity = fractions
+        if search == "scale" and isinstance(sparsity, int | float) and sparsity > 0:
+            sparsity = f"{sparsity:g}, kept fraction scaled (--max-drop)"
         shared = q.enabled and (layer.kind != "embedding" or q.embeddings)
         rows.append(
             {

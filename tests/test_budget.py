@@ -2,6 +2,7 @@
 a brute-force optimum, the frontier, the curves' bytes against the archive's, the search on a
 small model, and the CLI's bad input."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -194,7 +195,7 @@ def test_curves_restore_the_model_and_price_records_as_the_archive_does(tmp_path
         assert rows[name]["bytes"] <= priced + 4, name  # 4: the coder's 32-bit words
 
 
-def _search(tmp_path, max_drop, **budget_keys):
+def _search(tmp_path, max_drop, said=False, **budget_keys):
     x, y = _data()
     xv, yv = _data(300, seed=1)
     model = _model(x, y)
@@ -213,8 +214,10 @@ def _search(tmp_path, max_drop, **budget_keys):
         }
     )
     base = int((model(xv).argmax(1) == yv).sum())
-    m, rep = budget.search(model, SPEC, r, _hooks(x, y, xv, yv), tmp_path)
-    return base, m, rep, xv, yv
+    lines: list[str] = []
+    hooks = dataclasses.replace(_hooks(x, y, xv, yv), info=lines.append)
+    m, rep = budget.search(model, SPEC, r, hooks, tmp_path)
+    return (base, m, rep, xv, yv, lines) if said else (base, m, rep, xv, yv)
 
 
 @pytest.mark.parametrize("max_drop", [0.0, 2.0])
@@ -420,10 +423,33 @@ def test_soft_trials_are_noted_as_outside_the_curves_model():
 def test_scaled_multiplies_kept_fractions():
     base = {"fc1": 0.92, "fc2": 0.5, "out": 0.0}
     assert budget.scaled(base, 0) == base
-    one = budget.scaled(base, 1)  # kept fractions x0.7
-    assert one == {"fc1": 0.944, "fc2": 0.65, "out": 0.3}
+    one = budget.scaled(base, 1)  # kept fractions x0.7; a layer the recipe leaves whole stays so
+    assert one == {"fc1": 0.944, "fc2": 0.65, "out": 0.0}
     assert budget.scaled(base, -3) == {"fc1": round(1 - 0.08 / 0.343, 4), "fc2": 0.0, "out": 0.0}
     assert budget.scaled(base, 40)["fc1"] == 0.9999  # never every weight
+    assert budget.scaled(0.9, 1) == 0.93  # one number stays one (prune.scope "global")
+
+
+def test_base_sparsity_is_the_recipes_own():
+    x, y = _data()
+    model = _model(x, y)
+
+    def base(prune):
+        r = recipe_mod.resolve({"budget": {"max_drop": 1, "search": "scale"}, "prune": prune})
+        return budget.base_sparsity(model, r)
+
+    assert base({}) == shrink.default_sparsity(model) == {"0": 0.92, "2": 0.92, "4": 0.75}
+    assert base({"sparsity": 0.8}) == 0.8
+    assert base({"sparsity": {"2": 0.5}}) == {"2": 0.5}  # the layers left out stay unpruned
+    # A number under prune.scope "global" scales as one number: each trial's recipe is valid.
+    r = recipe_mod.resolve(
+        {
+            "budget": {"max_drop": 1, "search": "scale"},
+            "prune": {"sparsity": 0.8, "scope": "global"},
+        }
+    )
+    budget.check(model, r)
+    assert budget._scaled_recipe(r, budget.scaled(0.8, 1)).prune.sparsity == 0.86
 
 
 def _walk(edge: float, noise: dict[float, bool] | None = None, limit: int = 20):
@@ -452,9 +478,10 @@ def test_scale_search_brackets_the_edge(edge):
 
 
 def test_scale_search_ignores_a_fail_below_a_pass_and_gives_up_at_its_bounds():
-    # Step 1 fails by luck although 2 passes: the edge moves past the pass.
+    # Step 1 fails by luck: the search bisects below it, not knowing that 2 would pass.
     steps = _walk(2.6, noise={1.0: False})
     assert [k for k, _ in steps[:3]] == [0.0, 1.0, 0.5]
+    # Had 2 passed beyond that fail, the edge moves past the pass and the fail is ignored.
     assert budget.edges([(0.0, True), (1.0, False), (2.0, True)]) == (2.0, None)
     # Nothing passes: it steps back to the most cautious step and stops there.
     steps = _walk(-10)
@@ -497,8 +524,13 @@ def test_recipe_resolves_and_checks_the_search():
 
 
 def test_scale_search_keeps_the_smallest_archive_within_the_budget(tmp_path):
-    base, m, rep, xv, yv = _search(tmp_path, 2.0, search="scale", trials=4)
+    base, m, rep, xv, yv, said = _search(tmp_path, 2.0, search="scale", trials=4, said=True)
     b = rep["budget"]
+    # Each trial's progress lines, its verdict included, carry its own number.
+    for t in b["trials"]:
+        n = t["trial"]
+        verdict = [line for line in said if line.startswith(f"budget trial {n}/4: archive")]
+        assert len(verdict) == 1 and f"{t['archive_bytes']:,} bytes" in verdict[0]
     assert b["search"] == "scale" and "curves" not in b
     steps = [t["step"] for t in b["trials"]]
     assert steps[0] == 0.0 and len(steps) == len(set(steps)) <= 4
