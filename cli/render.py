@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -93,10 +94,12 @@ class TrainProgress(Events):
             self.progress.stop()
             self.progress = None
         if not self.quiet:
+            # NaN: an epoch with no test pass (TrainConfig.evaluate = "last", PS ranks)
+            acc = record.test_accuracy
+            test = "     –" if math.isnan(acc) else f"{acc:6.2%}"
             stderr.print(
                 f"epoch {record.epoch:>3}  loss {record.train_loss:.4f}  "
-                f"train {record.train_accuracy:6.2%}  test {record.test_accuracy:6.2%}  "
-                f"{record.seconds:.1f}s"
+                f"train {record.train_accuracy:6.2%}  test {test}  {record.seconds:.1f}s"
             )
 
     def close(self) -> None:

@@ -235,6 +235,9 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
             batch_size=train.batch_size,
             optimizer=train.optimizer,
             seed=train.seed,
+            # The stages read the final model's test hits only: the test pass after every
+            # other epoch was a forward over the test set for a progress line.
+            evaluate="last",
         )
         # Masks skip their multiply while `fit` trains: its SGD and Adam start their state
         # inside the block and keep zero weights at zero (pruned layers at dense speed).

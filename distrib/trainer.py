@@ -64,6 +64,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: at the end of each epoch only
     grad_compression: str = "none"  # data parallel: none | fp16 | bf16 gradients on the wire
     eval_batch_size: int | None = None  # None: sized to the model's activations (_mem.eval_batch)
+    # "every": the test pass after each epoch; "last": after the last epoch only (the other
+    # epochs' records carry NaN), for callers that read only the final model's figures.
+    evaluate: str = "every"
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -86,6 +89,7 @@ class TrainConfig:
             self.eval_batch_size,
             "give 1 or more, or leave it unset",
         )
+        _check(self.evaluate in ("every", "last"), "evaluate", self.evaluate, "every or last")
         _check(self.checkpoint_every >= 0, "--checkpoint-every", self.checkpoint_every, "0 or more")
         _check(
             self.grad_compression in ("none", "fp16", "bf16"),
@@ -498,7 +502,9 @@ def fit(
                 updater.finish()  # rank 0: wait for every worker and take the run's figures
             if rank == 0:  # evaluate and save the servers' weights, not the last ones pulled
                 gathered = updater.take_master(model, optimizer)
-        if updater is not None and rank != 0:  # only rank 0 reports a parameter-server run
+        if (updater is not None and rank != 0) or (  # only rank 0 reports a PS run
+            cfg.evaluate == "last" and epoch < cfg.epochs - 1
+        ):
             test_loss, test_acc, test_correct = math.nan, math.nan, None
         else:
             test_loss, test_correct = evaluate_samples(

@@ -165,6 +165,33 @@ def test_fit_returns_the_final_models_per_sample_test_hits(digits):
     assert result.test_accuracy == int(want.sum()) / len(want)
 
 
+def test_evaluate_last_trains_the_same_and_tests_only_the_final_model(digits, monkeypatch):
+    # shrink's retraining reads only the final model's test hits: the passes after the other
+    # epochs are skipped, and the training itself is unchanged.
+    from compresskit.distrib import trainer
+
+    passes = []
+    real = trainer.evaluate_samples
+    monkeypatch.setattr(
+        trainer, "evaluate_samples", lambda *a, **k: passes.append(len(a[2])) or real(*a, **k)
+    )
+    runs = {}
+    for mode in ("every", "last"):
+        passes.clear()
+        _, model = _model(digits, seed=3)
+        result = fit(model, digits, TrainConfig(epochs=3, seed=3, evaluate=mode))
+        runs[mode] = (result, _weights(model), len(passes))
+    every, last = runs["every"], runs["last"]
+    assert every[2] == 3 and last[2] == 1
+    assert all(torch.equal(every[1][k], last[1][k]) for k in every[1])
+    assert torch.equal(every[0].test_correct, last[0].test_correct)
+    assert last[0].test_accuracy == every[0].test_accuracy
+    assert [math.isnan(r.test_accuracy) for r in last[0].history] == [True, True, False]
+    assert [r.train_loss for r in last[0].history] == [r.train_loss for r in every[0].history]
+    with pytest.raises(InputError, match="evaluate"):
+        TrainConfig(evaluate="never")
+
+
 def test_adam_is_fused_on_cpu_and_takes_the_default_loops_steps():
     """The fused kernel is asked for where torch has it, and moves the weights as the default
     loop does (to rounding): checkpoints and the parameter server's shard agree either way."""
