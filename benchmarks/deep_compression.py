@@ -318,7 +318,10 @@ def report(model: str, name: str, rep: dict, seconds: float, recipe: Path | None
                 else f"the curves predicted {b['predicted_drop']:.2f} before retraining"
             )
             + "); per layer "
-            + ", ".join(f"{n} {r['sparsity']:g} / {r['bits']} bits" for n, r in b["layers"].items())
+            + ", ".join(
+                f"{n} {r['sparsity']:g}" + (f" / {r['bits']} bits" if r["bits"] else "")
+                for n, r in b["layers"].items()
+            )
         )
         for t in b["trials"]:
             lo, hi = t["val_drop_interval"]

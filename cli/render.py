@@ -117,8 +117,8 @@ def train_summary(result: TrainResult, out: Path) -> None:
             str(r.epoch),
             f"{r.train_loss:.4f}",
             f"{r.train_accuracy:.2%}",
-            f"{r.test_loss:.4f}",
-            f"{r.test_accuracy:.2%}",
+            "–" if math.isnan(r.test_loss) else f"{r.test_loss:.4f}",
+            "–" if math.isnan(r.test_accuracy) else f"{r.test_accuracy:.2%}",
             f"{r.seconds:.2f}",
         )
     stdout.print(table)

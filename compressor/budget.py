@@ -94,9 +94,10 @@ def coarseness(max_drop: float, n_val: int) -> str | None:
 
 def method_note(method: str) -> str | None:
     """A note when the layer search's trials share weights by a method its curves do not model
-    (None for k-means; the scale search has no curves). Soft weight-sharing's zero component prunes on its own: on MNIST LeNet-300-100
-    trials that asked for no pruning kept 20.6% of fc1 all the same, and the archive sizes did
-    not follow the frontier the bisection walks (docs/benchmarks.md)."""
+    (None for k-means; the scale search has no curves). Soft weight-sharing's zero component
+    prunes on its own: on MNIST LeNet-300-100 trials that asked for no pruning kept 20.6% of
+    fc1 all the same, and the archive sizes did not follow the frontier the bisection walks
+    (docs/benchmarks.md)."""
     if method != "soft":
         return None
     return (
@@ -281,9 +282,11 @@ def base_sparsity(model: nn.Module, recipe: Recipe) -> dict[str, float] | float:
 @dataclass(frozen=True)
 class BudgetConfig:
     """max_drop   points of validation accuracy the result may lose against the dense model
-    trials      full shrink runs (with retraining) tried along the frontier
-    sparsities  per-layer sparsities the curves measure (0: not pruned)
-    bits        per-layer bit widths the curves measure"""
+    trials      full shrink runs (with retraining) the search tries
+    search      "layers": along the curves' frontier; "scale": one factor on the recipe's
+                sparsities (module docstring)
+    sparsities  per-layer sparsities the layer search's curves measure (0: not pruned)
+    bits        per-layer bit widths the layer search's curves measure"""
 
     max_drop: float
     trials: int = 6
@@ -678,8 +681,13 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
     record's maker."""
     base = base_sparsity(model, recipe)
     hooks, judge = trials.hooks, trials.judge
+    n = (
+        len(base)
+        if isinstance(base, dict)
+        else len(prune.weight_layers(model, recipe.prune.embeddings))
+    )
     hooks.info(
-        f"budget: scaling the kept fractions of {len(base)} layers' sparsities by "
+        f"budget: scaling the kept fractions of {n} layers' sparsities by "
         f"{SCALE_STEP:g}**k from k = 0 (the recipe's); {judge.allowed} of {judge.n} validation "
         "samples may go"
     )
@@ -707,7 +715,7 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
         if not isinstance(kept, dict):  # one number: every prunable layer's
             kept = {n: kept for n in prune.weight_layers(model, recipe.prune.embeddings)}
         return {
-            "step": SCALE_STEP,
+            "scale_step": SCALE_STEP,
             "layers": {
                 n: {
                     "sparsity": s,

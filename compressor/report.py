@@ -148,7 +148,7 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
     if scale:
         how = (
             f"The search multiplied every layer's kept fraction of the recipe's sparsities by "
-            f"{b['step']:g}^k and bisected k: {len(b['trials'])} full shrink runs (with "
+            f"{b['scale_step']:g}^k and bisected k: {len(b['trials'])} full shrink runs (with "
             f"retraining). Kept: trial {b['chosen_trial']} (kept fractions ×"
             f"{won['scale']:.3g}), validation drop {b['val_drop']:+.2f} points measured "
             f"({won['lost']} samples, paired 95% interval [{won['val_drop_interval'][0]:+.2f}, "

@@ -35,7 +35,14 @@ from compresskit.models.errors import InputError
 from compresskit.models.fileio import check_writable
 
 # Settings a resumed run may change: the rest must match the checkpoint's.
-_RESUME_MAY_CHANGE = {"epochs", "eval_batch_size", "device", "checkpoint_every", "grad_compression"}
+_RESUME_MAY_CHANGE = {
+    "epochs",
+    "eval_batch_size",
+    "evaluate",
+    "device",
+    "checkpoint_every",
+    "grad_compression",
+}
 # What `train(strategy=...)` takes by name.
 STRATEGIES = ("allreduce", "ps-sync", "ps-async", "ps-ssp", "pipeline")
 _DEFAULT_CONFIG = TrainConfig()
@@ -590,6 +597,8 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
                 f"drop {flag} or start over without --resume"
             )
     keep = {k: getattr(job.config, k) for k in _RESUME_MAY_CHANGE if k in job.explicit}
+    # When to test is the caller's, not the checkpoint's: it changes no weight.
+    keep["evaluate"] = job.config.evaluate
     config = dataclasses.replace(stored_cfg, **keep)
     if ck.train_state["epoch"] > config.epochs:
         raise InputError(

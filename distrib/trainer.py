@@ -65,7 +65,8 @@ class TrainConfig:
     grad_compression: str = "none"  # data parallel: none | fp16 | bf16 gradients on the wire
     eval_batch_size: int | None = None  # None: sized to the model's activations (_mem.eval_batch)
     # "every": the test pass after each epoch; "last": after the last epoch only (the other
-    # epochs' records carry NaN), for callers that read only the final model's figures.
+    # epochs' records carry NaN), for callers that read only the final model's figures. The
+    # pipeline strategy (distrib/pipeline.py) has its own loop and tests every epoch.
     evaluate: str = "every"
     device: str = "cpu"
 
@@ -415,7 +416,8 @@ def fit(
     events: Events | None = None,
     updater: Any = None,
 ) -> TrainResult:
-    """Train `model` in place on `data.x_train` and evaluate on `data.x_test` after each epoch.
+    """Train `model` in place on `data.x_train` and evaluate on `data.x_test` after each epoch
+    (`cfg.evaluate = "last"`: after the last one only).
     Batches reach the model as the data holds them (float32 images, or int64 token ids, which
     `--precision bf16` leaves alone: autocast casts only inside the model's float operations).
 

@@ -195,7 +195,7 @@ def test_curves_restore_the_model_and_price_records_as_the_archive_does(tmp_path
         assert rows[name]["bytes"] <= priced + 4, name  # 4: the coder's 32-bit words
 
 
-def _search(tmp_path, max_drop, said=False, **budget_keys):
+def _search(tmp_path, max_drop, said=False, prune=None, **budget_keys):
     x, y = _data()
     xv, yv = _data(300, seed=1)
     model = _model(x, y)
@@ -208,7 +208,7 @@ def _search(tmp_path, max_drop, said=False, **budget_keys):
                 "bits": [2, 4, 8],
                 **budget_keys,
             },
-            "prune": {"rounds": 1, "retrain_epochs": 2},
+            "prune": {"rounds": 1, "retrain_epochs": 2, **(prune or {})},
             "quantize": {"finetune_epochs": 1},
             "export": {"enabled": False},
         }
@@ -554,3 +554,22 @@ def test_scale_search_keeps_the_smallest_archive_within_the_budget(tmp_path):
     text = "\n".join(report._budget_lines(rep))
     assert "multiplied every layer's kept fraction" in text
     assert f"| {won['trial']} | {won['scale']:.3g} |" in text
+
+
+def test_scale_search_scales_one_global_sparsity_as_one_number(tmp_path):
+    prune = {"sparsity": 0.8, "scope": "global"}
+    _, m, rep, *_ = _search(tmp_path, 2.0, search="scale", trials=2, prune=prune)
+    b = rep["budget"]
+    for t in b["trials"]:
+        assert t["sparsity"] == budget.scaled(0.8, t["step"])
+    won = b["trials"][b["chosen_trial"] - 1]
+    # One threshold over all layers: the kept model's zeros are that fraction of them all.
+    ws = [m.get_submodule(n).weight.detach() for n in ("0", "2", "4")]
+    zeros = sum(int((w == 0).sum()) for w in ws) / sum(w.numel() for w in ws)
+    assert zeros == pytest.approx(won["sparsity"], abs=0.01)
+    assert rep["recipe"]["prune"]["sparsity"] == won["sparsity"]
+    assert rep["recipe"]["prune"]["scope"] == "global"
+    assert {n: r["sparsity"] for n, r in b["layers"].items()} == dict.fromkeys(
+        ["0", "2", "4"], won["sparsity"]
+    )
+    assert b["scale_step"] == budget.SCALE_STEP

@@ -153,6 +153,32 @@ def test_job_resume_refuses_changed_settings(tmp_path):
     assert checkpoint.load(out).spec.name == "mlp"
 
 
+def test_resume_takes_when_to_test_from_the_caller(tmp_path):
+    # evaluate changes no weight: a resumed run tests as its caller asks, whatever the
+    # checkpoint's run did, and is never refused for it.
+    out = tmp_path / "m.pt"
+    first = run(TrainJob(model="mlp", out=out, config=TrainConfig(epochs=1, evaluate="last")))
+    assert not math.isnan(first.history[0].test_accuracy)  # the last epoch is always tested
+    resumed = run(
+        TrainJob(
+            out=out,
+            resume=True,
+            config=TrainConfig(epochs=3, evaluate="every"),
+            explicit=frozenset({"epochs", "evaluate"}),
+        )
+    )
+    assert [math.isnan(r.test_accuracy) for r in resumed.history] == [False, False, False]
+    again = run(
+        TrainJob(
+            out=out,
+            resume=True,
+            config=TrainConfig(epochs=5, evaluate="last"),
+            explicit=frozenset({"epochs", "evaluate"}),
+        )
+    )
+    assert [math.isnan(r.test_accuracy) for r in again.history[3:]] == [True, False]
+
+
 def test_fit_returns_the_final_models_per_sample_test_hits(digits):
     # shrink reuses these instead of a second pass over the test set: they must be exactly
     # what evaluating the trained model gives.
