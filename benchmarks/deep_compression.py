@@ -34,6 +34,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from compresskit.compressor.report import budget_summary
+
 PAPER = {  # Table 1 and Tables 2-3 of the paper (MNIST, 60k training images)
     "lenet300": {
         "bytes": "1070 KB -> 27 KB",
@@ -307,21 +309,12 @@ def report(model: str, name: str, rep: dict, seconds: float, recipe: Path | None
     )
     if "budget" in rep:
         b = rep["budget"]
+        how, layers = budget_summary(b)
         print(
             f"budget {b['max_drop']:g} points: trial {b['chosen_trial']} of "
             f"{len(b['trials'])} kept, validation drop {b['val_drop']:+.2f} (paired 95% "
             f"interval [{b['val_drop_interval'][0]:+.2f}, {b['val_drop_interval'][1]:+.2f}], "
-            f"{b['validation_samples']} samples; "
-            + (
-                f"kept fractions x{b['trials'][b['chosen_trial'] - 1]['scale']:.3g} of the recipe's"
-                if b.get("search") == "scale"
-                else f"the curves predicted {b['predicted_drop']:.2f} before retraining"
-            )
-            + "); per layer "
-            + ", ".join(
-                f"{n} {r['sparsity']:g}" + (f" / {r['bits']} bits" if r["bits"] else "")
-                for n, r in b["layers"].items()
-            )
+            f"{b['validation_samples']} samples; {how}); per layer {layers}"
         )
         for t in b["trials"]:
             lo, hi = t["val_drop_interval"]

@@ -22,6 +22,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from compresskit.compressor import report as report_mod
 from compresskit.distrib.trainer import EpochRecord, Events, TrainResult
 
 LINE_EVERY_S = 15.0  # progress lines off a terminal
@@ -269,21 +270,11 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
         )
     if "budget" in report:
         b = report["budget"]
-        won = b["trials"][b["chosen_trial"] - 1]
+        how, layers = report_mod.budget_summary(b)
         out.print(
             f"budget {b['max_drop']:g} points ({b['allowed_lost']} of {b['validation_samples']:,} "
             f"validation samples): kept trial {b['chosen_trial']} of {len(b['trials'])}, "
-            f"validation drop {b['val_drop']:+.2f} measured ("
-            + (
-                f"kept fractions ×{won['scale']:.3g} of the recipe's"
-                if b.get("search") == "scale"
-                else f"{won['predicted_drop']:.2f} predicted before retraining"
-            )
-            + "); "
-            + ", ".join(
-                f"{n} {r['sparsity']:g}" + (f"/{r['bits']}b" if r["bits"] else "")
-                for n, r in b["layers"].items()
-            )
+            f"validation drop {b['val_drop']:+.2f} measured ({how}); {layers}"
         )
         for key in ("coarse", "method_note"):
             if b.get(key):

@@ -133,6 +133,22 @@ def markdown(
     return "\n".join(lines)
 
 
+def budget_summary(b: dict[str, Any]) -> tuple[str, str]:
+    """(how the kept trial was found, its per-layer settings) of a budget record, one line
+    each, for the CLI's and the benchmarks' summaries."""
+    won = b["trials"][b["chosen_trial"] - 1]
+    how = (
+        f"kept fractions ×{won['scale']:.3g} of the recipe's"
+        if b.get("search") == "scale"
+        else f"{won['predicted_drop']:.2f} predicted before retraining"
+    )
+    layers = ", ".join(
+        f"{n} {r['sparsity']:g}" + (f"/{r['bits']}b" if r["bits"] else "")
+        for n, r in b["layers"].items()
+    )
+    return how, layers
+
+
 def _budget_lines(report: dict[str, Any]) -> list[str]:
     b = report.get("budget")
     if not b:
