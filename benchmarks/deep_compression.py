@@ -67,21 +67,15 @@ GRADUAL = "[train]\ndistill = 0.7\n[prune]\nrounds = 6\nretrain_epochs = 3\n"
 # "budget": no hand-written setting, only the accuracy budget (compressor.budget); its trials
 # retrain with distillation (train.distill defaults to 0.7 under a budget).
 BUDGET = "[budget]\nmax_drop = 0.2\n"
+# "gradual" retrained against the dense model's outputs alone (distill 1.0: on
+# LeNet-300-100's gradual-soft recipe, 3 seeds, -0.05 points against -0.28 at 0.7;
+# docs/benchmarks.md).
+GRADUAL_KD = GRADUAL.replace("distill = 0.7", "distill = 1.0")
 # "budget-soft": the budget with soft weight-sharing, whose search scales the default
-# sparsities by one factor (budget.search "auto" -> "scale"); its trials run the gradual
-# schedule, retrained against the dense model's outputs alone (distill 1.0: on LeNet-300-100's
-# gradual-soft recipe, 3 seeds, -0.05 points against -0.28 at 0.7; docs/benchmarks.md).
+# sparsities by one factor (budget.search "auto" -> "scale"), its trials on GRADUAL_KD.
 # "budget-scale": the same search with k-means sharing (budget.search = "scale").
-BUDGET_SCALE = (
-    "[train]\ndistill = 1.0\n[prune]\nrounds = 6\nretrain_epochs = 3\n"
-    + BUDGET
-    + 'search = "scale"\n'
-)
-BUDGET_SOFT = (
-    "[train]\ndistill = 1.0\n[prune]\nrounds = 6\nretrain_epochs = 3\n"
-    + BUDGET
-    + '[quantize]\nmethod = "soft"\n'
-)
+BUDGET_SCALE = GRADUAL_KD + BUDGET + 'search = "scale"\n'
+BUDGET_SOFT = GRADUAL_KD + BUDGET + SOFT
 TARGETS = {"lenet300": 64, "lenet5": 100}  # the issue's: this ratio at a mean drop <= 0.2
 
 RECIPES = {
@@ -93,8 +87,7 @@ RECIPES = {
         "soft-target": "[train]\ndistill = 0.7\n" + SOFT,
         "gradual": GRADUAL,
         "gradual-soft": GRADUAL + SOFT,
-        # the same retrained against the dense model's outputs alone (distill 1.0)
-        "gradual-soft-kd": GRADUAL.replace("distill = 0.7", "distill = 1.0") + SOFT,
+        "gradual-soft-kd": GRADUAL_KD + SOFT,
         "budget": BUDGET,
         "budget-soft": BUDGET_SOFT,
         "budget-scale": BUDGET_SCALE,

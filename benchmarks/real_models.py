@@ -4,9 +4,9 @@
     python benchmarks/real_models.py                      # the whole matrix (~1 h on 2 cores)
     python benchmarks/real_models.py --models resnet_se,vit,textcls   # no extra needed
 
-For each model: `compress train` for `--train-epochs` epochs (10), then `compress shrink` with the default recipe
-shortened only in epochs (its three prune rounds with one retraining epoch each, one
-fine-tuning epoch; `--recipe default` runs it unshortened), then `compress train` again for
+For each model: `compress train` for `--train-epochs` epochs (10), then `compress shrink` with
+the default recipe shortened only in epochs (its three prune rounds with one retraining epoch
+each, one fine-tuning epoch; `--recipe default` runs it unshortened), then `compress train` again for
 `--after` epochs (3), all through the real CLI in subprocesses. The dense epoch every other
 figure is compared with is the mean of the two training processes' median epochs.
 Printed per model: parameters, each stage's seconds, the seconds spent training, peak RSS,

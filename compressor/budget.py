@@ -681,13 +681,14 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
     record's maker."""
     base = base_sparsity(model, recipe)
     hooks, judge = trials.hooks, trials.judge
-    n = (
-        len(base)
-        if isinstance(base, dict)
-        else len(prune.weight_layers(model, recipe.prune.embeddings))
-    )
+    layers = list(prune.weight_layers(model, recipe.prune.embeddings))
+
+    def per_layer(sparsity: dict[str, float] | float) -> dict[str, float]:
+        """One number as every prunable layer's (the layers prune.scope "global" covers)."""
+        return sparsity if isinstance(sparsity, dict) else dict.fromkeys(layers, sparsity)
+
     hooks.info(
-        f"budget: scaling the kept fractions of {n} layers' sparsities by "
+        f"budget: scaling the kept fractions of {len(per_layer(base))} layers' sparsities by "
         f"{SCALE_STEP:g}**k from k = 0 (the recipe's); {judge.allowed} of {judge.n} validation "
         "samples may go"
     )
@@ -695,7 +696,7 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
     while k is not None and len(trials.records) < cfg.trials:
         sparsity = scaled(base, k)
         if any(t["sparsity"] == sparsity for t in trials.records):
-            break  # clamped at 0 or 0.9999: the settings of a trial already run
+            break  # a step tried, or clamped at 0 or 0.9999: the settings of a trial run
         shown = sparsity.items() if isinstance(sparsity, dict) else [("every layer", sparsity)]
         trials.tell(
             f"kept fractions x{SCALE_STEP**k:.3g} (k = {k:g}): "
@@ -706,14 +707,10 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
             {"step": k, "scale": SCALE_STEP**k, "sparsity": sparsity},
         )
         k = next_step(*edges([(t["step"], t["within_budget"]) for t in trials.records]))
-        if k is not None and any(t["step"] == k for t in trials.records):
-            k = None
     rows = {row["layer"]: row for row in shrink_mod.plan(model, _scaled_recipe(recipe, base))}
 
     def record(won: dict[str, Any]) -> dict[str, Any]:
-        kept = won["sparsity"]
-        if not isinstance(kept, dict):  # one number: every prunable layer's
-            kept = {n: kept for n in prune.weight_layers(model, recipe.prune.embeddings)}
+        kept = per_layer(won["sparsity"])
         return {
             "scale_step": SCALE_STEP,
             "layers": {

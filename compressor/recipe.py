@@ -717,6 +717,11 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
     if b["max_drop"] == "off":
         return
     p = r["prune"]
+    given = (
+        f"prune.quality = {p['quality']!r}"
+        if p["quality"] is not None
+        else f"prune.sparsity = {p['sparsity']!r}"
+    )
     if budget_search(b["search"], r["quantize"]["method"]) == "scale":
         how = 'budget.search = "scale"' + (
             ' (the default under quantize.method = "soft")' if b["search"] == "auto" else ""
@@ -727,11 +732,6 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
                 'or set budget.search = "layers"'
             )
         if p["quality"] is not None or p["sparsity"] == "auto":
-            given = (
-                f"prune.quality = {p['quality']!r}"
-                if p["quality"] is not None
-                else "prune.sparsity = 'auto'"
-            )
             raise InputError(
                 f"{source}: {how} scales each layer's prune.sparsity, and {given} sets none "
                 'before the run; give "default", a number or a table, or set budget.search = '
@@ -740,11 +740,6 @@ def _validate_budget(r: dict[str, Any], source: str) -> None:
     elif p["enabled"] and (
         p["quality"] is not None or p["sparsity"] == "auto" or _number(p["sparsity"])
     ):
-        given = (
-            f"prune.quality = {p['quality']!r}"
-            if p["quality"] is not None
-            else f"prune.sparsity = {p['sparsity']!r}"
-        )
         raise InputError(
             f"{source}: budget.max_drop chooses each layer's sparsity, and {given} sets them "
             "all; drop one of the two (a table {layer = s} fixes only the layers it names), "

@@ -161,15 +161,19 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
         else "**over the budget: no trial met it; the one whose mean probability of the right "
         "class dropped least is kept**"
     )
+    lo, hi = won["val_drop_interval"]
+    measured = (
+        f"validation drop {b['val_drop']:+.2f} points measured ({won['lost']} samples, paired "
+        f"95% interval [{lo:+.2f}, {hi:+.2f}]; "
+        + ("" if scale else f"the curves predicted {b['predicted_drop']:.2f} before retraining; ")
+        + f"the mean probability of the right class dropped {b['val_soft_drop']:+.2f} points), "
+        f"{verdict}."
+    )
     if scale:
         how = (
             f"The search multiplied every layer's kept fraction of the recipe's sparsities by "
             f"{b['scale_step']:g}^k and bisected k: {len(b['trials'])} full shrink runs (with "
-            f"retraining). Kept: trial {b['chosen_trial']} (kept fractions ×"
-            f"{won['scale']:.3g}), validation drop {b['val_drop']:+.2f} points measured "
-            f"({won['lost']} samples, paired 95% interval [{won['val_drop_interval'][0]:+.2f}, "
-            f"{won['val_drop_interval'][1]:+.2f}]; the mean probability of the right class "
-            f"dropped {b['val_soft_drop']:+.2f} points), {verdict}."
+            f"retraining). Kept: trial {b['chosen_trial']} (kept fractions ×{won['scale']:.3g}), "
         )
     else:
         how = (
@@ -177,17 +181,14 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
             f"{len(b['grid']['bits'])} bit widths, that layer alone, no retraining) fed an "
             f"exact allocation over {b['frontier_points']} frontier points; "
             f"{len(b['trials'])} full shrink runs (with retraining) were tried along it. Kept: "
-            f"trial {b['chosen_trial']}, validation drop {b['val_drop']:+.2f} points measured "
-            f"({won['lost']} samples, paired 95% interval [{won['val_drop_interval'][0]:+.2f}, "
-            f"{won['val_drop_interval'][1]:+.2f}]; the curves predicted "
-            f"{b['predicted_drop']:.2f} before retraining; the mean probability of the right "
-            f"class dropped {b['val_soft_drop']:+.2f} points), {verdict}."
+            f"trial {b['chosen_trial']}, "
         )
     lines = [
         f"## Accuracy budget: at most {b['max_drop']:g} points",
         "",
         f"Validation split: {b['validation_samples']:,} samples, so at most "
-        f"{b['allowed_lost']} may be lost. {how} A trial is within the budget when both drops "
+        f"{b['allowed_lost']} may be lost. {how}{measured} A trial is within the budget when "
+        "both drops "
         "are: top-1 on few samples can pass by luck, its smooth counterpart far less often. An "
         "interval wider than the budget says the validation split cannot resolve it. The "
         "recipe below re-runs the kept trial without the search.",
