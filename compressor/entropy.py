@@ -67,12 +67,23 @@ def adaptive_bits(ctx: np.ndarray, sym: np.ndarray, k: int) -> float:
     """Code length (bits) of `sym` under per-context adaptive KT models over k symbols, updated
     after every symbol: the closed form sum over contexts of log Gamma ratios. The coder, which
     updates per step, pays a little more; this ranks models."""
-    ctx = np.asarray(ctx, np.int64).ravel()
-    sym = np.asarray(sym, np.int64).ravel()
-    if sym.size == 0:
+    ctx = np.asarray(ctx).ravel()
+    if ctx.size == 0:
         return 0.0
-    nc = int(ctx.max()) + 1
-    joint = np.bincount(ctx * k + sym, minlength=nc * k).reshape(nc, k)
+    return kt_bits(joint_counts(ctx, sym, k, int(ctx.max()) + 1))
+
+
+def joint_counts(ctx: np.ndarray, sym: np.ndarray, k: int, contexts: int) -> np.ndarray:
+    """(contexts, k) counts of each (context, symbol) pair: `kt_bits`' input, which adds up
+    over parts of a tensor (the mode choices count a big layer a block of rows at a time)."""
+    ctx, sym = np.asarray(ctx).ravel(), np.asarray(sym).ravel()
+    joint = np.bincount(ctx.astype(np.int64) * k + sym, minlength=contexts * k)
+    return joint.reshape(contexts, k)
+
+
+def kt_bits(joint: np.ndarray) -> float:
+    """`adaptive_bits` from the counts `joint_counts` gives."""
+    k = joint.shape[1]
     tot = joint.sum(1)
     used = tot > 0
     nats = (gammaln(tot[used] + 0.5 * k) - gammaln(0.5 * k)).sum() - (
@@ -179,12 +190,33 @@ def _run_context(left_kept: np.ndarray, zeros: np.ndarray) -> np.ndarray:
 def _run_contexts_all(mask: np.ndarray) -> np.ndarray:
     """Every position's zero-run context, for the mode choice (rows x cols mask)."""
     rows, cols = mask.shape
-    col = np.arange(cols)[None, :]
-    last = np.maximum.accumulate(np.where(mask, col, -1), axis=1)
-    before = np.concatenate([np.full((rows, 1), -1), last[:, :-1]], axis=1)
+    col = np.arange(cols, dtype=np.int32)[None, :]
+    last = np.maximum.accumulate(np.where(mask, col, np.int32(-1)), axis=1)
+    before = np.concatenate([np.full((rows, 1), -1, np.int32), last[:, :-1]], axis=1)
+    del last
     left = np.concatenate([np.zeros((rows, 1), bool), mask[:, :-1]], axis=1)
     # As the coder counts: a row starts as if one zero preceded it.
     return _run_context(left, col - before - 1 + (before < 0))
+
+
+# Positions a mode choice looks at in one go: its arrays of contexts stay a few MB whatever the
+# layer. Whole, a 2.36M-weight ResNet-18 conv made ~110 MiB of int64/float64 temporaries.
+CHOOSE_BLOCK = 1 << 18
+
+
+def _row_blocks(mask: np.ndarray) -> range:
+    return range(0, mask.shape[0], max(1, CHOOSE_BLOCK // max(mask.shape[1], 1)))
+
+
+def run_context_bits(mask: np.ndarray) -> float:
+    """`adaptive_bits` of the mask under its zero-run contexts, counted a block of rows at a
+    time (contexts run along rows, so blocks count independently)."""
+    joint = np.zeros((RUN_CONTEXTS, 2), np.int64)
+    step = _row_blocks(mask).step
+    for r in _row_blocks(mask):
+        part = mask[r : r + step]
+        joint += joint_counts(_run_contexts_all(part), part.astype(np.int8), 2, RUN_CONTEXTS)
+    return kt_bits(joint)
 
 
 def choose_mask(mask: np.ndarray) -> int:
@@ -198,7 +230,7 @@ def choose_mask(mask: np.ndarray) -> int:
     iid = iid_bits(n, total)
     if not 2 <= mask.shape[1] <= MAX_CONTEXT_COLUMNS:
         return MASK_IID
-    if adaptive_bits(_run_contexts_all(mask), mask, 2) >= CHOOSE_MARGIN * iid:
+    if run_context_bits(mask) >= CHOOSE_MARGIN * iid:
         return MASK_IID
     trial = {}
     for mode in (MASK_IID, MASK_RUNS):
@@ -274,11 +306,13 @@ def decode_mask(dec: RangeDecoder, rows: int, cols: int, n: int, mode: int) -> n
 def _left_bucket(left: np.ndarray, k: int) -> np.ndarray:
     """Context of an index: its left neighbour's index in LEFT_BUCKETS buckets (codebooks are
     sorted by value, so a bucket is a value range), or LEFT_BUCKETS when that one is pruned."""
-    return np.where(left < 0, LEFT_BUCKETS, (np.maximum(left, 0) * LEFT_BUCKETS) // max(k, 1))
+    wide = np.maximum(left, 0).astype(np.int64)  # an int16 grid's values times 8 may not fit
+    return np.where(left < 0, LEFT_BUCKETS, (wide * LEFT_BUCKETS) // max(k, 1))
 
 
 def _index_grid(mask: np.ndarray, index: np.ndarray) -> np.ndarray:
-    grid = np.full(mask.shape, -1, np.int64)
+    # The narrowest signed type that holds every index and the -1 of a pruned position
+    grid = np.full(mask.shape, -1, np.int16 if index.size and index.max() < 2**15 else np.int64)
     grid[mask] = index  # row-major: the order entries are stored in
     return grid
 
@@ -290,11 +324,26 @@ def choose_index(mask: np.ndarray, index: np.ndarray, k: int) -> int:
         or not 2 <= mask.shape[1] <= MAX_CONTEXT_COLUMNS
     ):
         return INDEX_ORDER0
-    grid = _index_grid(mask, index)
-    left = np.concatenate([np.full((mask.shape[0], 1), -1), grid[:, :-1]], axis=1)[mask]
-    order0 = adaptive_bits(np.zeros_like(index), index, k)
-    ctx = adaptive_bits(_left_bucket(left, k), index, k)
-    return INDEX_LEFT if ctx < CHOOSE_MARGIN * order0 else INDEX_ORDER0
+    order0 = kt_bits(np.bincount(index, minlength=k)[None, :])
+    return (
+        INDEX_LEFT if left_context_bits(mask, index, k) < CHOOSE_MARGIN * order0 else INDEX_ORDER0
+    )
+
+
+def left_context_bits(mask: np.ndarray, index: np.ndarray, k: int) -> float:
+    """`adaptive_bits` of the indices under their left neighbour's bucket, counted a block of
+    rows at a time (a left neighbour is in the same row)."""
+    joint = np.zeros((LEFT_BUCKETS + 1, k), np.int64)
+    step, done = _row_blocks(mask).step, 0
+    for r in _row_blocks(mask):
+        part = mask[r : r + step]
+        n = int(part.sum())
+        idx = index[done : done + n]  # entries are stored row-major
+        grid = _index_grid(part, idx)
+        left = np.concatenate([np.full((part.shape[0], 1), -1, grid.dtype), grid[:, :-1]], 1)
+        joint += joint_counts(_left_bucket(left[part], k), idx, k, LEFT_BUCKETS + 1)
+        done += n
+    return kt_bits(joint)
 
 
 def encode_index(enc: RangeEncoder, mask: np.ndarray, index: np.ndarray, k: int, mode: int) -> None:
@@ -374,10 +423,10 @@ class Planes:
         """(model, symbols, contexts) of each step, in coding order: plane 1 in the context
         of plane 0. A plane's steps are cut before its model takes any of them."""
         for j, (p, model) in enumerate(zip(planes, models, strict=True)):
-            p = p.astype(np.int64)
-            above = planes[0].astype(np.int64) if j == 1 else None
+            # each step widened on its own: whole planes as int64 were 8 bytes a value at once
             for a, b in self._steps(model, p.size):
-                yield model, p[a:b], None if above is None else above[a:b]
+                ctx = planes[0, a:b].astype(np.int64) if j == 1 else None
+                yield model, p[a:b].astype(np.int64), ctx
 
     def _code(self, enc, planes: np.ndarray, models: list[_Model]) -> None:
         for model, sym, ctx in self._pieces(planes, models):

@@ -402,3 +402,31 @@ def test_a_fresh_writer_keeps_its_winning_trial_as_coding_again_would():
         w.drop_stream()
         modes.add(w.dense(raw, 4))
     assert modes == {entropy.SHARED, entropy.OWN}  # both paths taken
+
+
+@pytest.mark.parametrize("block", [1, 120, 1000, 1 << 30])  # rows: 1, 2, 20 of 37, all
+def test_the_mode_choices_count_in_row_blocks_what_the_whole_layer_gives(monkeypatch, block):
+    # The estimates are counted a block of rows at a time to bound memory on big layers; any
+    # block size (one row, blocks that do not divide the rows, the whole layer) must give the
+    # code length of the contexts computed over the whole layer at once.
+    g = np.random.default_rng(5)
+    rows, cols, k = 37, 50, 16
+    mask = _clustered(g, rows, cols, 0.6, 0.05)
+    index = g.integers(0, k, int(mask.sum()))
+    grid = np.full((rows, cols), -1, np.int64)
+    grid[mask] = index
+    left = np.concatenate([np.full((rows, 1), -1), grid[:, :-1]], axis=1)[mask]
+    col = np.arange(cols)[None, :]
+    last = np.maximum.accumulate(np.where(mask, col, -1), axis=1)
+    before = np.concatenate([np.full((rows, 1), -1), last[:, :-1]], axis=1)
+    zeros = col - before - 1 + (before < 0)
+    prev = np.concatenate([np.zeros((rows, 1), bool), mask[:, :-1]], axis=1)
+    runs = np.where(prev, 0, np.minimum(np.floor(np.log2(np.maximum(zeros, 1))) + 1, 12))
+    monkeypatch.setattr(entropy, "CHOOSE_BLOCK", block)
+    assert entropy.run_context_bits(mask) == pytest.approx(
+        entropy.adaptive_bits(runs, mask, 2), rel=1e-12
+    )
+    buckets = np.where(left < 0, entropy.LEFT_BUCKETS, (np.maximum(left, 0) * 8) // k)
+    assert entropy.left_context_bits(mask, index, k) == pytest.approx(
+        entropy.adaptive_bits(buckets, index, k), rel=1e-12
+    )
