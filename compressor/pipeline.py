@@ -636,9 +636,8 @@ def _export(
         try:
             export.check_calibration(prepared, calib)
             with export.errors_only():
-                choice = int8.choose(
-                    prepared, fp32.read_bytes(), calib, check_x, q, flags, cfg.ir_version
-                )
+                # the FP32 file by path: its bytes are read only where host timing needs them
+                choice = int8.choose(prepared, fp32, calib, check_x, q, flags, cfg.ir_version)
         finally:
             prepared.unlink(missing_ok=True)
     sel = choice.selection
