@@ -830,3 +830,28 @@ def test_the_no_int8_reason_names_the_figure_that_missed_the_floor():
     one = I.Selection(scheme=None, model=None, fp32_nodes={"a": "INT8 slower", "b": "INT8 slower"})
     assert I.no_int8_reason(one, 0.995) == "INT8 slower"
     assert I.no_int8_reason(I.Selection(scheme=None, model=None), 0.995) == "no quantizable node"
+
+
+def test_the_error_graphs_fp32_weights_go_beside_it_unchanged(tmp_path, prepared, monkeypatch):
+    """`node_errors` writes the FP32 model's weights as external data from the model itself
+    (no deep copy): the shell holds every other field, and the file saved reads back as the
+    model, every initializer's values byte for byte."""
+    import onnx
+    from onnx import numpy_helper
+
+    _, prep, calib = prepared
+    ref = I.Quantizer(prep, calib).model
+    shell = I._shell(ref)
+    assert not shell.graph.initializer and shell.graph.node
+    monkeypatch.setattr(I, "_PAGE", 16)  # this model's weights are small: most go external
+    path = tmp_path / "m.onnx"
+    I._save_beside(shell, ref.graph.initializer, path)
+    stubs = onnx.load(str(path), load_external_data=False).graph.initializer
+    external = [t.name for t in stubs if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert len(external) >= 3 and all(not t.raw_data for t in stubs if t.name in external)
+    back = onnx.load(str(path))  # reads the external data in
+    assert I._shell(back).SerializeToString() == I._shell(ref).SerializeToString()
+    assert [t.name for t in back.graph.initializer] == [t.name for t in ref.graph.initializer]
+    for got, want in zip(back.graph.initializer, ref.graph.initializer, strict=True):
+        a, b = numpy_helper.to_array(got), numpy_helper.to_array(want)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()

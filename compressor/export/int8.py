@@ -404,16 +404,30 @@ def op_types_for(model, registry: set[str]) -> list[str]:
     return sorted(registry)
 
 
+def _shape_inferred(prepared: Path):
+    """`prepared` after ONNX shape inference, marked as ORT's quantizer marks a model it has
+    inferred. Unmarked, ORT's quantizer deep-copies the model, saves it, infers and reloads it
+    on every build: ResNet-18's builds peaked ~90 MiB higher that way, for the same result."""
+    import onnx
+    from onnxruntime.quantization.quant_utils import add_infer_metadata
+
+    with tempfile.TemporaryDirectory() as tmp:
+        inferred = Path(tmp) / "inferred.onnx"
+        onnx.shape_inference.infer_shapes_path(str(prepared), str(inferred))
+        model = onnx.load(str(inferred))
+    add_infer_metadata(model)
+    return model
+
+
 class Quantizer:
     """ORT's QDQ quantizer over one `quant_pre_process`ed model, calibrated once."""
 
     def __init__(self, prepared: Path, calib: np.ndarray, method: str = "minmax") -> None:
-        import onnx
         from onnxruntime.quantization import CalibrationMethod
         from onnxruntime.quantization.calibrate import create_calibrator
         from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-        self.model = onnx.load(str(prepared))
+        self.model = _shape_inferred(prepared)
         self.batch = activation_batch(self.model)  # samples per ORT run: bounded memory
         self.op_types = op_types_for(self.model, set(QLinearOpsRegistry) | set(QDQRegistry))
         name = self.model.graph.input[0].name
@@ -893,30 +907,32 @@ def node_errors(
     same node names), as a ModelProto or its bytes."""
     import onnx
 
-    built = _error_graph(model, reference)
+    ref = onnx.load_from_string(reference) if isinstance(reference, bytes) else reference
+    built = _error_graph(model, ref)
     if built is None:
         return {}
     m, outs, names = built
-    # Through a file, the twin model let go before ORT builds its session: from bytes, the
-    # model, its bytes and ORT's own copies were alive together. ResNet-18's `choose` alone
-    # (45 MB model) peaked 816 MiB that way, 741 MiB this way; a whole shrink 1,219 -> 1,178
-    # MiB, its peak still here, in the second scheme's pass (the first scheme's files alive).
-    with tempfile.TemporaryDirectory() as tmp:
+    # Through a file, the twin graph let go before ORT builds its session, and the FP32
+    # weights written from `ref` one tensor at a time as external data (`_save_beside`), never
+    # copied as a whole: ResNet-18's pass peaked 128 MiB over its start with a deep copy of the
+    # FP32 model saved in one piece, ~70 with this (ORT maps the weights' file).
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         path = Path(tmp) / "errors.onnx"
-        onnx.save(m, str(path))
+        _save_beside(m, ref.graph.initializer, path)
         del m, built  # nothing else holds the twin graph (see `_error_graph`)
         sess = session(path, optimized, lean=True)
-    inp = sess.get_inputs()[0].name
-    sums = {t: 0.0 for t in names}
-    total = 0
-    with _datapass.data_pass():
-        for i in range(0, len(x), batch):
-            part = x[i : i + batch]
-            for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
-                # sums of squares add up over batches; channel means are weighted by batch size
-                w = len(part) if t.endswith("/shift") else 1
-                sums[t] = sums[t] + v.astype(np.float64) * w
-            total += len(part)
+        inp = sess.get_inputs()[0].name
+        sums = {t: 0.0 for t in names}
+        total = 0
+        with _datapass.data_pass():
+            for i in range(0, len(x), batch):
+                part = x[i : i + batch]
+                for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
+                    # sums of squares add up over batches; channel means weighted by batch size
+                    w = len(part) if t.endswith("/shift") else 1
+                    sums[t] = sums[t] + v.astype(np.float64) * w
+                total += len(part)
+        del sess  # before its weights' file goes
     result = {}
     for node, (sse, ss, shift) in outs.items():
         err, sig = float(sums[sse]), float(sums[ss])
@@ -925,17 +941,74 @@ def node_errors(
     return result
 
 
-def _error_graph(model, reference):
-    """`node_errors`' graph: (the FP32 model with each INT8 node's twin and the reductions of
-    its error placed right after its original, {node: (sse, ss, shift) output names}, the
+def _shell(ref):
+    """A copy of the ModelProto `ref` but for its graph's initializers: every other field,
+    whatever this onnx version defines, copied by reflection."""
+    import onnx
+
+    def fill(dst, src, skip: str = "") -> None:
+        for fd, value in src.ListFields():
+            if fd.name == skip:
+                continue
+            repeated = getattr(fd, "is_repeated", None)  # protobuf >= 6; `label` before
+            if repeated if repeated is not None else fd.label == fd.LABEL_REPEATED:
+                getattr(dst, fd.name).extend(value)
+            elif fd.type == fd.TYPE_MESSAGE:
+                getattr(dst, fd.name).CopyFrom(value)
+            else:
+                setattr(dst, fd.name, value)
+
+    m = onnx.ModelProto()
+    fill(m, ref, skip="graph")
+    fill(m.graph, ref.graph, skip="initializer")
+    return m
+
+
+# External data offsets on page boundaries, so that ORT can map the weights rather than read them
+_PAGE = 4096
+
+
+def _elements(t) -> int:
+    return int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
+
+
+def _save_beside(m, initializers, path: Path) -> None:
+    """Save `m` at `path` with `initializers` (another model's, left as they are) added as
+    external data in a file beside it, written one tensor at a time."""
+    import onnx
+    from onnx import numpy_helper
+
+    data = path.with_suffix(".data")
+    inline_types = {onnx.TensorProto.STRING, onnx.TensorProto.INT32, onnx.TensorProto.INT64}
+    with open(data, "wb") as f:
+        for t in initializers:
+            if t.data_type in inline_types or _elements(t) < _PAGE:
+                # Small tensors and integer ones (shapes, axes) inline, copied: ORT's shape
+                # inference at load reads a Reshape's shape from the model, never externally.
+                m.graph.initializer.append(t)
+                continue
+            raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            f.write(b"\0" * (-f.tell() % _PAGE))
+            stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type)
+            stub.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", data.name), ("offset", f.tell()), ("length", len(raw))):
+                stub.external_data.add(key=key, value=str(value))
+            f.write(raw)
+            m.graph.initializer.append(stub)
+    onnx.save(m, str(path))
+
+
+def _error_graph(model, ref):
+    """`node_errors`' graph: (the FP32 model `ref` with each INT8 node's twin and the
+    reductions of its error placed right after its original, but without `ref`'s initializers,
+    which `node_errors` adds as external data; {node: (sse, ss, shift) output names}, the
     output names), or None when no INT8 node has an FP32 original. Built in a function of
     its own so that nothing but the returned model refers to it (protobuf sub-messages keep
     their whole message alive)."""
     import onnx
     from onnx import helper, numpy_helper
 
-    ref = onnx.load_from_string(reference) if isinstance(reference, bytes) else reference
-    m = copy.deepcopy(ref)
+    m = _shell(ref)
     g = m.graph
     q_inits, producer, consumers = _graph_maps(model.graph)
     base = {n.name: n for n in g.node}
