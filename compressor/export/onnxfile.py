@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import tempfile
 import warnings
@@ -175,11 +176,16 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: Export
 
     model = prune.bake_(copy.deepcopy(model)).eval()
     proto, how = _to_opset(model, example, cfg)
+    # The baked copy and the exporter's graphs sit in reference cycles that only a full
+    # collection frees: ResNet-18 kept ~86 MiB alive through the checks and the INT8 step.
+    del model
+    gc.collect()
     compat.keep_used_opsets(proto)
     proto.ir_version = cfg.ir_version or compat.min_ir_for(cfg.opset)
     proto.doc_string = f"compress: torch {how} exporter, opset {cfg.opset}"
     with atomic_path(path) as out:
         onnx.save(proto, str(out))
+        del proto  # not beside the checker's and ORT's copies
         check(out)
     return path
 
@@ -277,7 +283,8 @@ def check(path: Path) -> None:
     import onnx
 
     try:
-        onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+        # by path: onnx's C++ side reads the file, with no Python copy of the model beside it
+        onnx.checker.check_model(str(path), full_check=True)
     except Exception as e:
         raise StageError(f"{path}: fails onnx.checker: {' '.join(str(e).split())[:300]}") from None
     try:
@@ -294,7 +301,9 @@ def check(path: Path) -> None:
 
 
 def check_calibration(path: Path, calib: np.ndarray) -> str:
-    session = _session(path)
+    # Only the input is read: a session without graph optimizations holds the weights once
+    # (ResNet-18: ~56 MiB, against ~150 MiB with this host's fused and prepacked kernels).
+    session = int8.session(path, optimized=False)
     inp = session.get_inputs()[0]
     want = [d if isinstance(d, int) else None for d in inp.shape[1:]]
     if len(calib) == 0:
