@@ -13,7 +13,7 @@ from torch import nn
 
 from compresskit.compressor.export import compat as onnxcompat
 from compresskit.compressor.export import int8 as I
-from compresskit.compressor.export import mobile
+from compresskit.compressor.export import mobile, protos
 from compresskit.compressor.export import onnxfile as E
 from compresskit.models import tiny
 from tests.test_export import Residual  # BatchNorm, ReLU, a residual Add, a head
@@ -841,17 +841,53 @@ def test_the_error_graphs_fp32_weights_go_beside_it_unchanged(tmp_path, prepared
 
     _, prep, calib = prepared
     ref = I.Quantizer(prep, calib).model
-    shell = I._shell(ref)
+    shell = protos.shell(ref)
     assert not shell.graph.initializer and shell.graph.node
-    monkeypatch.setattr(I, "_PAGE", 16)  # this model's weights are small: most go external
+    monkeypatch.setattr(protos, "_SMALL", 16)  # this model's weights are small: most go external
     path = tmp_path / "m.onnx"
-    I._save_beside(shell, ref.graph.initializer, path)
+    protos.save_beside(shell, ref.graph.initializer, path)
     stubs = onnx.load(str(path), load_external_data=False).graph.initializer
     external = [t.name for t in stubs if t.data_location == onnx.TensorProto.EXTERNAL]
     assert len(external) >= 3 and all(not t.raw_data for t in stubs if t.name in external)
     back = onnx.load(str(path))  # reads the external data in
-    assert I._shell(back).SerializeToString() == I._shell(ref).SerializeToString()
+    assert protos.shell(back).SerializeToString() == protos.shell(ref).SerializeToString()
     assert [t.name for t in back.graph.initializer] == [t.name for t in ref.graph.initializer]
     for got, want in zip(back.graph.initializer, ref.graph.initializer, strict=True):
         a, b = numpy_helper.to_array(got), numpy_helper.to_array(want)
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_preprocess_writes_what_orts_quant_pre_process_writes(
+    tmp_path, monkeypatch, prepared, tokens
+):
+    """The lean pre-processing (weights beside the graph from the first step on) writes ORT's
+    `quant_pre_process` file byte for byte, on a residual CNN and on a token model (an
+    embedding read by Gather, MatMul weights), with its weights outside (the threshold
+    lowered: these models are small), and without falling back to ORT's function."""
+    from onnxruntime.quantization import shape_inference
+
+    want = {}
+    for fp32 in (prepared[0], tokens[0]):
+        ref = tmp_path / f"{fp32.stem}-{fp32.parent.name}.ref.onnx"
+        with E.errors_only():
+            shape_inference.quant_pre_process(str(fp32), str(ref), skip_symbolic_shape=False)
+        want[fp32] = ref.read_bytes()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("fell back to ORT's quant_pre_process")
+
+    monkeypatch.setattr(shape_inference, "quant_pre_process", refused)
+    monkeypatch.setattr(protos, "_SMALL", 4)
+    outside = []
+    save = protos.save_beside
+    monkeypatch.setattr(
+        protos,
+        "save_beside",
+        lambda m, inits, path, only=None: (
+            outside.append(len(only or ())) or save(m, inits, path, only)
+        ),
+    )
+    for fp32, expected in want.items():
+        got = E.preprocess(fp32, tmp_path / "lean.onnx").read_bytes()
+        assert got == expected
+    assert len(outside) == 2 and all(n >= 2 for n in outside)

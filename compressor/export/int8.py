@@ -80,7 +80,7 @@ import numpy as np
 
 from compresskit import _datapass
 from compresskit.compressor import stats
-from compresskit.compressor.export import compat
+from compresskit.compressor.export import compat, protos
 from compresskit.models.errors import InputError, StageError
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
@@ -196,17 +196,6 @@ def session(model: bytes | str | Path, optimized: bool, threads: int = 0, lean: 
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     src = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
-
-
-def compact(model):
-    """`model` re-read from its own bytes. Python's protobuf (upb) allocates a message and all
-    its parts in one arena that is freed only with the whole message: a model whose FP32
-    weights were replaced (the quantizer's output is a deep copy of the FP32 model with its
-    weights swapped for INT8 ones) keeps the dead FP32 weights alive. ResNet-18: each built
-    INT8 model held 54 MiB where its bytes are 11 MiB; re-read, 11."""
-    import onnx
-
-    return onnx.load_from_string(model.SerializeToString())
 
 
 def activation_batch(model, cap: int = 32, budget: int = ORT_BUDGET, least: int = 4) -> int:
@@ -484,7 +473,7 @@ class Quantizer:
         compat.keep_used_opsets(out)
         if ir_version is not None:
             out.ir_version = ir_version
-        return compact(out)
+        return protos.compact(out)
 
     def without(self, built, exclude: Sequence[str], ir_version: int | None = None):
         """A copy of `built` (a `build` output) with the nodes in `exclude` back in FP32 by
@@ -913,12 +902,12 @@ def node_errors(
         return {}
     m, outs, names = built
     # Through a file, the twin graph let go before ORT builds its session, and the FP32
-    # weights written from `ref` one tensor at a time as external data (`_save_beside`), never
+    # weights written from `ref` one tensor at a time as external data (`protos.save_beside`), never
     # copied as a whole: ResNet-18's pass peaked 128 MiB over its start with a deep copy of the
     # FP32 model saved in one piece, ~70 with this (ORT maps the weights' file).
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         path = Path(tmp) / "errors.onnx"
-        _save_beside(m, ref.graph.initializer, path)
+        protos.save_beside(m, ref.graph.initializer, path)
         del m, built  # nothing else holds the twin graph (see `_error_graph`)
         sess = session(path, optimized, lean=True)
         inp = sess.get_inputs()[0].name
@@ -941,63 +930,6 @@ def node_errors(
     return result
 
 
-def _shell(ref):
-    """A copy of the ModelProto `ref` but for its graph's initializers: every other field,
-    whatever this onnx version defines, copied by reflection."""
-    import onnx
-
-    def fill(dst, src, skip: str = "") -> None:
-        for fd, value in src.ListFields():
-            if fd.name == skip:
-                continue
-            repeated = getattr(fd, "is_repeated", None)  # protobuf >= 6; `label` before
-            if repeated if repeated is not None else fd.label == fd.LABEL_REPEATED:
-                getattr(dst, fd.name).extend(value)
-            elif fd.type == fd.TYPE_MESSAGE:
-                getattr(dst, fd.name).CopyFrom(value)
-            else:
-                setattr(dst, fd.name, value)
-
-    m = onnx.ModelProto()
-    fill(m, ref, skip="graph")
-    fill(m.graph, ref.graph, skip="initializer")
-    return m
-
-
-# External data offsets on page boundaries, so that ORT can map the weights rather than read them
-_PAGE = 4096
-
-
-def _elements(t) -> int:
-    return int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
-
-
-def _save_beside(m, initializers, path: Path) -> None:
-    """Save `m` at `path` with `initializers` (another model's, left as they are) added as
-    external data in a file beside it, written one tensor at a time."""
-    import onnx
-    from onnx import numpy_helper
-
-    data = path.with_suffix(".data")
-    inline_types = {onnx.TensorProto.STRING, onnx.TensorProto.INT32, onnx.TensorProto.INT64}
-    with open(data, "wb") as f:
-        for t in initializers:
-            if t.data_type in inline_types or _elements(t) < _PAGE:
-                # Small tensors and integer ones (shapes, axes) inline, copied: ORT's shape
-                # inference at load reads a Reshape's shape from the model, never externally.
-                m.graph.initializer.append(t)
-                continue
-            raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
-            f.write(b"\0" * (-f.tell() % _PAGE))
-            stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type)
-            stub.data_location = onnx.TensorProto.EXTERNAL
-            for key, value in (("location", data.name), ("offset", f.tell()), ("length", len(raw))):
-                stub.external_data.add(key=key, value=str(value))
-            f.write(raw)
-            m.graph.initializer.append(stub)
-    onnx.save(m, str(path))
-
-
 def _error_graph(model, ref):
     """`node_errors`' graph: (the FP32 model `ref` with each INT8 node's twin and the
     reductions of its error placed right after its original, but without `ref`'s initializers,
@@ -1008,7 +940,7 @@ def _error_graph(model, ref):
     import onnx
     from onnx import helper, numpy_helper
 
-    m = _shell(ref)
+    m = protos.shell(ref)
     g = m.graph
     q_inits, producer, consumers = _graph_maps(model.graph)
     base = {n.name: n for n in g.node}

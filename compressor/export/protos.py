@@ -1,0 +1,87 @@
+"""ModelProto plumbing that keeps memory near one copy of a model's weights.
+
+Python's protobuf (upb) frees a message's memory only with the whole message, so a model edited
+in place keeps what it dropped (`compact`); a deep copy of a model to change its graph copies
+every weight (`shell` copies the rest, `save_beside` writes the weights from the original,
+one tensor at a time, as external data that ONNX Runtime maps instead of copying).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def compact(model):
+    """`model` re-read from its own bytes. Python's protobuf (upb) allocates a message and all
+    its parts in one arena that is freed only with the whole message: a model whose FP32
+    weights were replaced (the quantizer's output is a deep copy of the FP32 model with its
+    weights swapped for INT8 ones) keeps the dead FP32 weights alive. ResNet-18: each built
+    INT8 model held 54 MiB where its bytes are 11 MiB; re-read, 11."""
+    import onnx
+
+    return onnx.load_from_string(model.SerializeToString())
+
+
+def shell(ref):
+    """A copy of the ModelProto `ref` but for its graph's initializers: every other field,
+    whatever this onnx version defines, copied by reflection."""
+    import onnx
+
+    def fill(dst, src, skip: str = "") -> None:
+        for fd, value in src.ListFields():
+            if fd.name == skip:
+                continue
+            repeated = getattr(fd, "is_repeated", None)  # protobuf >= 6; `label` before
+            if repeated if repeated is not None else fd.label == fd.LABEL_REPEATED:
+                getattr(dst, fd.name).extend(value)
+            elif fd.type == fd.TYPE_MESSAGE:
+                getattr(dst, fd.name).CopyFrom(value)
+            else:
+                setattr(dst, fd.name, value)
+
+    m = onnx.ModelProto()
+    fill(m, ref, skip="graph")
+    fill(m.graph, ref.graph, skip="initializer")
+    return m
+
+
+# External data offsets on page boundaries, so that ORT can map the weights rather than read them
+_PAGE = 4096
+_SMALL = 1024  # elements: a tensor smaller than this stays inline (biases and the like)
+
+
+def _elements(t) -> int:
+    return int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
+
+
+def save_beside(m, initializers, path: Path, only: set[str] | None = None) -> None:
+    """Save `m` at `path` with `initializers` (another model's, left as they are) added as
+    external data in a file beside it, written one tensor at a time; with `only`, just those
+    named in it (the others inline)."""
+    import onnx
+    from onnx import numpy_helper
+
+    data = path.with_suffix(".data")
+    inline_types = {onnx.TensorProto.STRING, onnx.TensorProto.INT32, onnx.TensorProto.INT64}
+    with open(data, "wb") as f:
+        for t in initializers:
+            if (
+                t.data_type in inline_types
+                or _elements(t) < _SMALL
+                or (only is not None and t.name not in only)
+            ):
+                # Small tensors and integer ones (shapes, axes) inline, copied: ORT's shape
+                # inference at load reads a Reshape's shape from the model, never externally.
+                m.graph.initializer.append(t)
+                continue
+            raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            f.write(b"\0" * (-f.tell() % _PAGE))
+            stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type)
+            stub.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", data.name), ("offset", f.tell()), ("length", len(raw))):
+                stub.external_data.add(key=key, value=str(value))
+            f.write(raw)
+            m.graph.initializer.append(stub)
+    onnx.save(m, str(path))
