@@ -416,15 +416,23 @@ class Quantizer:
         from onnxruntime.quantization.calibrate import create_calibrator
         from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-        self.model = _shape_inferred(prepared)
-        self.batch = activation_batch(self.model)  # samples per ORT run: bounded memory
-        self.op_types = op_types_for(self.model, set(QLinearOpsRegistry) | set(QDQRegistry))
-        name = self.model.graph.input[0].name
-        with tempfile.TemporaryDirectory() as tmp, quiet(stdout=method != "minmax"):
+        model = _shape_inferred(prepared)
+        self.batch = activation_batch(model)  # samples per ORT run: bounded memory
+        self.op_types = op_types_for(model, set(QLinearOpsRegistry) | set(QDQRegistry))
+        self.nodes = [n.name for n in model.graph.node if n.op_type in QUANTIZABLE]
+        name = model.graph.input[0].name
+        # Read again after calibrating: ORT's calibrator loads a copy of its own, and the two
+        # alive together made this step ResNet-18's peak.
+        del model
+        tmpdir = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
+        with tmpdir as tmp, quiet(stdout=method != "minmax"):
             calibrator = create_calibrator(
                 Path(prepared),
                 self.op_types,
                 augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+                # its weights saved beside the augmented graph, which ORT then maps: serialized
+                # whole, the model's bytes and ORT's copy came on top of the calibrator's model
+                use_external_data_format=True,
                 calibrate_method={
                     "minmax": CalibrationMethod.MinMax,
                     "entropy": CalibrationMethod.Entropy,
@@ -434,9 +442,9 @@ class Quantizer:
             with _datapass.data_pass():
                 calibrator.collect_data(_reader(calib, name, self.batch))
             self.ranges = calibrator.compute_data()
-            del calibrator
+            del calibrator  # and its session, before the file it maps goes
+        self.model = _shape_inferred(prepared)
         self.calib = calib  # bias correction measures on the same inputs
-        self.nodes = [n.name for n in self.model.graph.node if n.op_type in QUANTIZABLE]
 
     def build(self, scheme: Scheme, exclude: Sequence[str] = (), ir_version: int | None = None):
         """The QDQ model with `exclude` in FP32 (reading FP32 tensors, `read_fp32`), orphan
