@@ -8,7 +8,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import gc
 import json
 import os
 import shutil
@@ -100,7 +99,6 @@ class _Clock:
         try:
             yield
         finally:
-            gc.collect()  # what the step left in reference cycles (exporter graphs) freed now
             _mem.trim()  # what the step freed goes back to the OS (compresskit._mem)
             self.steps[name] = self.steps.get(name, 0.0) + time.perf_counter() - t
 
