@@ -219,3 +219,24 @@ def test_calibration_file_loads_as_float32(tmp_path):
     np.save(tmp_path / "c.npy", np.ones((3, 1, 8, 8), np.float64))
     x = E.load_calibration(tmp_path / "c.npy")
     assert x.dtype == np.float32 and x.shape == (3, 1, 8, 8)
+
+
+def test_an_export_keeps_no_copy_of_the_model_alive(tmp_path):
+    """export_onnx bakes a copy of the model; once the file is written nothing may hold that
+    copy. onnxscript's module-level rewrite rules kept the last graph they matched, and with
+    it every exported weight (twice ResNet-18's weights); `_release_rewriter_graph` clears
+    them."""
+    import gc
+
+    model = Residual().eval()
+    mine = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    _export(model, tmp_path)
+    gc.collect()
+    copies = [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, nn.Parameter)
+        and o.shape == model.head.weight.shape
+        and o.untyped_storage().data_ptr() not in mine
+    ]
+    assert copies == []
