@@ -116,7 +116,8 @@ class SharedWeights(nn.Module):
         super().__init__()
         self.codebook = nn.Parameter(codebook.to(torch.float32), requires_grad=mode == "centroids")
         # int32: half of int64's memory (ResNet-18: 43 MiB less while fine-tuning), and still an
-        # index every torch op and advanced indexing take
+        # index that index_select, index_add_ and advanced indexing take (gather, scatter and
+        # one_hot want int64: convert first)
         self.register_buffer("index", index.to(torch.int32))
         self.register_buffer("mask", mask.to(torch.bool))
         self.mode = mode

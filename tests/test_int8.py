@@ -891,3 +891,48 @@ def test_preprocess_writes_what_orts_quant_pre_process_writes(
         got = E.preprocess(fp32, tmp_path / "lean.onnx").read_bytes()
         assert got == expected
     assert len(outside) == 2 and all(n >= 2 for n in outside)
+
+
+def test_preprocess_falls_back_to_orts_function_where_the_lean_steps_fail(
+    tmp_path, monkeypatch, prepared
+):
+    """A graph the lean steps cannot take (here: ORT's optimiser refuses it) goes through ORT's
+    `quant_pre_process` instead, and the file is still ORT's."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import shape_inference
+
+    fp32 = prepared[0]
+    ref = tmp_path / "ref.onnx"
+    with E.errors_only():
+        shape_inference.quant_pre_process(str(fp32), str(ref), skip_symbolic_shape=False)
+    real = ort.InferenceSession
+
+    def refusing(path, options=None, *args, **kwargs):
+        target = str(getattr(options, "optimized_model_filepath", "") or "")
+        if target and "pre.quant" not in target:  # ours, not ORT's own function's
+            raise RuntimeError("optimiser refused the graph")
+        return real(path, options, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", refusing)
+    assert E.preprocess(fp32, tmp_path / "p.onnx").read_bytes() == ref.read_bytes()
+
+
+def test_a_build_marks_tensors_as_orts_own_reload_did(prepared):
+    """ORT's quantizer re-inferred (saved with external data and read back) every model it was
+    given without its inference mark; `_shape_inferred` marks the model so that it does not,
+    and `build` marks its copy's tensors as that reload did (`data_location` set where onnx
+    read a tensor from outside), so an INT8 file that keeps FP32 weights has the same bytes."""
+    import copy
+
+    from onnxruntime.quantization.quant_utils import save_and_reload_model_with_shape_infer
+
+    _, prep, calib = prepared
+    q = I.Quantizer(prep, calib)
+    reloaded = save_and_reload_model_with_shape_infer(copy.deepcopy(q.model))
+    mine = copy.deepcopy(q.model)
+    I._as_reloaded(mine)
+    marked = [t.name for t in mine.graph.initializer if t.HasField("data_location")]
+    assert marked  # the head's 3 x 256 weight at least
+    assert [t.SerializeToString() for t in mine.graph.initializer] == [
+        t.SerializeToString() for t in reloaded.graph.initializer
+    ]

@@ -70,6 +70,7 @@ import contextlib
 import copy
 import io
 import logging
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -393,10 +394,32 @@ def op_types_for(model, registry: set[str]) -> list[str]:
     return sorted(registry)
 
 
+def _as_reloaded(model) -> None:
+    """Mark `model`'s tensors as ORT's quantizer's own re-inference left them, which it skips for
+    a model `_shape_inferred` marked: it saved the model with every initializer of 1 KiB or more
+    of raw data as external data (onnx's default threshold, `sys.getsizeof` of the bytes) and
+    read it back, and onnx marks a tensor it read from outside as stored inline. The mark is 2
+    bytes in the file for each FP32 tensor the INT8 file keeps; so marked, its bytes are the
+    ones the quantizer wrote before."""
+    import onnx
+
+    def tensors(graph):
+        yield from graph.initializer
+        for n in graph.node:
+            for a in n.attribute:
+                for g in [a.g] if a.HasField("g") else list(a.graphs):
+                    yield from tensors(g)
+
+    for t in tensors(model.graph):
+        if t.HasField("raw_data") and sys.getsizeof(t.raw_data) >= 1024:
+            t.data_location = onnx.TensorProto.DEFAULT
+
+
 def _shape_inferred(prepared: Path):
     """`prepared` after ONNX shape inference, marked as ORT's quantizer marks a model it has
     inferred. Unmarked, ORT's quantizer deep-copies the model, saves it, infers and reloads it
-    on every build: ResNet-18's builds peaked ~90 MiB higher that way, for the same result."""
+    on every build: ResNet-18's builds peaked ~90 MiB higher that way. `build` marks its copy
+    as that reload did (`_as_reloaded`), so the files are the same byte for byte."""
     import onnx
     from onnxruntime.quantization.quant_utils import add_infer_metadata
 
@@ -455,6 +478,7 @@ class Quantizer:
         from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
 
         model = copy.deepcopy(self.model)  # ~1% of a build: ORT's rewrite is the cost
+        _as_reloaded(model)
         with quiet():
             q = QDQQuantizer(
                 model,
@@ -918,18 +942,20 @@ def node_errors(
         protos.save_beside(m, ref.graph.initializer, path)
         del m, built  # nothing else holds the twin graph (see `_error_graph`)
         sess = session(path, optimized, lean=True)
-        inp = sess.get_inputs()[0].name
-        sums = {t: 0.0 for t in names}
-        total = 0
-        with _datapass.data_pass():
-            for i in range(0, len(x), batch):
-                part = x[i : i + batch]
-                for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
-                    # sums of squares add up over batches; channel means weighted by batch size
-                    w = len(part) if t.endswith("/shift") else 1
-                    sums[t] = sums[t] + v.astype(np.float64) * w
-                total += len(part)
-        del sess  # before its weights' file goes
+        try:
+            inp = sess.get_inputs()[0].name
+            sums = {t: 0.0 for t in names}
+            total = 0
+            with _datapass.data_pass():
+                for i in range(0, len(x), batch):
+                    part = x[i : i + batch]
+                    for t, v in zip(names, sess.run(names, {inp: part}), strict=True):
+                        # sums of squares add up over batches; channel means by batch size
+                        w = len(part) if t.endswith("/shift") else 1
+                        sums[t] = sums[t] + v.astype(np.float64) * w
+                    total += len(part)
+        finally:
+            del sess  # before the file it maps goes
     result = {}
     for node, (sse, ss, shift) in outs.items():
         err, sig = float(sums[sse]), float(sums[ss])

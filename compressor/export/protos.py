@@ -8,6 +8,7 @@ one tensor at a time, as external data that ONNX Runtime maps instead of copying
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +48,9 @@ def shell(ref):
     return m
 
 
-# External data offsets on page boundaries, so that ORT can map the weights rather than read them
-_PAGE = 4096
+# External data offsets on the boundaries ORT maps at (4 KiB pages on Linux and macOS, 64 KiB
+# on Windows); elsewhere it reads the weights into memory instead of mapping them
+_PAGE = mmap.ALLOCATIONGRANULARITY
 _SMALL = 1024  # elements: a tensor smaller than this stays inline (biases and the like)
 
 
@@ -56,27 +58,28 @@ def _elements(t) -> int:
     return int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
 
 
-def save_beside(m, initializers, path: Path, only: set[str] | None = None) -> None:
+def save_beside(m, initializers, path: Path, only: set[str] | None = None) -> list[str]:
     """Save `m` at `path` with `initializers` (another model's, left as they are) added as
     external data in a file beside it, written one tensor at a time; with `only`, just those
-    named in it (the others inline)."""
+    named in it (the others inline). Returns the names written outside."""
     import onnx
-    from onnx import numpy_helper
 
     data = path.with_suffix(".data")
     inline_types = {onnx.TensorProto.STRING, onnx.TensorProto.INT32, onnx.TensorProto.INT64}
+    outside: list[str] = []
     with open(data, "wb") as f:
         for t in initializers:
             if (
                 t.data_type in inline_types
+                or not t.HasField("raw_data")  # typed fields: no raw bytes to write as they are
                 or _elements(t) < _SMALL
                 or (only is not None and t.name not in only)
             ):
                 # Small tensors and integer ones (shapes, axes) inline, copied: ORT's shape
-                # inference at load reads a Reshape's shape from the model, never externally.
+                # inference at load refused a Reshape whose shape was external.
                 m.graph.initializer.append(t)
                 continue
-            raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            raw = t.raw_data
             f.write(b"\0" * (-f.tell() % _PAGE))
             stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type)
             stub.data_location = onnx.TensorProto.EXTERNAL
@@ -84,4 +87,6 @@ def save_beside(m, initializers, path: Path, only: set[str] | None = None) -> No
                 stub.external_data.add(key=key, value=str(value))
             f.write(raw)
             m.graph.initializer.append(stub)
+            outside.append(t.name)
     onnx.save(m, str(path))
+    return outside
