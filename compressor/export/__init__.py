@@ -4,6 +4,7 @@
     int8       which nodes run in INT8 for a target (mobile: reproducible; host: timed)
     compat     versions read back from a file; the oldest ONNX Runtime that loads it
     mobile     .ort conversion, NNAPI/CoreML verdicts, fixed-batch copies
+    protos     ModelProto plumbing that keeps memory near one copy of the weights
 
 `from compressor import export` gives the ONNX-file functions below (the module every caller
 used before this package existed); the other modules are imported by name. onnx and
