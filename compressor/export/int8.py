@@ -1351,7 +1351,10 @@ def choose(
     rr = resolve_reduce_range(cfg, cpu_flags)
     host = cfg.target == "host"
     q = Quantizer(prepared, calib, cfg.method)
-    reference = outputs(session(fp32, optimized=host), check_x)
+    # Every check run at the calibration's activation-sized batch: at 64 samples a run,
+    # EfficientNet-B0's fallback search (unfused Q/DQ graphs) peaked ~150 MiB over its
+    # start. Outputs do not depend on the batch (compared bit for bit on four models).
+    reference = outputs(session(fp32, optimized=host), check_x, q.batch)
     timing_x = check_x[: cfg.batch] if len(check_x) >= cfg.batch else check_x
     # The check inputs nearest a tie first (smallest gap between FP32's top two logits): a
     # fallback candidate that misses the floor then meets the disagreements that rule it out
@@ -1477,13 +1480,13 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         return q.build(scheme, [*excluded, *extra], ir_version)
 
     def run(model) -> np.ndarray:
-        return outputs(session(model.SerializeToString(), optimized=host), x)
+        return outputs(session(model.SerializeToString(), optimized=host), x, q.batch)
 
     def run_within(model, floor: float | None) -> np.ndarray | None:
         if floor is None:
             return run(model)
         return _outputs_above(
-            session(model.SerializeToString(), optimized=host), x, reference, floor
+            session(model.SerializeToString(), optimized=host), x, reference, floor, q.batch
         )
 
     model = build()
