@@ -406,9 +406,8 @@ def _as_reloaded(model) -> None:
     def tensors(graph):
         yield from graph.initializer
         for n in graph.node:
-            for a in n.attribute:
-                for g in [a.g] if a.HasField("g") else list(a.graphs):
-                    yield from tensors(g)
+            for g in protos.subgraphs(n):
+                yield from tensors(g)
 
     for t in tensors(model.graph):
         if t.HasField("raw_data") and sys.getsizeof(t.raw_data) >= 1024:

@@ -380,9 +380,8 @@ def _weights(model) -> set[str]:
             for k, name in enumerate(n.input):
                 compute = top and n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul")
                 (heavy if compute and k >= 1 else other).add(name)
-            for a in n.attribute:
-                for g in [a.g] if a.HasField("g") else list(a.graphs):
-                    walk(g, top=False)
+            for g in protos.subgraphs(n):
+                walk(g, top=False)
 
     walk(model.graph, top=True)
     return heavy - other

@@ -14,6 +14,14 @@ from pathlib import Path
 import numpy as np
 
 
+def subgraphs(node):
+    """The graphs a node's attributes hold (If, Loop and Scan bodies)."""
+    for a in node.attribute:
+        if a.HasField("g"):
+            yield a.g
+        yield from a.graphs
+
+
 def compact(model):
     """`model` re-read from its own bytes. Python's protobuf (upb) allocates a message and all
     its parts in one arena that is freed only with the whole message: a model whose FP32
