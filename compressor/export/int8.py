@@ -446,8 +446,10 @@ class Quantizer:
         # Read again after calibrating: ORT's calibrator loads a copy of its own, and the two
         # alive together made this step ResNet-18's peak.
         del model
-        tmpdir = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
-        with tmpdir as tmp, quiet(stdout=method != "minmax"):
+        with (
+            tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp,
+            quiet(stdout=method != "minmax"),
+        ):
             calibrator = create_calibrator(
                 Path(prepared),
                 self.op_types,
@@ -933,9 +935,9 @@ def node_errors(
         return {}
     m, outs, names = built
     # Through a file, the twin graph let go before ORT builds its session, and the FP32
-    # weights written from `ref` one tensor at a time as external data (`protos.save_beside`), never
-    # copied as a whole: ResNet-18's pass peaked 128 MiB over its start with a deep copy of the
-    # FP32 model saved in one piece, ~70 with this (ORT maps the weights' file).
+    # weights written from `ref` one tensor at a time as external data (`protos.save_beside`),
+    # never copied whole: on ResNet-18's model the pass peaked 128 MiB over its start with a
+    # deep copy of the FP32 model saved in one piece, ~80 with this (ORT maps the weights).
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         path = Path(tmp) / "errors.onnx"
         protos.save_beside(m, ref.graph.initializer, path)
