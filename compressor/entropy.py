@@ -204,17 +204,18 @@ def _run_contexts_all(mask: np.ndarray) -> np.ndarray:
 CHOOSE_BLOCK = 1 << 18
 
 
-def _row_blocks(mask: np.ndarray) -> range:
-    return range(0, mask.shape[0], max(1, CHOOSE_BLOCK // max(mask.shape[1], 1)))
+def _row_blocks(mask: np.ndarray):
+    """`mask` a block of rows at a time, CHOOSE_BLOCK positions or one row."""
+    step = max(1, CHOOSE_BLOCK // max(mask.shape[1], 1))
+    for r in range(0, mask.shape[0], step):
+        yield mask[r : r + step]
 
 
 def run_context_bits(mask: np.ndarray) -> float:
     """`adaptive_bits` of the mask under its zero-run contexts, counted a block of rows at a
     time (contexts run along rows, so blocks count independently)."""
     joint = np.zeros((RUN_CONTEXTS, 2), np.int64)
-    step = _row_blocks(mask).step
-    for r in _row_blocks(mask):
-        part = mask[r : r + step]
+    for part in _row_blocks(mask):
         joint += joint_counts(_run_contexts_all(part), part.astype(np.int8), 2, RUN_CONTEXTS)
     return kt_bits(joint)
 
@@ -334,9 +335,8 @@ def left_context_bits(mask: np.ndarray, index: np.ndarray, k: int) -> float:
     """`adaptive_bits` of the indices under their left neighbour's bucket, counted a block of
     rows at a time (a left neighbour is in the same row)."""
     joint = np.zeros((LEFT_BUCKETS + 1, k), np.int64)
-    step, done = _row_blocks(mask).step, 0
-    for r in _row_blocks(mask):
-        part = mask[r : r + step]
+    done = 0
+    for part in _row_blocks(mask):
         n = int(part.sum())
         idx = index[done : done + n]  # entries are stored row-major
         grid = _index_grid(part, idx)

@@ -416,18 +416,13 @@ def _as_reloaded(model) -> None:
 
 def _shape_inferred(prepared: Path):
     """`prepared` after ONNX shape inference, marked as ORT's quantizer marks a model it has
-    inferred. Unmarked, ORT's quantizer deep-copies the model, saves it, infers and reloads it
-    on every build: ResNet-18's builds peaked ~90 MiB higher that way. `build` marks its copy
-    as that reload did (`_as_reloaded`), so the files are the same byte for byte."""
-    import onnx
-    from onnxruntime.quantization.quant_utils import add_infer_metadata
+    inferred (ORT's own `load_model_with_shape_infer`, which its calibrator uses too).
+    Unmarked, ORT's quantizer deep-copies the model, saves it, infers and reloads it on every
+    build: ResNet-18's builds peaked ~90 MiB higher that way. `build` marks its copy as that
+    reload did (`_as_reloaded`), so the files are the same byte for byte."""
+    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        inferred = Path(tmp) / "inferred.onnx"
-        onnx.shape_inference.infer_shapes_path(str(prepared), str(inferred))
-        model = onnx.load(str(inferred))
-    add_infer_metadata(model)
-    return model
+    return load_model_with_shape_infer(Path(prepared))
 
 
 class Quantizer:
