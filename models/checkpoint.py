@@ -217,19 +217,32 @@ def save_state(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model": spec.to_dict(),
-        "state_dict": {k: v.detach().clone() for k, v in state_dict.items()},
+        # On the CPU whatever device trained it: a checkpoint written on a GPU box must load with
+        # a plain torch.load on a laptop (torch refuses CUDA storages where CUDA is absent).
+        "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()},
         "metadata": {
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "versions": versions(),
             **(metadata or {}),
         },
     }
-    if train_state is not None:
-        obj["train_state"] = train_state
+    if train_state is not None:  # the optimizer's moments too (load_state_dict moves them back)
+        obj["train_state"] = _on_cpu(train_state)
     path = Path(path)
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
     return path
+
+
+def _on_cpu(obj: Any) -> Any:
+    """`obj` with every tensor inside its dicts, lists and tuples moved to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def load(
