@@ -87,7 +87,11 @@ def _session(path: Path, providers: list[str], threads: int):
     if providers[0] != "CPUExecutionProvider":
         # A GPU row must run on the GPU: no silent per-node fallback to the CPU.
         opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    return ort.InferenceSession(str(path), opts, providers=providers)
+    # enable_fallback=0: when a GPU provider cannot take the graph, ONNX Runtime's Python class
+    # otherwise prints a banner on stdout (inside our --json) and retries with the CPU EP in
+    # the same object; on a lent H100 (ORT 1.31.1) that retry crashed the process (SIGSEGV).
+    # We want the first error: it becomes the row's skip reason. (Older ORTs ignore the key.)
+    return ort.InferenceSession(str(path), opts, providers=providers, enable_fallback=0)
 
 
 def _timed(call: Callable[[], object]) -> Callable[[], float]:

@@ -362,6 +362,13 @@ def variants(models: list[Model], runtimes: list[str]) -> tuple[list[Variant], l
             if rt == "torch":
                 continue
             provider = PROVIDERS[rt]
+            if m.format == "ort" and rt in ("cuda", "tensorrt"):
+                # An .ort file is ORT Mobile's, laid out for the CPU EP (and NNAPI/CoreML). On a
+                # lent H100, ORT 1.31.1 crashed the process (SIGSEGV) building a CUDA session
+                # from our INT8 .ort, where the same .onnx was refused with an error. Its .onnx
+                # twin is the file to time on a GPU.
+                skip(m, rt, "an .ort file is for ORT Mobile's CPU EP; bench its .onnx on a GPU")
+                continue
             if provider not in available:
                 hint = " (install onnxruntime-gpu)" if rt in ("cuda", "tensorrt") else ""
                 skip(m, rt, f"onnxruntime {ort.__version__} has no {provider}{hint}")

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -132,6 +133,10 @@ def test_bench_table_without_json(run, shrunk):
     assert "model.fp32.onnx" in result.stdout and "p50 ms" in result.stdout
 
 
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" in ort.get_available_providers(),
+    reason="fakes a CUDA provider that fails to load; this machine has a real one",
+)
 def test_a_provider_that_falls_back_to_cpu_is_reported_as_skipped(run, shrunk, monkeypatch):
     """ORT silently runs on CPU when CUDA fails to load: that must be a skip, not a CUDA row."""
     import onnxruntime as ort
@@ -158,6 +163,23 @@ def test_a_provider_that_falls_back_to_cpu_is_reported_as_skipped(run, shrunk, m
     # ORT either falls back silently (caught by get_providers) or, with CPU fallback disabled
     # as we ask, refuses to place nodes on the CPU: a skip naming the CPU either way
     assert reasons and ("fell back to CPUExecutionProvider" in reasons[0] or "CPU EP" in reasons[0])
+
+
+def test_an_ort_file_is_never_offered_to_a_gpu_provider(run, shrunk, monkeypatch):
+    """ORT 1.31.1 crashed the process (SIGSEGV) building a CUDA session from an INT8 .ort on an
+    H100: .ort files are ORT Mobile's, so a GPU row of one is a skip, decided before any
+    session is made."""
+    real = ort.get_available_providers()
+    fake = ["TensorrtExecutionProvider", "CUDAExecutionProvider", *real]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: fake)
+    models = [variants.load(shrunk / "model.int8.ort")]
+    out, skipped = variants.variants(models, ["cuda", "tensorrt"])
+    assert out == []  # no variant, so no session is ever built
+    assert {s["provider"] for s in skipped} == {
+        "CUDAExecutionProvider",
+        "TensorrtExecutionProvider",
+    }
+    assert all("ORT Mobile" in s["reason"] for s in skipped)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
