@@ -400,6 +400,7 @@ def fit(
         optimizer_for,
         record_step,
         resume_position,
+        rng_state,
     )
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -453,7 +454,7 @@ def fit(
         resume = {**resume, "optimizer": cut}
     n = len(data.y_train)
     batches = Batches(n, cfg.batch_size)
-    state = _initial_state(resume, optimizer, cfg)
+    state = _initial_state(resume, optimizer, cfg, device)
     history, start = resume_position(state, batches, "--batch-size")
     t0 = time.perf_counter()
     steps = samples = 0
@@ -489,7 +490,7 @@ def fit(
     def save(full_opt, **metadata: Any) -> None:
         if checkpointer is None:
             return
-        state["rng"] = torch.get_rng_state()
+        state.update(rng_state(device))
         state["optimizer"] = full_opt
         path = checkpointer.save(model, state, **metadata)
         events.checkpoint(path, state["epoch"], state["step"])

@@ -444,7 +444,7 @@ def fit(
     optimizer = make_optimizer(model, cfg)
     n = len(data.y_train)
     batches = updater if updater is not None else Batches(n, cfg.batch_size, world, rank)
-    state = _initial_state(resume, optimizer, cfg)
+    state = _initial_state(resume, optimizer, cfg, device)
     history, start = resume_position(state, batches, "--workers, --batch-size or --strategy")
     t0 = time.perf_counter()
     steps = samples = 0
@@ -453,7 +453,7 @@ def fit(
     def save(gathered: dict[str, Any] | None = None, **metadata: Any) -> None:
         if checkpointer is None:
             return
-        state["rng"] = torch.get_rng_state()
+        state.update(rng_state(device))
         if updater is None:
             state["optimizer"] = optimizer.state_dict()
         else:  # the servers hold the master weights and the optimizer state: gather them
@@ -588,8 +588,28 @@ def resume_position(
     return [EpochRecord(**r) for r in state["history"]], (state["epoch"], state["step"])
 
 
+def rng_state(device: str | torch.device) -> dict[str, torch.Tensor]:
+    """The generators a resumed run must continue: the CPU's (data order is seeded apart), and on
+    a GPU that device's own, which dropout there draws from (a CUDA run resumed with the CPU's
+    state alone drew other dropout masks than the uninterrupted run)."""
+    out = {"rng": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        out["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _restore_rng(resume: dict[str, Any], device: str | torch.device) -> None:
+    torch.set_rng_state(resume["rng"])
+    # A CPU checkpoint resumed on a GPU (or the reverse) continues from the seed's CUDA state.
+    if torch.device(device).type == "cuda" and resume.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(resume["cuda_rng"], device)
+
+
 def _initial_state(
-    resume: dict[str, Any] | None, optimizer: torch.optim.Optimizer, cfg: TrainConfig
+    resume: dict[str, Any] | None,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     fresh = {
         "epoch": 0,
@@ -607,7 +627,8 @@ def _initial_state(
     if missing:
         raise InputError(f"checkpoint's train_state lacks {missing}; drop --resume to start over")
     optimizer.load_state_dict(resume["optimizer"])
-    torch.set_rng_state(resume["rng"])
-    state = {**fresh, **{k: v for k, v in resume.items() if k not in ("optimizer", "rng")}}
+    _restore_rng(resume, device)
+    kept = {k: v for k, v in resume.items() if k not in ("optimizer", "rng", "cuda_rng")}
+    state = {**fresh, **kept}
     state["config"] = cfg.to_dict()
     return state

@@ -245,3 +245,24 @@ def test_sgd_with_momentum_takes_a_parameter_that_starts_late():
         (b(a(x)) if step else a(x)).sum().backward()
         opt.step()
     assert all("momentum_buffer" in opt.state[p] for p in b.parameters())
+
+
+def test_a_cuda_runs_generator_is_saved_and_put_back(monkeypatch):
+    """Dropout on a GPU draws from the device's generator: a checkpoint of a CUDA run keeps it
+    and --resume on CUDA restores it; CPU runs, and CPU checkpoints resumed on a GPU, leave it
+    alone. (torch.cuda's calls are stood in for here; tests/test_gpu.py runs them for real.)"""
+    from compresskit.distrib import trainer
+
+    saved, restored = torch.tensor([7, 8, 9], dtype=torch.uint8), []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": saved.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
+    cpu = trainer.rng_state("cpu")
+    assert cpu.keys() == {"rng"} and torch.equal(cpu["rng"], torch.get_rng_state())
+    gpu = trainer.rng_state("cuda:0")
+    assert gpu.keys() == {"rng", "cuda_rng"} and torch.equal(gpu["cuda_rng"], saved)
+    trainer._restore_rng(gpu, "cpu")  # a GPU checkpoint resumed on the CPU
+    assert restored == []
+    trainer._restore_rng(cpu, torch.device("cuda", 0))  # a CPU checkpoint resumed on a GPU
+    assert restored == []
+    trainer._restore_rng(gpu, "cuda:0")
+    assert len(restored) == 1 and torch.equal(restored[0], saved)
