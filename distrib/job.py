@@ -392,9 +392,16 @@ def _run_pipeline(job: TrainJob, events_factory) -> TrainResult:
         )
     gpu = job.config.device.startswith("cuda")
     if gpu and env is None and torch.cuda.device_count() < k:
+        count = torch.cuda.device_count()
+        # NCCL refuses two ranks on one GPU, so the stages cannot share one.
+        fix = (
+            f"give --stages {count} or fewer"
+            if count >= 2
+            else "run the pipeline with --device cpu, or train on the one GPU without a pipeline"
+        )
         raise InputError(
-            f"--stages {k} with --device cuda: this machine has {torch.cuda.device_count()} "
-            f"GPU(s), one per stage is needed; give --stages {torch.cuda.device_count()} or fewer"
+            f"--stages {k} with --device cuda: this machine has {count} GPU(s) and each stage "
+            f"needs its own (NCCL); {fix}"
         )
     if pp.microbatches is not None and not job.resume:  # a given M, before anything loads
         pp.check_batch(job.config.batch_size)  # (a resumed run's batch is the checkpoint's)

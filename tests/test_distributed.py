@@ -118,6 +118,20 @@ def test_more_gpus_than_present_are_refused(run, tmp_path, monkeypatch):
     assert "this machine has 1 GPU(s); give --workers 1 or fewer" in result.stderr
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_pipeline_with_more_stages_than_gpus_is_refused(run, tmp_path, monkeypatch, gpus):
+    """NCCL refuses two ranks on one GPU; the fix offered depends on what the machine has
+    (seen on a lent one-GPU H100: '--stages 1 or fewer' was no fix for a pipeline)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = ["--device", "cuda", "--strategy", "pipeline", "--stages", "3"]
+    result = run("train", "--model", "vgg", *args, "--out", tmp_path / "x.pt")
+    assert result.exit_code == 2 and not (tmp_path / "x.pt").exists()
+    assert f"this machine has {gpus} GPU(s) and each stage needs its own (NCCL)" in result.stderr
+    fix = "give --stages 2 or fewer" if gpus == 2 else "run the pipeline with --device cpu"
+    assert fix in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 def _allreduce(rank, world):
     import torch.distributed as dist
 
