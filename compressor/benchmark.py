@@ -88,9 +88,9 @@ def _session(path: Path, providers: list[str], threads: int):
         # A GPU row must run on the GPU: no silent per-node fallback to the CPU.
         opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     # enable_fallback=0: when a GPU provider cannot take the graph, ONNX Runtime's Python class
-    # otherwise prints a banner on stdout (inside our --json) and retries with the CPU EP in
-    # the same object; on a lent H100 (ORT 1.31.1) that retry crashed the process (SIGSEGV).
-    # We want the first error: it becomes the row's skip reason. (Older ORTs ignore the key.)
+    # otherwise prints a banner on stdout (inside our --json) and retries on the CPU EP, in
+    # session creation and again in run(). We want the first error: it becomes the row's skip
+    # reason. (Every ORT since 1.18, our floor, reads the key from its **kwargs.)
     return ort.InferenceSession(str(path), opts, providers=providers, enable_fallback=0)
 
 
@@ -249,7 +249,13 @@ def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
     if got != provider:  # a failed CUDA/TensorRT load falls back to CPU without an error
         raise Skip(f"{provider} failed to load and ONNX Runtime fell back to {got}")
     name = session.get_inputs()[0].name
-    session.run(None, {name: x})
+    try:
+        session.run(None, {name: x})
+    except Exception as e:  # a GPU provider failing at run time: that row is a skip
+        if provider == "CPUExecutionProvider":
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise Skip(f"{provider} failed running it: {first}") from None
     cold = 1000 * (time.perf_counter() - t0)
     if provider == "CPUExecutionProvider":
         feed = {name: x}

@@ -182,6 +182,26 @@ def test_an_ort_file_is_never_offered_to_a_gpu_provider(run, shrunk, monkeypatch
     assert all("ORT Mobile" in s["reason"] for s in skipped)
 
 
+def test_a_gpu_provider_failing_at_run_time_is_a_skip(shrunk, monkeypatch):
+    """With ORT's own retry on the CPU EP off, a CUDA session that builds but fails on its
+    first run raises: that row is a skip naming the error, not a crash of the whole bench."""
+
+    class Failing:
+        def get_providers(self):
+            return ["CUDAExecutionProvider"]
+
+        def get_inputs(self):
+            return [type("I", (), {"name": "x"})()]
+
+        def run(self, *a):
+            raise RuntimeError("CUDA failure 700: an illegal memory access\nmore")
+
+    monkeypatch.setattr(benchmark, "_session", lambda *a: Failing())
+    v = variants.Variant(variants.load(shrunk / "model.fp32.onnx"), "cuda", "fp32")
+    with pytest.raises(benchmark.Skip, match="CUDAExecutionProvider failed running it: CUDA fail"):
+        benchmark._prepare_ort(v, 1, np.zeros((1, 1, 8, 8), np.float32))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 def test_gpu_variants_run_on_the_gpu(run, shrunk):
     result = run("bench", shrunk / "model.pt", "--batch", "1", *FAST, "--json")

@@ -102,15 +102,18 @@ def test_ort_cuda_provider_runs_the_fp32_file_on_the_gpu(tmp_path):
     with torch.no_grad():
         want = net(x).numpy()
     # ORT's CUDA EP runs fp32 convolutions and matmuls in TF32 by default (use_tf32=1): 10
-    # mantissa bits, so ~1e-3 of the logits' scale, where the CPU EP agrees to ~1e-6
+    # mantissa bits, so errors up to ~1e-3 of the logits' scale (1.3e-4 seen on an H100 with a
+    # LeNet-5), where the CPU EP agrees to ~1e-6
     assert np.abs(got - want).max() <= 2e-3 * max(1.0, float(np.abs(want).max()))
 
 
 def test_a_resumed_cuda_run_with_dropout_ends_where_the_uninterrupted_one_does(run, tmp_path):
-    """VGG has dropout, which draws from the GPU's generator: resumed with the CPU's state alone,
-    the run drew other masks (seen on an H100: 98.33% against 99.17%). cuDNN may still sum in
-    another order, so the weights are compared to rounding, not bit for bit."""
-    common = ["--model", "vgg", "--data", "digits", "--device", "cuda", "--json", "-q"]
+    """Dropout on a GPU draws from the GPU's generator, which --resume restores with the CPU's.
+    A constant schedule, as a cosine one over 1 epoch differs from one over 2 by design; cuDNN
+    may still sum in another order, so the weights are compared to rounding, not bit for bit.
+    (Written after the H100 was given back: not yet run on a GPU.)"""
+    common = ["--model", "vgg", "--model-kwargs", '{"dropout": 0.5}', "--data", "digits"]
+    common += ["--device", "cuda", "--schedule", "constant", "--json", "-q"]
     full, part = tmp_path / "full.pt", tmp_path / "part.pt"
     assert run("train", *common, "--epochs", "2", "--out", full).exit_code == 0
     assert run("train", *common, "--epochs", "1", "--out", part).exit_code == 0

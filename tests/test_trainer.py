@@ -266,3 +266,9 @@ def test_a_cuda_runs_generator_is_saved_and_put_back(monkeypatch):
     assert restored == []
     trainer._restore_rng(gpu, "cuda:0")
     assert len(restored) == 1 and torch.equal(restored[0], saved)
+    # the resume path itself: _initial_state restores both and keeps neither in the run's state
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    resume = {"epoch": 1, "step": 0, "optimizer": opt.state_dict(), **gpu}
+    state = trainer._initial_state(resume, opt, TrainConfig(device="cuda"), "cuda:0")
+    assert len(restored) == 2 and torch.equal(restored[1], saved)
+    assert state["epoch"] == 1 and not {"rng", "cuda_rng"} & state.keys()
