@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -81,33 +80,15 @@ class Steps:
 
 
 def environment() -> dict:
+    """`compress bench`'s environment block (CPU model and flags, versions, providers, GPU and
+    driver), plus NCCL's version where a GPU is visible."""
     import torch
 
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "cpu_cores": os.cpu_count(),
-    }
-    if env["gpus"]:
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    try:
-        import onnxruntime as ort
+    from compresskit.compressor.envinfo import environment as bench_environment
 
-        env["onnxruntime"] = ort.__version__
-        env["ort_providers"] = ort.get_available_providers()
-    except ImportError as e:  # reported, not fatal: the train steps need no ORT
-        env["onnxruntime"] = f"not importable: {e}"
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
-        want = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
-        env["cpu_flags"] = [f for f in want if f" {f} " in f"{flags} "]
-        model = Path("/proc/cpuinfo").read_text().split("model name", 1)[1].split("\n", 1)[0]
-        env["cpu"] = model.strip(" :\t")
-    except (OSError, IndexError):
-        pass
+    env = bench_environment()
+    if env["gpu"]:
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return env
 
 
@@ -144,7 +125,7 @@ def main() -> int:
     print(json.dumps(env))
     (out / "environment.json").write_text(json.dumps(env, indent=1))
     steps = Steps(out, opts.step_timeout)
-    gpus = env["gpus"]
+    gpus = (env["gpu"] or {}).get("count", 0)
     gpu = "cuda"
     if opts.rehearse:
         gpu, gpus = "cpu", 1
@@ -153,7 +134,7 @@ def main() -> int:
         return 0
 
     def want(name: str) -> bool:
-        return not name.startswith(skip) if skip else True
+        return not name.startswith(skip)  # an empty tuple matches nothing
 
     e = opts.epochs
     # 1. train, CPU against CUDA, same command otherwise

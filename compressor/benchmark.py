@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compresskit.models.errors import InputError
+from compresskit.models.errors import InputError, one_line
 
 
 def resolve_threads(n: int) -> int:
@@ -254,8 +254,7 @@ def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
     except Exception as e:  # a GPU provider failing at run time: that row is a skip
         if provider == "CPUExecutionProvider":
             raise
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise Skip(f"{provider} failed running it: {first}") from None
+        raise Skip(f"{provider} failed running it: {one_line(e, 160)}") from None
     cold = 1000 * (time.perf_counter() - t0)
     if provider == "CPUExecutionProvider":
         feed = {name: x}

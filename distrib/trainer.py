@@ -590,8 +590,8 @@ def resume_position(
 
 def rng_state(device: str | torch.device) -> dict[str, torch.Tensor]:
     """The generators a resumed run must continue: the CPU's (data order is seeded apart), and on
-    a GPU that device's own, which dropout there draws from (a CUDA run resumed with the CPU's
-    state alone drew other dropout masks than the uninterrupted run)."""
+    a GPU that device's own, which dropout there draws from (with the CPU's state alone, a
+    resumed CUDA run would draw other dropout masks than the uninterrupted run)."""
     out = {"rng": torch.get_rng_state()}
     if torch.device(device).type == "cuda":
         out["cuda_rng"] = torch.cuda.get_rng_state(device)
