@@ -1685,16 +1685,21 @@ def _fall_back(order: list[str], candidate, reference, cfg, before: float):
 
     `candidate(nodes, floor)` builds the file with `nodes` back in FP32 and returns (model,
     outputs on the check inputs or None once they cannot hold `floor`, bias-corrected)."""
-    held: dict[int, tuple] = {}
+    # The shortest prefix that held so far, and only it: every prefix that holds later is
+    # shorter, and each candidate is a whole model (EfficientNet-B0's bisection kept five,
+    # ~100 MB, alive together until the shrink ended).
+    held: tuple | None = None
+    full_agreement: float | None = None  # all nodes back in FP32: the error message's figure
 
     def holds(k: int) -> bool:
+        nonlocal held, full_agreement
         last = k == len(order)  # run in full: its agreement is the error message's figure
         m, out, nb = candidate(order[:k], None if last else cfg.min_agreement)
         if out is None or not meets(out, reference, cfg.min_agreement):
             if last and out is not None:
-                held[-1] = (floor_agreement(out, reference),)
+                full_agreement = floor_agreement(out, reference)
             return False
-        held[k] = (m, out, nb)
+        held = (m, out, nb)
         return True
 
     lo, hi, k = 0, None, 1
@@ -1708,7 +1713,7 @@ def _fall_back(order: list[str], candidate, reference, cfg, before: float):
             break
         k *= 2
     if hi is None:
-        best = max(before, held[-1][0]) if -1 in held else before
+        best = max(before, full_agreement) if full_agreement is not None else before
         where = f"all {len(order)} INT8 nodes back in FP32" if order else "no node in INT8"
         raise StageError(
             f"INT8: top-1 agreement with FP32 cannot reach min_agreement {cfg.min_agreement}: "
@@ -1721,7 +1726,8 @@ def _fall_back(order: list[str], candidate, reference, cfg, before: float):
             hi = mid
         else:
             lo = mid
-    m, out, nb = held[hi]
+    m, out, nb = held
+    held = None
     back, found = _shrink_set(order[:hi], candidate, reference, cfg, _budget(len(order)))
     if found is not None:
         m, out, nb = found
