@@ -39,6 +39,7 @@ _SETTINGS = (
     "checkpoint_every",
     "grad_compression",
     "device",
+    "microbatches",
 )
 
 
@@ -51,6 +52,7 @@ Examples:
   compress train --out lenet5.pt --resume      # continue an interrupted run
   compress train --model vgg --strategy pipeline --stages 2
   compress train --model lenet300 --strategy pipeline --stages 2 --microbatches 4
+  compress train --model mypkg.nets:ViT --batch-size 64 --microbatches 4   # 1/4 the memory
 """
 )
 @click.option(
@@ -165,9 +167,11 @@ Examples:
     type=int,
     default=None,
     metavar="M",
-    help="Pipeline: micro-batches per batch; M must divide --batch-size (the whole batch) "
+    help="Micro-batches per batch. Pipeline: M must divide --batch-size (the whole batch) "
     "[default: the most up to 4 that divide it, keeping 32 samples per micro-batch in a "
-    "model with BatchNorm].",
+    "model with BatchNorm]. Other strategies: run each batch as M slices one after another "
+    "and step once on their summed gradients (gradient accumulation: the same update in "
+    "about 1/M of the activation memory; not for models with BatchNorm) [default: 1].",
 )
 @click.option(
     "--split",
@@ -309,6 +313,8 @@ def train(
         checkpoint_every=checkpoint_every,
         grad_compression=grad_compression,
         device=device,
+        # the pipeline's micro-batches are its own (PipelineConfig); elsewhere they accumulate
+        microbatches=microbatches if pipe is None and microbatches is not None else 1,
     )
     kwargs = parse_kwargs(model_kwargs)
     out = out or default_out(model)
@@ -413,6 +419,8 @@ def _pipeline_config(
 ) -> PipelineConfig | None:
     if strategy != "pipeline":
         for name in _PIPELINE_FLAGS:
+            if name == "microbatches":  # gradient accumulation outside a pipeline
+                continue
             if name in given:
                 raise InputError(
                     f"{_flag(name)} belongs to pipeline parallelism; add --strategy pipeline "

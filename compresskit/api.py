@@ -233,6 +233,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
             epochs=epochs,
             lr=lr,
             batch_size=train.batch_size,
+            microbatches=train.microbatches,
             optimizer=train.optimizer,
             seed=train.seed,
             # The stages read the final model's test hits only: the test pass after every

@@ -37,6 +37,7 @@ from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.export import compat, int8, mobile
 from compresskit.compressor.recipe import ExportSection, Recipe
 from compresskit.models import checkpoint
+from compresskit.models.base import batch_statistics
 from compresskit.models.data import Dataset, check_kind, embedding_rows
 from compresskit.models.errors import InputError, StageError, one_line
 from compresskit.models.fileio import atomic_path, check_writable, refuse_link, umask
@@ -344,6 +345,7 @@ def preflight(
         distill.check_transfer(recipe.distill, data)
         if recipe.distill.student:
             check_kind(recipe.distill.student, data, "distill.student")
+    _check_microbatches(recipe, data, model)
     if e.enabled:
         export.check_runtime_opset(e.opset, e.ir_version or None)
         if e.calibration_data:
@@ -369,6 +371,26 @@ def preflight(
         except InputError as err:
             raise InputError(f"--teacher / distill.teachers: {err}") from None
     return calib
+
+
+def _check_microbatches(recipe: Recipe, data: Dataset | None, model: nn.Module | None) -> None:
+    """train.microbatches > 1 splits every retraining batch: refused now, not after the
+    baseline, for the model that retrains (the student when distilling) if it has BatchNorm."""
+    m = recipe.train.microbatches
+    if m == 1:
+        return
+    d = recipe.distill
+    if d.student and data is not None:
+        from compresskit.models import zoo
+
+        spec = zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, data.num_classes)
+        model = zoo.build(spec, seed=0)
+    bn = batch_statistics(model) if model is not None else None
+    if bn is not None:
+        raise InputError(
+            f"recipe train.microbatches = {m}: layer {bn!r} normalises over the batch "
+            "(BatchNorm), so micro-batches would retrain another model; set it to 1"
+        )
 
 
 def _probe_opset(model: nn.Module, recipe: Recipe, data: Dataset) -> None:

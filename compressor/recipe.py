@@ -7,7 +7,8 @@ is a complete one; an unknown key or an impossible value is refused, naming the 
 any work starts. `--dry-run` prints the resolved recipe; the report embeds it.
 
     version = 1
-    [train]     batch_size, optimizer, seed, distill (alpha), temperature  # retraining
+    [train]     batch_size, microbatches, optimizer, seed, distill (alpha), temperature
+                                                                    # retraining
     [budget]    max_drop = "off" | points, trials, search = "auto" | "layers" | "scale",
                 sparsities, bits                                    # --max-drop: the search
     [distill]   student ("" = off), student_kwargs, teachers, epochs, lr, temperature, alpha,
@@ -66,6 +67,9 @@ class TrainSection:
     """[train]: retraining and fine-tuning inside the stages (not `compress train`)."""
 
     batch_size: int = 32
+    # Gradient accumulation: each batch as this many micro-batches, one after another (the
+    # same update in about 1/M of the activation memory; refused for BatchNorm models).
+    microbatches: int = 1
     optimizer: str = "adam"  # "adam" | "sgd"
     seed: int = 0
     # alpha of the soft-target loss against the dense model while retraining and fine-tuning
@@ -580,6 +584,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
     if not (isinstance(c["ignore"], list) and all(isinstance(n, str) for n in c["ignore"])):
         raise _bad(source, "channels.ignore", c["ignore"], "a list of layer names")
     _int(r, source, "train", "batch_size", 1)
+    _int(r, source, "train", "microbatches", 1, r["train"]["batch_size"])
     _int(r, source, "train", "seed", 0, 2**32 - 1)
     if not (_number(r["train"]["distill"]) and 0 <= r["train"]["distill"] <= 1):
         raise _bad(source, "train.distill", r["train"]["distill"], "an alpha in [0, 1]")

@@ -37,6 +37,7 @@ from compresskit.models.fileio import check_writable
 # Settings a resumed run may change: the rest must match the checkpoint's.
 _RESUME_MAY_CHANGE = {
     "epochs",
+    "microbatches",  # memory only: the same update, up to float rounding
     "eval_batch_size",
     "evaluate",
     "device",
@@ -378,6 +379,11 @@ def _run_pipeline(job: TrainJob, events_factory) -> TrainResult:
         raise InputError(
             f"--grad-compression {job.config.grad_compression} compresses data-parallel "
             "gradients; pipeline stages send activations: drop --grad-compression"
+        )
+    if job.config.microbatches != 1:
+        raise InputError(
+            f"TrainConfig(microbatches={job.config.microbatches}) accumulates gradients in one "
+            "process; a pipeline's micro-batches are PipelineConfig(microbatches=M): give them there"
         )
     if job.workers not in (1, k):
         raise InputError(

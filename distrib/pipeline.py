@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compresskit.models.base import batch_statistics
 from compresskit.models.data import Dataset
 from compresskit.models.errors import InputError, StageError
 
@@ -619,7 +620,7 @@ def most_dividing(batch: int, cap: int) -> int:
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return batch_statistics(model) is not None
 
 
 def auto_microbatches(model: nn.Module, batch: int, stages: int, schedule: str = "gpipe") -> int:

@@ -35,3 +35,13 @@ class ZooModel(nn.Module):
         """A seeded batch in [0, 1) of this model's input shape (the layout `models.data` gives)."""
         g = torch.Generator().manual_seed(seed)
         return (torch.rand((batch, *self.in_shape), generator=g),)
+
+
+def batch_statistics(model: nn.Module) -> str | None:
+    """The name of the first module that normalises over the batch (BatchNorm in any of its
+    forms), or None. Such a model trains differently when a batch is split into micro-batches:
+    each is normalised on its own statistics."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return name or type(m).__name__
+    return None

@@ -217,3 +217,19 @@ def test_shrink_of_a_dropout_model_is_reproducible_and_leaves_the_callers_rng(
         weights.append(torch.load(report.out / "model.pt", weights_only=True)["state_dict"])
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_the_recipes_microbatches_reach_every_retraining_run():
+    from compresskit import api
+    from compresskit.compressor.recipe import TrainSection
+    from compresskit.models import tiny
+
+    ds = ck.load_data("digits")
+    recipe = ck.Recipe(train=TrainSection(microbatches=4))
+    model = tiny("mlp", seed=0)
+    sizes = []
+    model.register_forward_pre_hook(
+        lambda mod, args: sizes.append(len(args[0])) if mod.training else None
+    )
+    api._hooks(ds, recipe, None).retrain(model, 1, 1e-3)
+    assert sizes[:4] == [8, 8, 8, 8] and max(sizes) == 8

@@ -42,6 +42,24 @@ def test_two_workers_train_like_one_with_the_global_batch():
     assert any(not torch.equal(v, tiny("mlp", seed=0).state_dict()[k]) for k, v in one.items())
 
 
+def _train_two_accumulating(rank, world):
+    model = tiny("mlp", seed=0)
+    cfg = TrainConfig(epochs=2, batch_size=32, microbatches=4, optimizer="sgd", lr=0.05, seed=0)
+    result = fit(model, _data(), cfg)
+    return {k: v.clone() for k, v in model.state_dict().items()}, result.comm_bytes, result.steps
+
+
+def test_two_workers_accumulating_micro_batches_train_like_one():
+    # 2 workers x 4 slices of 8 step like one process with batches of 64, and DDP all-reduces
+    # once per batch (no_sync on all but the last slice), not once per slice.
+    one = _train(0, 1, 64)
+    two, sent, steps = launch.run(_train_two_accumulating, workers=2, timeout_s=60)
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-5), k
+    grad_bytes = sum(p.numel() * 4 for p in tiny("mlp", seed=0).parameters())
+    assert steps > 0 and sent == steps * grad_bytes  # 4x that without no_sync
+
+
 def _dies(rank, world):
     if rank == 1:
         time.sleep(0.5)

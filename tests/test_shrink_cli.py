@@ -322,6 +322,8 @@ def _write_recipe(tmp_path, text):
         ("reduce_range with uint8 weights", "need int8 weights (scheme u8s8), not u8u8"),
         ("old latency_aware key", "export.latency_aware is gone: use export.target"),
         ("opset the exporter cannot write", "opset 13: torch's exporter wrote opset 18"),
+        ("microbatches over the batch", "train.microbatches = 64 is impossible"),
+        ("microbatches on a BatchNorm student", "layer 'features.1' normalises over the batch"),
     ],
 )
 def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
@@ -360,6 +362,10 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
         args += _write_recipe(tmp_path, "[prune]\nsparsity = 1.5\n")
     elif case == "recipe names a missing layer":
         args += _write_recipe(tmp_path, "[quantize]\nbits = {fc9 = 4}\n")
+    elif case == "microbatches over the batch":
+        args += _write_recipe(tmp_path, "[train]\nmicrobatches = 64\n")
+    elif case == "microbatches on a BatchNorm student":
+        args += _write_recipe(tmp_path, '[train]\nmicrobatches = 2\n[distill]\nstudent = "vgg"\n')
     elif case == "seed out of range":
         args += _write_recipe(tmp_path, "[train]\nseed = -1\n")
     elif case == "include_bias not bool":

@@ -123,6 +123,8 @@ def test_cosine_schedule_with_warmup():
         ({"lr": -1.0}, "--lr"),
         ({"optimizer": "lion"}, "--optimizer"),
         ({"precision": "fp8"}, "--precision"),
+        ({"microbatches": 0}, "--microbatches"),
+        ({"microbatches": 33}, "--microbatches"),
     ],
 )
 def test_config_validation_names_the_flag(kwargs, flag):
@@ -272,3 +274,82 @@ def test_a_cuda_runs_generator_is_saved_and_put_back(monkeypatch):
     state = trainer._initial_state(resume, opt, TrainConfig(device="cuda"), "cuda:0")
     assert len(restored) == 2 and torch.equal(restored[1], saved)
     assert state["epoch"] == 1 and not {"rng", "cuda_rng"} & state.keys()
+
+
+# --- gradient accumulation (--microbatches) -----------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_microbatches_train_like_the_whole_batch(digits, optimizer):
+    # 32 as 4 slices of 8 and as 5 uneven slices (7, 7, 7, 7, 4); the epoch's last batch of
+    # 14 too: each slice's loss weighted by its share gives the whole batch's gradient.
+    runs = {}
+    for m in (1, 4, 5):
+        _, model = _model(digits, name="lenet300")
+        cfg = TrainConfig(epochs=2, microbatches=m, optimizer=optimizer, evaluate="last")
+        result = fit(model, digits, cfg)
+        runs[m] = (_weights(model), result)
+    ref, ref_result = runs[1]
+    moved = any(
+        not torch.equal(v, _model(digits, name="lenet300")[1].state_dict()[k])
+        for k, v in ref.items()
+    )
+    assert moved
+    for m in (4, 5):
+        weights, result = runs[m]
+        for k in ref:
+            assert torch.allclose(weights[k], ref[k], atol=2e-5), (m, k)
+        assert result.steps == ref_result.steps  # one optimizer step per batch, not per slice
+        assert result.history[-1].train_loss == pytest.approx(
+            ref_result.history[-1].train_loss, rel=1e-5
+        )
+        assert result.history[-1].train_accuracy == ref_result.history[-1].train_accuracy
+
+
+def test_microbatches_run_slices_of_the_batch(digits):
+    sizes = []
+    _, model = _model(digits)
+    model.register_forward_pre_hook(lambda mod, args: sizes.append(len(args[0])))
+    fit(model, digits, TrainConfig(epochs=1, microbatches=4, evaluate="last"))
+    n = len(digits.y_train)  # 1,294 = 40 batches of 32 and one of 14
+    trained = sizes[: -(-n // 32) * 4]
+    assert trained[:4] == [8, 8, 8, 8]
+    assert sum(trained) == n and max(trained) == 8
+    assert trained[-4:] == [4, 4, 4, 2]  # the last batch of 14: slices of ceil(14 / 4)
+
+
+def test_microbatches_are_refused_for_a_batchnorm_model(digits):
+    _, model = _model(digits, name="vgg")
+    with pytest.raises(InputError, match=r"--microbatches 4: layer '.*' normalises over the batch"):
+        fit(model, digits, TrainConfig(epochs=1, microbatches=4))
+
+
+def test_a_resumed_run_may_change_microbatches(tmp_path):
+    out = tmp_path / "m.pt"
+    run(TrainJob(model="mlp", out=out, config=TrainConfig(epochs=1)))
+    result = run(
+        TrainJob(
+            model="mlp",
+            out=out,
+            resume=True,
+            config=TrainConfig(epochs=2, microbatches=2),
+            explicit=frozenset({"epochs", "microbatches"}),
+        )
+    )
+    assert result.epochs == 2
+
+
+def test_compress_train_accumulates_micro_batches(run, tmp_path):
+    out = tmp_path / "m.pt"
+    args = ["train", "--model", "mlp", "--epochs", "1", "--json", "-q"]
+    result = run(*args, "--out", out, "--microbatches", "4")
+    assert result.exit_code == 0, result.stderr
+    assert checkpoint.load(out).train_state["config"]["microbatches"] == 4
+    bad = run(*args, "--out", tmp_path / "b.pt", "--microbatches", "0")
+    assert (
+        bad.exit_code == 2 and "--microbatches 0 is invalid; give 1 to the batch size" in bad.stderr
+    )
+    assert not (tmp_path / "b.pt").exists()
+    bn = run(*args[:2], "vgg", *args[3:], "--out", tmp_path / "v.pt", "--microbatches", "2")
+    assert bn.exit_code == 2 and "normalises over the batch (BatchNorm)" in bn.stderr
+    assert not (tmp_path / "v.pt").exists()
