@@ -222,6 +222,14 @@ def main() -> None:
         help="fast: the default recipe shortened to one epoch per retraining run (the "
         "matrix's ~1 h); default: the recipe as users get it (about 4x the training)",
     )
+    ap.add_argument(
+        "--microbatches",
+        default="1",
+        metavar="M[,M...]",
+        help="shrink each model once per count, from the same dense checkpoint, with the "
+        "recipe's train.microbatches = M (gradient accumulation: retraining's activations "
+        "over M); rows 'NAME M=4'. Models with BatchNorm refuse M > 1",
+    )
     opts = ap.parse_args()
     if opts.after in (1, 2) or opts.after < 0:
         ap.error("--after takes 0 or 3 or more: the median of fewer epochs holds the warm-up")
@@ -243,8 +251,17 @@ def main() -> None:
     images = work / "images.npz"
     if not images.exists():
         images_npz(images, opts.samples)
-    recipe = work / f"{opts.recipe}.toml"
-    recipe.write_text(RECIPES[opts.recipe])
+    try:
+        counts = tuple(dict.fromkeys(int(m) for m in opts.microbatches.split(",")))
+    except ValueError:
+        ap.error(f"--microbatches {opts.microbatches!r}: give counts like 1,4")
+    if not counts or min(counts) < 1:
+        ap.error("--microbatches: give counts of 1 or more")
+    recipes = {}
+    for m in counts:  # the recipe, and with train.microbatches = M for each other M
+        recipes[m] = work / (f"{opts.recipe}.toml" if m == 1 else f"{opts.recipe}-m{m}.toml")
+        extra = f"[train]\nmicrobatches = {m}\n" if m != 1 else ""
+        recipes[m].write_text(RECIPES[opts.recipe] + extra)
     flags = _cpu_flags()
     print(
         f"# Model matrix, {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}"
@@ -264,8 +281,8 @@ def main() -> None:
         data = f"npz:{images}" if case.data == "images" else "tokens"
         try:
             code_rss = peak_rss_of(_IMPORT_MODEL.format(case=case))
-            rows.append(
-                one(case, data, work, recipe, base_rss, code_rss, opts.train_epochs, opts.after)
+            rows += one(
+                case, data, work, recipes, base_rss, code_rss, opts.train_epochs, opts.after, counts
             )
         except RuntimeError as e:
             rows.append({"name": case.name, "failed": str(e)})
@@ -294,12 +311,13 @@ def one(
     case: Case,
     data: str,
     work: Path,
-    recipe: Path,
+    recipes: dict[int, Path],
     base_rss: int,
     code_rss: int,
     epochs: int,
     after: int = 0,
-) -> dict:
+    microbatches: tuple[int, ...] = (1,),
+) -> list[dict]:
     ck = work / f"{case.name}.pt"
     model_args = ["--model", case.model, "--model-kwargs", case.kwargs]
 
@@ -317,8 +335,68 @@ def one(
         return float(np.median([h["seconds"] for h in trained["history"]]))
 
     before = dense_epoch(epochs, ck)
-    out = work / f"{case.name}-shrunk"
-    rep, shrink_s, peak = compress_measured(
+    shrunk = []
+    for m in microbatches if case.name != FLOOR else (1,):  # the fixed cost: measured once
+        variant = case.name if m == 1 else f"{case.name} M={m}"
+        out = work / f"{case.name}-shrunk" if m == 1 else work / f"{case.name}-shrunk-m{m}"
+        shrunk.append((m, variant, out, *shrink_measured(ck, data, recipes[m], out, case)))
+    # The dense epoch again, in a process after the shrink: back-to-back runs of ResNet-18 saw
+    # the first process's median epoch move 2.72-3.47 s while the shrink moved 7%
+    # (docs/benchmarks.md); the figure divided by is the mean of both processes' medians.
+    again = dense_epoch(after, work / f"{case.name}-again.pt") if after else None
+    epoch_s = before if again is None else (before + again) / 2
+    ds = _dataset(data)
+    rows = []
+    for m, variant, out, rep, shrink_s, peak in shrunk:
+        params = rep["baseline"]["parameters"]
+        # --json prints a summary; the full report (timings included) is the folder's report.json.
+        rep = json.loads((out / "report.json").read_text())
+        timings = rep.get("timings", {})
+        training = timings.get("training", float("nan"))
+        total = timings.get("total", rep.get("seconds", float("nan")))
+        onnx = rep.get("onnx", {})
+        int8 = onnx.get("int8") or rep.get("int8_not_written") or {}
+        test_x = ds.x_test.numpy()
+        has_fp32 = (out / "model.fp32.onnx").exists()
+        diff, rel = fp32_parity(out, test_x) if has_fp32 else (None, None)
+        row = {
+            "name": variant,
+            "microbatches": m,
+            "parameters": params,
+            "train_epoch_s": epoch_s,
+            "train_epoch_s_before_after": [before, again],
+            "shrink_wall_s": shrink_s,
+            "total_s": total,
+            "training_s": training,
+            "recipe_epochs": recipe_epochs(rep["recipe"]),
+            "non_training_s": total - recipe_epochs(rep["recipe"]) * epoch_s,
+            "stages": {s["name"]: s["seconds"] for s in rep["stages"]},
+            "timings": timings,
+            "peak_rss": peak,
+            "base_rss": base_rss,
+            "code_rss": code_rss,
+            "model_bytes": 4 * params,
+            "data_bytes": sum(t.numel() * t.element_size() for t in _tensors(ds)),
+            "ratio": rep.get("archive", {}).get("ratio"),
+            "int8_nodes": int8.get("int8_nodes"),
+            "quantizable": int8.get("quantizable_nodes"),
+            "agreement": (onnx.get("int8") or {}).get("top1_agreement_fp32"),
+            "int8_written": "int8" in onnx,
+            "fp32_max_diff": diff,
+            "fp32_rel_diff": rel,
+            "ort": "yes" if rep.get("ort") else "no",
+            "nnapi": rep.get("mobile", {}).get("nnapi"),
+            "coreml": rep.get("mobile", {}).get("coreml"),
+            "accuracy": (rep["baseline"]["test_accuracy"], rep["student"]["test_accuracy"]),
+        }
+        print(f"{variant}: {json.dumps(row)}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def shrink_measured(ck: Path, data: str, recipe: Path, out: Path, case: Case):
+    """`compress shrink` of checkpoint `ck`: its --json summary, wall seconds and peak RSS."""
+    return compress_measured(
         [
             "shrink",
             str(ck),
@@ -331,53 +409,6 @@ def one(
             *(["--model", case.model] if ":" in case.model else []),
         ]
     )
-    # The dense epoch again, in a process after the shrink: back-to-back runs of ResNet-18 saw
-    # the first process's median epoch move 2.72-3.47 s while the shrink moved 7%
-    # (docs/benchmarks.md); the figure divided by is the mean of both processes' medians.
-    again = dense_epoch(after, work / f"{case.name}-again.pt") if after else None
-    epoch_s = before if again is None else (before + again) / 2
-    params = rep["baseline"]["parameters"]
-    # --json prints a summary; the full report (timings included) is the folder's report.json.
-    rep = json.loads((out / "report.json").read_text())
-    timings = rep.get("timings", {})
-    training = timings.get("training", float("nan"))
-    total = timings.get("total", rep.get("seconds", float("nan")))
-    onnx = rep.get("onnx", {})
-    int8 = onnx.get("int8") or rep.get("int8_not_written") or {}
-    ds = _dataset(data)
-    test_x = ds.x_test.numpy()
-    diff, rel = fp32_parity(out, test_x) if (out / "model.fp32.onnx").exists() else (None, None)
-    row = {
-        "name": case.name,
-        "parameters": params,
-        "train_epoch_s": epoch_s,
-        "train_epoch_s_before_after": [before, again],
-        "shrink_wall_s": shrink_s,
-        "total_s": total,
-        "training_s": training,
-        "recipe_epochs": recipe_epochs(rep["recipe"]),
-        "non_training_s": total - recipe_epochs(rep["recipe"]) * epoch_s,
-        "stages": {s["name"]: s["seconds"] for s in rep["stages"]},
-        "timings": timings,
-        "peak_rss": peak,
-        "base_rss": base_rss,
-        "code_rss": code_rss,
-        "model_bytes": 4 * params,
-        "data_bytes": sum(t.numel() * t.element_size() for t in _tensors(ds)),
-        "ratio": rep.get("archive", {}).get("ratio"),
-        "int8_nodes": int8.get("int8_nodes"),
-        "quantizable": int8.get("quantizable_nodes"),
-        "agreement": (onnx.get("int8") or {}).get("top1_agreement_fp32"),
-        "int8_written": "int8" in onnx,
-        "fp32_max_diff": diff,
-        "fp32_rel_diff": rel,
-        "ort": "yes" if rep.get("ort") else "no",
-        "nnapi": rep.get("mobile", {}).get("nnapi"),
-        "coreml": rep.get("mobile", {}).get("coreml"),
-        "accuracy": (rep["baseline"]["test_accuracy"], rep["student"]["test_accuracy"]),
-    }
-    print(f"{case.name}: {json.dumps(row)}", flush=True)
-    return row
 
 
 def _dataset(data: str):
@@ -449,7 +480,8 @@ def table(rows: list[dict]) -> None:
     # those rows are printed but kept out of the ratio, and the all-model figure is shown
     # beside it. The marginal figure subtracts the floor run's non-training seconds: what
     # grows with the model, which is what "linear in weights" is about.
-    real = [r for r in ok if r["name"] != FLOOR]
+    # A row shrunk with micro-batches is the same model again: not a point of the growth curve.
+    real = [r for r in ok if r["name"] != FLOOR and r.get("microbatches", 1) == 1]
     big = [r for r in real if r["parameters"] >= 900_000]
     if floor:
         print(
@@ -477,7 +509,28 @@ def table(rows: list[dict]) -> None:
         print(
             f"memory's fixed cost (the floor run's peak over its code): {fixed_rss / 2**20:.0f} "
             "MiB; peak over the model's code and that, per FP32 model + data bytes: "
-            + ", ".join(f"{r['name']} {r['mem_multiple']:.1f}x" for r in real)
+            + ", ".join(f"{r['name']} {r['mem_multiple']:.1f}x" for r in ok if r["name"] != FLOOR)
+        )
+    # Each micro-batched shrink against the same model's shrink with whole batches, side by side.
+    for r in ok:
+        base = next(
+            (
+                b
+                for b in ok
+                if b is not r
+                and b.get("microbatches", 1) == 1
+                and r["name"].startswith(b["name"] + " ")
+            ),
+            None,
+        )
+        if r.get("microbatches", 1) == 1 or base is None:
+            continue
+        print(
+            f"{r['name']} against M=1: peak RSS {r['peak_rss'] / 2**20:.0f} / "
+            f"{base['peak_rss'] / 2**20:.0f} MiB, training s {r['training_s']:.0f} / "
+            f"{base['training_s']:.0f} ({r['training_s'] / base['training_s']:.2f}x), whole "
+            f"shrink / its training epochs {r['vs_train']:.2f} / {base['vs_train']:.2f}, test "
+            f"accuracy after {r['accuracy'][1]:.4f} / {base['accuracy'][1]:.4f}"
         )
     twice = [r for r in ok if r.get("train_epoch_s_before_after", [0, None])[1] is not None]
     if twice:
