@@ -144,6 +144,15 @@ Examples:
     "centroid fine-tuning, soft sharing's prior) [recipe *.epochs].",
 )
 @click.option(
+    "--microbatches",
+    type=int,
+    default=None,
+    metavar="M",
+    help="Retrain every batch as M slices, accumulating their gradients: the same updates "
+    "in about 1/M of the activation memory (not for models with BatchNorm) "
+    "[recipe train.microbatches].",
+)
+@click.option(
     "--strict",
     is_flag=True,
     default=None,
@@ -174,6 +183,7 @@ def shrink(
     sparsity: str | None,
     bits: str | None,
     epochs: int | None,
+    microbatches: int | None,
     strict: bool | None,
     force: bool,
     quiet: bool,
@@ -195,6 +205,7 @@ def shrink(
         ("quantize", "conv_bits", "--bits"): conv_bits,
         ("quantize", "fc_bits", "--bits"): fc_bits,
         ("guard", "strict", "--strict"): strict,
+        ("train", "microbatches", "--microbatches"): microbatches,
         ("budget", "max_drop", "--max-drop"): max_drop,
         ("export", "fixed_batch", "--fixed-batch"): fixed_batch,
         ("distill", "student", "--student"): student,

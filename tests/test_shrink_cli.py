@@ -323,6 +323,7 @@ def _write_recipe(tmp_path, text):
         ("old latency_aware key", "export.latency_aware is gone: use export.target"),
         ("opset the exporter cannot write", "opset 13: torch's exporter wrote opset 18"),
         ("microbatches over the batch", "train.microbatches = 64 is impossible"),
+        ("microbatches flag zero", "with --microbatches: train.microbatches = 0 is impossible"),
         ("microbatches on a BatchNorm student", "layer 'features.1' normalises over the batch"),
     ],
 )
@@ -364,6 +365,8 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
         args += _write_recipe(tmp_path, "[quantize]\nbits = {fc9 = 4}\n")
     elif case == "microbatches over the batch":
         args += _write_recipe(tmp_path, "[train]\nmicrobatches = 64\n")
+    elif case == "microbatches flag zero":
+        args += ["--microbatches", "0"]
     elif case == "microbatches on a BatchNorm student":
         args += _write_recipe(tmp_path, '[train]\nmicrobatches = 2\n[distill]\nstudent = "vgg"\n')
     elif case == "seed out of range":
