@@ -149,7 +149,7 @@ Examples:
     default=None,
     metavar="M",
     help="Retrain every batch as M slices, accumulating their gradients: the same updates "
-    "in about 1/M of the activation memory (not for models with BatchNorm) "
+    "(dropout aside) in about 1/M of the activation memory (not for models with BatchNorm) "
     "[recipe train.microbatches].",
 )
 @click.option(

@@ -170,7 +170,7 @@ Examples:
     help="Micro-batches per batch. Pipeline: M must divide --batch-size (the whole batch) "
     "[default: the most up to 4 that divide it, keeping 32 samples per micro-batch in a "
     "model with BatchNorm]. Other strategies: run each batch as M slices one after another "
-    "and step once on their summed gradients (gradient accumulation: the same update in "
+    "and step once on their summed gradients (gradient accumulation: the same update, dropout aside, in "
     "about 1/M of the activation memory; not for models with BatchNorm) [default: 1].",
 )
 @click.option(

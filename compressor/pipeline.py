@@ -596,6 +596,7 @@ def _export(
     # Each file's outputs on the test set, per ORT optimization setting, computed once: an INT8
     # graph with optimizations off runs every Q/DQ pair unfused (ViT-tiny: ~20 s a pass).
     runs: dict[tuple[str, bool], np.ndarray] = {}
+    batches: dict[str, int] = {}
 
     def outputs(path: Path, optimized: bool) -> np.ndarray:
         key = (str(path), optimized)
@@ -603,7 +604,9 @@ def _export(
             # Samples per run sized to the graph's activations, as the INT8 checks are:
             # ViT-tiny's runs over the test set held 130-207 MiB over their start at 64
             # samples a run, 43-80 MiB at the 4 this gives, in about the same time.
-            batch = int8.activation_batch(onnx.load(str(path)), cap=64)
+            if str(path) not in batches:
+                batches[str(path)] = int8.activation_batch(onnx.load(str(path)), cap=64)
+            batch = batches[str(path)]
             runs[key] = int8.outputs(int8.session(path, optimized), data.x_test.numpy(), batch)
         return runs[key]
 

@@ -68,7 +68,8 @@ class TrainSection:
 
     batch_size: int = 32
     # Gradient accumulation: each batch as this many micro-batches, one after another (the
-    # same update in about 1/M of the activation memory; refused for BatchNorm models).
+    # same update, dropout's draws aside, in about 1/M of the activation memory; refused for
+    # BatchNorm models).
     microbatches: int = 1
     optimizer: str = "adam"  # "adam" | "sgd"
     seed: int = 0

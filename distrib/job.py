@@ -37,7 +37,7 @@ from compresskit.models.fileio import check_writable
 # Settings a resumed run may change: the rest must match the checkpoint's.
 _RESUME_MAY_CHANGE = {
     "epochs",
-    "microbatches",  # memory only: the same update, up to float rounding
+    "microbatches",  # memory: the same update up to rounding (dropout: other mask draws)
     "eval_batch_size",
     "evaluate",
     "device",
@@ -122,7 +122,8 @@ def train(
             PSConfig's workers, or the PipelineConfig's stages.
         resume: continue from `out` if it exists, with the settings stored there. Settings
             counted as given (`explicit`) must match the stored ones, except epochs, device,
-            checkpoint_every, grad_compression and eval_batch_size, which may change.
+            checkpoint_every, grad_compression, eval_batch_size and microbatches, which may
+            change.
         timeout_s: process-group timeout: a dead or stuck worker ends the run after at most
             this many seconds.
         progress: an `Events` whose callbacks see the epochs, steps and checkpoints of this

@@ -69,10 +69,13 @@ class TrainConfig:
     # Gradient accumulation: each batch runs forward and backward as this many micro-batches,
     # one after another, and the optimizer steps once on their summed gradient (each
     # micro-batch's loss weighted by its share of the batch). Same update as the whole batch,
-    # up to float rounding, for a loss that is a mean over samples; activations held at once
-    # shrink by the factor, at some speed on a CPU (ViT-tiny at batch 32: 4 micro-batches
-    # cost 1.19x the step). Refused for a model with BatchNorm, whose statistics it would
-    # change. The pipeline strategy has its own micro-batches (PipelineConfig).
+    # up to float rounding, for a loss that is a mean over samples and a forward without
+    # randomness (with dropout, the masks are other draws: the same in expectation).
+    # Activations held at once shrink by about the factor, at some speed on a CPU (ViT-tiny
+    # at batch 32 on 2 cores:
+    # 4 micro-batches cost 1.2x the step, 8 cost 1.45x; docs/benchmarks.md). Refused for a
+    # model with BatchNorm, whose statistics it would change. The pipeline strategy has its
+    # own micro-batches (PipelineConfig).
     microbatches: int = 1
     # "every": the test pass after each epoch; "last": after the last epoch only (the other
     # epochs' records carry NaN), for callers that read only the final model's figures. The
@@ -83,11 +86,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "--epochs", self.epochs, "give 1 or more")
         _check(self.batch_size >= 1, "--batch-size", self.batch_size, "give 1 or more")
+        # (at most the batch size: checked by `fit`, which a resumed run reaches with the
+        # checkpoint's batch size, not the flag's default)
         _check(
-            isinstance(self.microbatches, int) and 1 <= self.microbatches <= self.batch_size,
+            isinstance(self.microbatches, int) and self.microbatches >= 1,
             "--microbatches",
             self.microbatches,
-            f"give 1 to the batch size ({self.batch_size})",
+            "give 1 or more",
         )
         _check(
             self.lr is None or (self.lr > 0 and math.isfinite(self.lr)),
@@ -442,6 +447,12 @@ def fit(
     the local optimizer step (it pushes the gradient and pulls the new weights) and says which
     batches this rank trains (the `Batches` interface).
     """
+    _check(
+        cfg.microbatches <= cfg.batch_size,
+        "--microbatches",
+        cfg.microbatches,
+        f"give 1 to the batch size ({cfg.batch_size})",
+    )
     if cfg.microbatches > 1 and (bn := batch_statistics(model)) is not None:
         raise InputError(
             f"--microbatches {cfg.microbatches}: layer {bn!r} normalises over the batch "
@@ -588,13 +599,15 @@ def _accumulate(
     for a loss that is a mean over samples the sum is the whole batch's gradient. Returns the
     batch's mean loss and its top-1 hits."""
     n = len(yb)
-    size = -(-n // cfg.microbatches)
+    # M slices whose sizes differ by at most one (fewer when the batch has fewer samples)
+    m = min(cfg.microbatches, n)
+    bounds = [n * k // m for k in range(m + 1)]
     value, right = 0.0, 0
-    for i in range(0, n, size):
-        xs, ys = xb[i : i + size], yb[i : i + size]
+    for k in range(m):
+        xs, ys = xb[bounds[k] : bounds[k + 1]], yb[bounds[k] : bounds[k + 1]]
         share = len(ys) / n
         # DDP all-reduces the gradients once, in the last micro-batch's backward.
-        last = i + size >= n
+        last = k == m - 1
         quiet = model.no_sync() if not last and hasattr(model, "no_sync") else nullcontext()
         with quiet:
             with _autocast(cfg.precision, device):

@@ -124,7 +124,6 @@ def test_cosine_schedule_with_warmup():
         ({"optimizer": "lion"}, "--optimizer"),
         ({"precision": "fp8"}, "--precision"),
         ({"microbatches": 0}, "--microbatches"),
-        ({"microbatches": 33}, "--microbatches"),
     ],
 )
 def test_config_validation_names_the_flag(kwargs, flag):
@@ -281,7 +280,7 @@ def test_a_cuda_runs_generator_is_saved_and_put_back(monkeypatch):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_microbatches_train_like_the_whole_batch(digits, optimizer):
-    # 32 as 4 slices of 8 and as 5 uneven slices (7, 7, 7, 7, 4); the epoch's last batch of
+    # 32 as 4 slices of 8 and as 5 uneven slices (6, 6, 7, 6, 7); the epoch's last batch of
     # 14 too: each slice's loss weighted by its share gives the whole batch's gradient.
     runs = {}
     for m in (1, 4, 5):
@@ -315,7 +314,7 @@ def test_microbatches_run_slices_of_the_batch(digits):
     trained = sizes[: -(-n // 32) * 4]
     assert trained[:4] == [8, 8, 8, 8]
     assert sum(trained) == n and max(trained) == 8
-    assert trained[-4:] == [4, 4, 4, 2]  # the last batch of 14: slices of ceil(14 / 4)
+    assert trained[-4:] == [3, 4, 3, 4]  # the last batch of 14: four slices, within one
 
 
 def test_microbatches_are_refused_for_a_batchnorm_model(digits):
@@ -346,10 +345,24 @@ def test_compress_train_accumulates_micro_batches(run, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert checkpoint.load(out).train_state["config"]["microbatches"] == 4
     bad = run(*args, "--out", tmp_path / "b.pt", "--microbatches", "0")
-    assert (
-        bad.exit_code == 2 and "--microbatches 0 is invalid; give 1 to the batch size" in bad.stderr
-    )
+    assert bad.exit_code == 2 and "--microbatches 0 is invalid; give 1 or more" in bad.stderr
     assert not (tmp_path / "b.pt").exists()
     bn = run(*args[:2], "vgg", *args[3:], "--out", tmp_path / "v.pt", "--microbatches", "2")
     assert bn.exit_code == 2 and "normalises over the batch (BatchNorm)" in bn.stderr
     assert not (tmp_path / "v.pt").exists()
+
+
+def test_microbatches_over_the_batch_are_refused_by_the_loop(digits):
+    _, model = _model(digits)
+    with pytest.raises(InputError, match=r"--microbatches 33 is invalid; give 1 to the batch size"):
+        fit(model, digits, TrainConfig(epochs=1, microbatches=33))
+
+
+def test_a_resumed_run_takes_microbatches_up_to_the_checkpoints_batch(run, tmp_path):
+    # The flag's default batch is 32; the checkpoint's is 64, so 40 slices fit it.
+    out = tmp_path / "m.pt"
+    args = ["train", "--model", "mlp", "--out", out, "-q"]
+    assert run(*args, "--epochs", "1", "--batch-size", "64").exit_code == 0
+    result = run(*args, "--epochs", "2", "--resume", "--microbatches", "40")
+    assert result.exit_code == 0, result.stderr
+    assert checkpoint.load(out).train_state["config"]["microbatches"] == 40
