@@ -258,7 +258,7 @@ def main() -> None:
     if not counts or min(counts) < 1:
         ap.error("--microbatches: give counts of 1 or more")
     recipes = {}
-    for m in counts:  # the recipe, and with train.microbatches = M for each other M
+    for m in {1, *counts}:  # the recipe (the floor's too), and with microbatches = M
         recipes[m] = work / (f"{opts.recipe}.toml" if m == 1 else f"{opts.recipe}-m{m}.toml")
         extra = f"[train]\nmicrobatches = {m}\n" if m != 1 else ""
         recipes[m].write_text(RECIPES[opts.recipe] + extra)
