@@ -346,6 +346,7 @@ def one(
     again = dense_epoch(after, work / f"{case.name}-again.pt") if after else None
     epoch_s = before if again is None else (before + again) / 2
     ds = _dataset(data)
+    test_x = ds.x_test.numpy()
     rows = []
     for m, variant, out, rep, shrink_s, peak in shrunk:
         params = rep["baseline"]["parameters"]
@@ -356,11 +357,11 @@ def one(
         total = timings.get("total", rep.get("seconds", float("nan")))
         onnx = rep.get("onnx", {})
         int8 = onnx.get("int8") or rep.get("int8_not_written") or {}
-        test_x = ds.x_test.numpy()
         has_fp32 = (out / "model.fp32.onnx").exists()
         diff, rel = fp32_parity(out, test_x) if has_fp32 else (None, None)
         row = {
             "name": variant,
+            "model": case.name,
             "microbatches": m,
             "parameters": params,
             "train_epoch_s": epoch_s,
@@ -513,16 +514,7 @@ def table(rows: list[dict]) -> None:
         )
     # Each micro-batched shrink against the same model's shrink with whole batches, side by side.
     for r in ok:
-        base = next(
-            (
-                b
-                for b in ok
-                if b is not r
-                and b.get("microbatches", 1) == 1
-                and r["name"].startswith(b["name"] + " ")
-            ),
-            None,
-        )
+        base = next((b for b in ok if b["name"] == r.get("model")), None)
         if r.get("microbatches", 1) == 1 or base is None:
             continue
         print(

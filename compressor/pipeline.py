@@ -379,12 +379,8 @@ def _check_microbatches(recipe: Recipe, data: Dataset | None, model: nn.Module |
     m = recipe.train.microbatches
     if m == 1:
         return
-    d = recipe.distill
-    if d.student and data is not None:
-        from compresskit.models import zoo
-
-        spec = zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, data.num_classes)
-        model = zoo.build(spec, seed=0)
+    if recipe.distill.student and data is not None:
+        model = _student(recipe, data)
     bn = batch_statistics(model) if model is not None else None
     if bn is not None:
         raise InputError(
@@ -396,15 +392,21 @@ def _check_microbatches(recipe: Recipe, data: Dataset | None, model: nn.Module |
 def _probe_opset(model: nn.Module, recipe: Recipe, data: Dataset) -> None:
     """An opset the exporter cannot write for this model is refused now, not after training.
     Opset 18 is the exporter's own: nothing to convert, nothing to probe."""
-    e, d = recipe.export, recipe.distill
+    e = recipe.export
     if e.opset == 18:
         return
-    if d.student:  # the model that will be exported is the student, not the teacher
-        from compresskit.models import zoo
-
-        spec = zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, data.num_classes)
-        model = zoo.build(spec, seed=0)
+    if recipe.distill.student:  # the model that will be exported is the student, not the teacher
+        model = _student(recipe, data)
     export.probe_opset(model, data.x_train[:2], export_config(e))
+
+
+def _student(recipe: Recipe, data: Dataset) -> nn.Module:
+    """The recipe's distillation student as built before training (for checks made up front)."""
+    from compresskit.models import zoo
+
+    d = recipe.distill
+    spec = zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, data.num_classes)
+    return zoo.build(spec, seed=0)
 
 
 def _thin(

@@ -619,10 +619,6 @@ def most_dividing(batch: int, cap: int) -> int:
     return max(d for d in range(1, max(1, min(cap, batch)) + 1) if batch % d == 0)
 
 
-def _has_batchnorm(model: nn.Module) -> bool:
-    return batch_statistics(model) is not None
-
-
 def auto_microbatches(model: nn.Module, batch: int, stages: int, schedule: str = "gpipe") -> int:
     """M when `--microbatches` is not given: the most micro-batches up to DEFAULT_MICROBATCHES
     that divide the batch, and, for a model with BatchNorm, keep BN_MIN_MICROBATCH samples in
@@ -632,7 +628,7 @@ def auto_microbatches(model: nn.Module, batch: int, stages: int, schedule: str =
     worth that. 1F1B needs M >= K, which overrides the BatchNorm rule: then the fewest
     micro-batches from K up that divide the batch (and the run warns about BatchNorm)."""
     cap = DEFAULT_MICROBATCHES
-    if _has_batchnorm(model):
+    if batch_statistics(model) is not None:
         cap = min(cap, batch // BN_MIN_MICROBATCH)
     m = most_dividing(batch, cap)
     if schedule == "1f1b" and m < stages:
@@ -654,7 +650,7 @@ def batchnorm_warnings(
     size = batch // max(microbatches, 1)
     if microbatches <= 1 or size >= BN_MIN_MICROBATCH:
         return []
-    if not _has_batchnorm(model):
+    if batch_statistics(model) is None:
         return []
     fewer = most_dividing(batch, batch // BN_MIN_MICROBATCH)  # each of 32 samples or more
     fix = f"--microbatches {fewer} (micro-batches of {batch // fewer}) or a larger --batch-size"

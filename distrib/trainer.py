@@ -72,10 +72,9 @@ class TrainConfig:
     # up to float rounding, for a loss that is a mean over samples and a forward without
     # randomness (with dropout, the masks are other draws: the same in expectation).
     # Activations held at once shrink by about the factor, at some speed on a CPU (ViT-tiny
-    # at batch 32 on 2 cores:
-    # 4 micro-batches cost 1.2x the step, 8 cost 1.45x; docs/benchmarks.md). Refused for a
-    # model with BatchNorm, whose statistics it would change. The pipeline strategy has its
-    # own micro-batches (PipelineConfig).
+    # at batch 32 on 2 cores: 4 micro-batches cost 1.2x the step, 8 cost 1.45x;
+    # docs/benchmarks.md). Refused for a model with BatchNorm, whose statistics it would
+    # change. The pipeline strategy has its own micro-batches (PipelineConfig).
     microbatches: int = 1
     # "every": the test pass after each epoch; "last": after the last epoch only (the other
     # epochs' records carry NaN), for callers that read only the final model's figures. The
@@ -507,17 +506,8 @@ def fit(
             lr = cfg.lr_at(epoch * steps_per_epoch + step, cfg.epochs * steps_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if cfg.microbatches == 1:
-                with _autocast(cfg.precision, device):
-                    loss, logits = loss_fn(model, xb, yb)
-                value = float(loss.detach())
-                check_finite(value, epoch, step)  # before the step: no NaN gradient reaches weights
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                right = int((logits.argmax(1) == yb).sum())
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                value, right = _accumulate(model, loss_fn, xb, yb, cfg, device, epoch, step)
+            optimizer.zero_grad(set_to_none=True)
+            value, right = _accumulate(model, loss_fn, xb, yb, cfg, device, epoch, step)
             if updater is None:
                 optimizer.step()
             else:
@@ -594,10 +584,11 @@ def _accumulate(
     epoch: int,
     step: int,
 ) -> tuple[float, int]:
-    """Forward and backward over `cfg.microbatches` consecutive slices of the batch, their
-    gradients summing in `.grad`: each slice's loss is weighted by its share of the batch, so
-    for a loss that is a mean over samples the sum is the whole batch's gradient. Returns the
-    batch's mean loss and its top-1 hits."""
+    """Forward and backward over `cfg.microbatches` consecutive slices of the batch (1: the
+    batch whole), their gradients summing in `.grad`: each slice's loss is weighted by its
+    share of the batch, so for a loss that is a mean over samples the sum is the whole batch's
+    gradient (a share of 1.0 leaves the one-slice gradient bit for bit). Returns the batch's
+    mean loss and its top-1 hits."""
     n = len(yb)
     # M slices whose sizes differ by at most one (fewer when the batch has fewer samples)
     m = min(cfg.microbatches, n)

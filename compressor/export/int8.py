@@ -1686,8 +1686,7 @@ def _fall_back(order: list[str], candidate, reference, cfg, before: float):
     `candidate(nodes, floor)` builds the file with `nodes` back in FP32 and returns (model,
     outputs on the check inputs or None once they cannot hold `floor`, bias-corrected)."""
     # The shortest prefix that held so far, and only it: every prefix that holds later is
-    # shorter, and each candidate is a whole model (EfficientNet-B0's bisection kept five,
-    # ~100 MB, alive together until the shrink ended).
+    # shorter, and each candidate is a whole model (all of them were kept alive before).
     held: tuple | None = None
     full_agreement: float | None = None  # all nodes back in FP32: the error message's figure
 
@@ -1727,7 +1726,6 @@ def _fall_back(order: list[str], candidate, reference, cfg, before: float):
         else:
             lo = mid
     m, out, nb = held
-    held = None
     back, found = _shrink_set(order[:hi], candidate, reference, cfg, _budget(len(order)))
     if found is not None:
         m, out, nb = found
