@@ -39,6 +39,7 @@ _SETTINGS = (
     "checkpoint_every",
     "grad_compression",
     "device",
+    "deterministic",
     "microbatches",
 )
 
@@ -239,6 +240,13 @@ Examples:
     metavar="SECONDS",
     help="Process-group timeout: a dead or stuck worker ends the job after at most this.",
 )
+@click.option(
+    "--deterministic",
+    is_flag=True,
+    help="Deterministic kernels only: the same seed gives the same bits on a GPU too, and a "
+    "resumed run ends where the uninterrupted one does (a CPU already does; a GPU runs slower). "
+    "An op with no such kernel stops the run, naming it.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No per-epoch lines on stderr.")
 @json_option
 @log_option
@@ -276,6 +284,7 @@ def train(
     straggler: str | None,
     grad_compression: str,
     timeout: float,
+    deterministic: bool,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -313,6 +322,7 @@ def train(
         checkpoint_every=checkpoint_every,
         grad_compression=grad_compression,
         device=device,
+        deterministic=deterministic,
         # the pipeline's micro-batches are its own (PipelineConfig); elsewhere they accumulate
         microbatches=microbatches if pipe is None and microbatches is not None else 1,
     )

@@ -41,6 +41,7 @@ _RESUME_MAY_CHANGE = {
     "eval_batch_size",
     "evaluate",
     "device",
+    "deterministic",  # which kernels, not which update
     "checkpoint_every",
     "grad_compression",
 }

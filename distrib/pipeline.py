@@ -387,6 +387,34 @@ def fit(
     `cfg` is the `TrainConfig` (its batch size is the pipeline's whole batch); `split` the cut
     points (`plan`'s, made once before the processes start; None: planned here); `resume` a
     checkpoint's train_state, its weights already in `model`."""
+    from compresskit.distrib.trainer import deterministic
+
+    with deterministic(cfg.deterministic):
+        return _fit(
+            model,
+            data,
+            cfg,
+            pcfg,
+            checkpointer=checkpointer,
+            resume=resume,
+            events=events,
+            split=split,
+            label=label,
+        )
+
+
+def _fit(
+    model: nn.Module,
+    data: Dataset,
+    cfg,
+    pcfg: PipelineConfig,
+    *,
+    checkpointer,
+    resume: dict[str, Any] | None,
+    events,
+    split: Sequence[str] | None,
+    label: str,
+) -> Any:
     import torch.distributed as dist
 
     from compresskit.distrib.trainer import (

@@ -1,5 +1,6 @@
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -366,3 +367,101 @@ def test_a_resumed_run_takes_microbatches_up_to_the_checkpoints_batch(run, tmp_p
     result = run(*args, "--epochs", "2", "--resume", "--microbatches", "40")
     assert result.exit_code == 0, result.stderr
     assert checkpoint.load(out).train_state["config"]["microbatches"] == 40
+
+
+class _NeedsADeterministicKernel(torch.nn.Module):
+    """Raises what torch raises for an op without a deterministic kernel (on a GPU, e.g.
+    AdaptiveAvgPool2d's backward), but only while deterministic algorithms are on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        if torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError(
+                "adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation, "
+                "but you set 'torch.use_deterministic_algorithms(True)'. You can turn off ..."
+            )
+        return self.fc(x.flatten(1))
+
+
+def test_deterministic_training_is_on_for_the_run_only(digits, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 10)
+
+        def forward(self, x):
+            seen.append(
+                (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+            )
+            return self.fc(x.flatten(1))
+
+    torch.backends.cudnn.benchmark = True  # a caller's own setting: restored after the run
+    try:
+        assert not torch.are_deterministic_algorithms_enabled()
+        fit(Spy(), digits, TrainConfig(epochs=1, deterministic=True))
+        assert seen and set(seen) == {(True, False)}
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.benchmark is True
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        seen.clear()
+        fit(Spy(), digits, TrainConfig(epochs=1))
+        assert set(seen) == {(False, True)}
+    finally:
+        torch.backends.cudnn.benchmark = False
+
+
+def test_deterministic_keeps_a_users_cublas_workspace(digits, monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    _, model = _model(digits)
+    fit(model, digits, TrainConfig(epochs=1, deterministic=True))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_an_op_without_a_deterministic_kernel_is_named_in_one_line(digits):
+    with pytest.raises(InputError) as e:
+        fit(_NeedsADeterministicKernel(), digits, TrainConfig(epochs=1, deterministic=True))
+    assert str(e.value) == (
+        "--deterministic: adaptive_avg_pool2d_backward_cuda has no deterministic kernel on this "
+        "device; drop --deterministic (or change the layer that uses it)"
+    )
+    assert not torch.are_deterministic_algorithms_enabled()
+    # Without the flag the same model trains.
+    assert fit(_NeedsADeterministicKernel(), digits, TrainConfig(epochs=1)).steps > 0
+
+
+def test_compress_train_deterministic_gives_the_cpus_bits_and_is_kept_on_resume(run, tmp_path):
+    # On a CPU torch's kernels are deterministic already: the flag changes no bit.
+    args = ["train", "--model", "mlp", "--epochs", "1", "--json", "-q"]
+    plain, det = tmp_path / "p.pt", tmp_path / "d.pt"
+    assert run(*args, "--out", plain).exit_code == 0
+    result = run(*args, "--out", det, "--deterministic")
+    assert result.exit_code == 0, result.stderr
+    a, b = checkpoint.load(plain), checkpoint.load(det)
+    assert all(torch.equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+    assert b.train_state["config"]["deterministic"] is True
+    assert a.train_state["config"]["deterministic"] is False
+    # A resume may turn it on (it picks kernels, not the update); a deterministic run resumed
+    # without the flag stays deterministic.
+    on = run(
+        "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--out",
+        plain,
+        "-q",
+        "--resume",
+        "--deterministic",
+    )
+    assert on.exit_code == 0, on.stderr
+    assert checkpoint.load(plain).train_state["config"]["deterministic"] is True
+    kept = run("train", "--model", "mlp", "--epochs", "2", "--out", det, "-q", "--resume")
+    assert kept.exit_code == 0, kept.stderr
+    assert checkpoint.load(det).train_state["config"]["deterministic"] is True
