@@ -22,6 +22,9 @@ configuration runs `--repeats` times, interleaved, and the table shows medians. 
    one of them f times slower, synchronous training runs at the straggler's pace and
    asynchronous at everyone's, ((N-1)*f + 1)/N times faster (1.5x at N = 2, f = 2; target
    >= 0.93 of it);
+4b. ps-sync's transport alone: 2 workers and 1 server step with no compute between
+   steps, M each way, against the same bound; what part 4's training figure spends beyond it
+   is not the wire: waiting for the other worker's compute, and gathering the model's tensors;
 5. the transport alone: one worker and one server (`PSWorker.step` against `serve`, 200 kB
    each way, lr 0), the round trip against the bytes' time, 2 x a one-way plain gloo
    send/recv of the same size measured in the same run (target <= 1.5x).
@@ -179,6 +182,72 @@ def _roundtrip(path: str | None, nbytes: int, repeats: int, rank: int, world: in
     return {"one_way": one_way, "roundtrip": statistics.median(trips), "nbytes": nbytes}
 
 
+def _sync_trips(nbytes: int, repeats: int, rank: int, world: int) -> dict:
+    """ps-sync's transport with nothing else: ranks 0 and 1 are workers that push `nbytes` of
+    gradient and pull as many bytes of weights each step with no compute between steps, rank 2
+    the one server (SGD at lr 0). Each worker's median step() time; rank 0 returns both."""
+    import torch.distributed as dist
+
+    from compresskit.distrib import paramserver as psm
+
+    torch.manual_seed(0)
+    model = nn.Linear(nbytes // 4 // 100, 100, bias=False)
+    model.weight.grad = torch.zeros_like(model.weight)
+    ps = psm.PSConfig("sync", 2, 1)
+    if rank == 2:
+
+        def sgd(params):
+            return torch.optim.SGD(params, lr=0.0)
+
+        psm.serve(ps, 2, model, sgd, "none", psm.Deal.plan(ps, 10**6, 32, 1, (0, 0)))
+        return {}
+    worker = psm.PSWorker(ps, rank, model, 10**6, 32, 1, "sgd", "none")
+    trips = []
+    for i in range(repeats + 3):
+        worker._start_batch()
+        t0 = time.perf_counter()
+        worker.step(model, 0.0, 0, i, 32)
+        if i >= 3:
+            trips.append(time.perf_counter() - t0)
+    mine = torch.tensor([statistics.median(trips)], dtype=torch.float64)
+    both = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+    group = dist.new_group([0, 1])
+    dist.all_gather(both, mine, group=group)
+    worker.finish()
+    worker.close()
+    return {"trips": [float(t) for t in both]} if rank == 0 else {}
+
+
+def sync_transport(nbytes: int, one_way: float, training_s: float | None, runs: int) -> None:
+    """Part 4b: ps-sync's push and pull with no compute (2 workers, 1 server), against the bound
+    and against the training runs' figure: what is left is waiting for the other worker."""
+    from compresskit.distrib import launch
+
+    section(
+        f"4b. ps-sync transport alone: {WORKERS} workers, {SERVERS} server, "
+        f"{nbytes / 1e3:.0f} kB each way, no compute (medians of 200 steps per run, {runs} runs)"
+    )
+    got = [
+        launch.run(functools.partial(_sync_trips, nbytes, 200), WORKERS + SERVERS, timeout_s=120)
+        for _ in range(runs)
+    ]
+    step = statistics.median(statistics.mean(r["trips"]) for r in got)
+    bound = max(nbytes / (nbytes / one_way), WORKERS * one_way / SERVERS)
+    print(
+        f"push and pull per step, mean of the 2 workers: {1e3 * step:.3f} ms = "
+        f"{step / bound:.1f}x the bound {1e3 * bound:.3f} ms (one-way {1e3 * one_way:.3f} ms "
+        f"at this size; target <= 3x)"
+    )
+    if training_s is not None:
+        print(
+            f"in training (part 4): {1e3 * training_s:.3f} ms per step, of which "
+            f"{1e3 * max(training_s - step, 0.0):.3f} ms ({max(training_s - step, 0.0) / training_s:.0%}) "
+            "is beyond the transport alone (same bytes, messages and server; what the harness "
+            "lacks is compute: the other worker's, which a synchronous step waits for, and the "
+            "model's many tensors gathered into the push)"
+        )
+
+
 def transport(baseline: str | None, runs: int, repeats: int = 200, nbytes: int = 200_000) -> None:
     from compresskit.distrib import launch
 
@@ -331,6 +400,8 @@ def report(table: dict, args, version: str) -> None:
             f"{1e3 * sync['idle_per_step_s']:.3f} ms "
             f"({sync['idle_per_step_s'] / bound:.1f}x the bound; target <= 3x)"
         )
+        if version == "after":
+            sync_transport(shard, one_way, sync["idle_per_step_s"], runs=3)
 
 
 def main() -> None:

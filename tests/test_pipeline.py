@@ -308,3 +308,32 @@ def test_a_resumed_pipeline_checks_microbatches_against_the_checkpoints_batch(ru
     second = run(*base, "--epochs", "2", "--resume")
     assert second.exit_code == 0, second.stderr
     assert second.json()["microbatches"] == 3 and second.json()["epochs"] == 2
+
+
+def _deterministic_stage(make, pcfg, rank, world):
+    model = make()
+    inner, during = pipeline._fit, []
+
+    def spy(*args, **kwargs):  # the loop itself, as the wrapper calls it
+        during.append(torch.are_deterministic_algorithms_enabled())
+        return inner(*args, **kwargs)
+
+    pipeline._fit = spy
+    try:
+        pipeline.fit(model, _data(), dataclasses.replace(CFG, deterministic=True), pcfg)
+    finally:
+        pipeline._fit = inner
+    after = torch.are_deterministic_algorithms_enabled()
+    return {k: v.clone() for k, v in model.state_dict().items()}, (during, after)
+
+
+@pytest.mark.distributed
+def test_a_deterministic_pipeline_trains_the_same_bits_and_restores_torchs_setting():
+    # On a CPU the kernels are deterministic already: --deterministic changes no bit; each
+    # stage runs its loop with deterministic algorithms on and has torch's setting back after.
+    pcfg = PipelineConfig(stages=2, microbatches=4, schedule="gpipe")
+    plain, _ = _pipelined(_sequential, pcfg)
+    fn = functools.partial(_deterministic_stage, _sequential, pcfg)
+    det, (during, after) = launch.run(fn, pcfg.stages, timeout_s=60, name=pipeline.stage_name)
+    assert all(torch.equal(plain[k], det[k]) for k in plain)
+    assert during == [True] and after is False
