@@ -389,7 +389,7 @@ def fit(
     checkpoint's train_state, its weights already in `model`."""
     from compresskit.distrib.trainer import deterministic
 
-    with deterministic(cfg.deterministic):
+    with deterministic(cfg.deterministic, cfg.device):
         return _fit(
             model,
             data,

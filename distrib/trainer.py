@@ -434,7 +434,7 @@ def _autocast(precision: str, device: str):
 
 
 @contextmanager
-def deterministic(on: bool) -> Iterator[None]:
+def deterministic(on: bool, device: str | torch.device = "cpu") -> Iterator[None]:
     """Within the block, torch uses deterministic kernels only (`TrainConfig.deterministic`);
     the process's own settings come back after it. An op with no deterministic kernel on this
     device raises InputError naming it (exit 2), not torch's paragraph."""
@@ -446,8 +446,9 @@ def deterministic(on: bool) -> Iterator[None]:
     benchmark = torch.backends.cudnn.benchmark
     # cuBLAS sums in a fixed order only with a fixed workspace; torch reads the variable when it
     # first makes cuBLAS's workspace, so it must be set before this process's first GPU matmul
-    # (a user's own value is kept).
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # (a user's own value is kept). A CPU run uses no cuBLAS: its environment is left alone.
+    if torch.device(device).type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     try:
@@ -487,7 +488,7 @@ def fit(
     the local optimizer step (it pushes the gradient and pulls the new weights) and says which
     batches this rank trains (the `Batches` interface).
     """
-    with deterministic(cfg.deterministic):
+    with deterministic(cfg.deterministic, cfg.device):
         return _fit(
             model,
             data,

@@ -408,7 +408,7 @@ def test_deterministic_training_is_on_for_the_run_only(digits, monkeypatch):
         assert seen and set(seen) == {(True, False)}
         assert not torch.are_deterministic_algorithms_enabled()
         assert torch.backends.cudnn.benchmark is True
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # a CPU run uses no cuBLAS
         seen.clear()
         fit(Spy(), digits, TrainConfig(epochs=1))
         assert set(seen) == {(False, True)}
@@ -416,11 +416,18 @@ def test_deterministic_training_is_on_for_the_run_only(digits, monkeypatch):
         torch.backends.cudnn.benchmark = False
 
 
-def test_deterministic_keeps_a_users_cublas_workspace(digits, monkeypatch):
+def test_deterministic_sets_cublas_workspace_for_a_gpu_and_keeps_a_users(monkeypatch):
+    from compresskit.distrib.trainer import deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with deterministic(True, "cuda"):  # sets the variable only: no GPU is touched here
+        assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
-    _, model = _model(digits)
-    fit(model, digits, TrainConfig(epochs=1, deterministic=True))
+    with deterministic(True, "cuda:0"):
+        pass
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_an_op_without_a_deterministic_kernel_is_named_in_one_line(digits):
