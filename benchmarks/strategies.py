@@ -141,6 +141,27 @@ def _ps_module(path: str | None):
     return module
 
 
+def _serve_at_lr0(psm, ps, rank: int, model: nn.Module) -> None:
+    """Serve `model` as server `rank` with SGD at lr 0 (the weights never change) until bye."""
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.0)
+
+    psm.serve(ps, rank, model, sgd, "none", psm.Deal.plan(ps, 10**6, 32, 1, (0, 0)))
+
+
+def _timed_steps(worker, model: nn.Module, count: int, warmup: int = 3) -> list[float]:
+    """Seconds of each `worker.step` (push and pull) after `warmup` untimed ones."""
+    trips = []
+    for i in range(count + warmup):
+        worker._start_batch()
+        t0 = time.perf_counter()
+        worker.step(model, 0.0, 0, i, 32)
+        if i >= warmup:
+            trips.append(time.perf_counter() - t0)
+    return trips
+
+
 def _roundtrip(path: str | None, nbytes: int, repeats: int, rank: int, world: int) -> dict:
     """Rank 0, in 5 alternating blocks: a plain gloo ping-pong of `nbytes`, then `PSWorker.step`
     round trips against rank 1's `serve` (ps-sync, N = S = 1, SGD at lr 0), `nbytes` each way;
@@ -161,19 +182,10 @@ def _roundtrip(path: str | None, nbytes: int, repeats: int, rank: int, world: in
             if i >= 3:
                 pings.append(time.perf_counter() - t0)
         if rank == 1:
-
-            def sgd(params):
-                return torch.optim.SGD(params, lr=0.0)
-
-            psm.serve(ps, 1, model, sgd, "none", psm.Deal.plan(ps, 10**6, 32, 1, (0, 0)))
+            _serve_at_lr0(psm, ps, rank, model)
             continue
         worker = psm.PSWorker(ps, 0, model, 10**6, 32, 1, "sgd", "none")
-        for i in range(per_block + 3):
-            worker._start_batch()
-            t0 = time.perf_counter()
-            worker.step(model, 0.0, 0, i, 32)
-            if i >= 3:
-                trips.append(time.perf_counter() - t0)
+        trips += _timed_steps(worker, model, per_block)
         worker.finish()
         worker.close()
     if rank == 1:
@@ -195,20 +207,10 @@ def _sync_trips(nbytes: int, repeats: int, rank: int, world: int) -> dict:
     model.weight.grad = torch.zeros_like(model.weight)
     ps = psm.PSConfig("sync", 2, 1)
     if rank == 2:
-
-        def sgd(params):
-            return torch.optim.SGD(params, lr=0.0)
-
-        psm.serve(ps, 2, model, sgd, "none", psm.Deal.plan(ps, 10**6, 32, 1, (0, 0)))
+        _serve_at_lr0(psm, ps, rank, model)
         return {}
     worker = psm.PSWorker(ps, rank, model, 10**6, 32, 1, "sgd", "none")
-    trips = []
-    for i in range(repeats + 3):
-        worker._start_batch()
-        t0 = time.perf_counter()
-        worker.step(model, 0.0, 0, i, 32)
-        if i >= 3:
-            trips.append(time.perf_counter() - t0)
+    trips = _timed_steps(worker, model, repeats)
     mine = torch.tensor([statistics.median(trips)], dtype=torch.float64)
     both = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
     group = dist.new_group([0, 1])
