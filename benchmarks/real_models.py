@@ -228,7 +228,8 @@ def main() -> None:
         metavar="M[,M...]",
         help="shrink each model once per count, from the same dense checkpoint, with the "
         "recipe's train.microbatches = M (gradient accumulation: retraining's activations "
-        "over M); rows 'NAME M=4'. Models with BatchNorm refuse M > 1",
+        "over M, or auto: as many as fit 4x the model's bytes); rows 'NAME M=4'. Models with "
+        "BatchNorm refuse M > 1",
     )
     opts = ap.parse_args()
     if opts.after in (1, 2) or opts.after < 0:
@@ -252,15 +253,17 @@ def main() -> None:
     if not images.exists():
         images_npz(images, opts.samples)
     try:
-        counts = tuple(dict.fromkeys(int(m) for m in opts.microbatches.split(",")))
+        counts = tuple(
+            dict.fromkeys(m if m == "auto" else int(m) for m in opts.microbatches.split(","))
+        )
     except ValueError:
-        ap.error(f"--microbatches {opts.microbatches!r}: give counts like 1,4")
-    if not counts or min(counts) < 1:
-        ap.error("--microbatches: give counts of 1 or more")
+        ap.error(f"--microbatches {opts.microbatches!r}: give counts like 1,4 (or auto)")
+    if not counts or any(m != "auto" and m < 1 for m in counts):
+        ap.error("--microbatches: give counts of 1 or more, or auto")
     recipes = {}
     for m in {1, *counts}:  # the recipe (the floor's too), and with microbatches = M
         recipes[m] = work / (f"{opts.recipe}.toml" if m == 1 else f"{opts.recipe}-m{m}.toml")
-        extra = f"[train]\nmicrobatches = {m}\n" if m != 1 else ""
+        extra = f"[train]\nmicrobatches = {json.dumps(m)}\n" if m != 1 else ""
         recipes[m].write_text(RECIPES[opts.recipe] + extra)
     flags = _cpu_flags()
     print(

@@ -18,6 +18,23 @@ from compresskit.models import checkpoint, zoo
 from compresskit.models import data as data_mod
 
 
+class _IntOrAuto(click.ParamType):
+    """A whole number, or the word auto (the recipe checks the bounds)."""
+
+    name = "M|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a whole number or auto", param, ctx)
+
+
+_MICROBATCHES = _IntOrAuto()
+
+
 @click.command(
     epilog="""\b
 Examples:
@@ -145,11 +162,12 @@ Examples:
 )
 @click.option(
     "--microbatches",
-    type=int,
+    type=_MICROBATCHES,
     default=None,
-    metavar="M",
+    metavar="M|auto",
     help="Retrain every batch as M slices, accumulating their gradients: the same updates "
-    "(dropout aside) in about 1/M of the activation memory (not for models with BatchNorm) "
+    "(dropout aside) in about 1/M of the activation memory (not for models with BatchNorm); "
+    "auto: as many as keep one slice's activations within 4x the model's bytes "
     "[recipe train.microbatches].",
 )
 @click.option(
@@ -183,7 +201,7 @@ def shrink(
     sparsity: str | None,
     bits: str | None,
     epochs: int | None,
-    microbatches: int | None,
+    microbatches: int | str | None,
     strict: bool | None,
     force: bool,
     quiet: bool,

@@ -377,7 +377,7 @@ def _check_microbatches(recipe: Recipe, data: Dataset | None, model: nn.Module |
     """train.microbatches > 1 splits every retraining batch: refused now, not after the
     baseline, for the model that retrains (the student when distilling) if it has BatchNorm."""
     m = recipe.train.microbatches
-    if m == 1:
+    if m in (1, "auto"):  # auto keeps a BatchNorm model's batch whole
         return
     if recipe.distill.student and data is not None:
         model = _student(recipe, data)

@@ -69,8 +69,9 @@ class TrainSection:
     batch_size: int = 32
     # Gradient accumulation: each batch as this many micro-batches, one after another (the
     # same update, dropout's draws aside, in about 1/M of the activation memory; refused for
-    # BatchNorm models).
-    microbatches: int = 1
+    # BatchNorm models). "auto": as many as keep one slice's activations within 4x the model's
+    # bytes, measured on the model that retrains (1 with BatchNorm, or when they fit already).
+    microbatches: int | str = 1
     optimizer: str = "adam"  # "adam" | "sgd"
     seed: int = 0
     # alpha of the soft-target loss against the dense model while retraining and fine-tuning
@@ -585,7 +586,8 @@ def _validate(r: dict[str, Any], source: str) -> None:
     if not (isinstance(c["ignore"], list) and all(isinstance(n, str) for n in c["ignore"])):
         raise _bad(source, "channels.ignore", c["ignore"], "a list of layer names")
     _int(r, source, "train", "batch_size", 1)
-    _int(r, source, "train", "microbatches", 1, r["train"]["batch_size"])
+    if r["train"]["microbatches"] != "auto":
+        _int(r, source, "train", "microbatches", 1, r["train"]["batch_size"])
     _int(r, source, "train", "seed", 0, 2**32 - 1)
     if not (_number(r["train"]["distill"]) and 0 <= r["train"]["distill"] <= 1):
         raise _bad(source, "train.distill", r["train"]["distill"], "an alpha in [0, 1]")

@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,10 @@ class TrainConfig:
     # at batch 32 on 2 cores: 4 micro-batches cost 1.2x the step, 8 cost 1.45x;
     # docs/benchmarks.md). Refused for a model with BatchNorm, whose statistics it would
     # change. The pipeline strategy has its own micro-batches (PipelineConfig).
-    microbatches: int = 1
+    # "auto": as many as keep the activations of one slice (what autograd saves for the
+    # backward pass, measured on a few samples) within AUTO_ACTIVATIONS times the model's
+    # parameter bytes (at least AUTO_FLOOR); 1 for a model with BatchNorm (`auto_microbatches`).
+    microbatches: int | str = 1
     # "every": the test pass after each epoch; "last": after the last epoch only (the other
     # epochs' records carry NaN), for callers that read only the final model's figures. The
     # pipeline strategy (distrib/pipeline.py) has its own loop and tests every epoch.
@@ -96,10 +99,15 @@ class TrainConfig:
         # (at most the batch size: checked by `fit`, which a resumed run reaches with the
         # checkpoint's batch size, not the flag's default)
         _check(
-            isinstance(self.microbatches, int) and self.microbatches >= 1,
+            self.microbatches == "auto"
+            or (
+                isinstance(self.microbatches, int)
+                and not isinstance(self.microbatches, bool)
+                and self.microbatches >= 1
+            ),
             "--microbatches",
             self.microbatches,
-            "give 1 or more",
+            "give 1 or more, or auto",
         )
         _check(
             self.lr is None or (self.lr > 0 and math.isfinite(self.lr)),
@@ -512,13 +520,14 @@ def _fit(
     events: Events | None,
     updater: Any,
 ) -> TrainResult:
+    auto = cfg.microbatches == "auto"
     _check(
-        cfg.microbatches <= cfg.batch_size,
+        auto or cfg.microbatches <= cfg.batch_size,
         "--microbatches",
         cfg.microbatches,
         f"give 1 to the batch size ({cfg.batch_size})",
     )
-    if cfg.microbatches > 1 and (bn := batch_statistics(model)) is not None:
+    if not auto and cfg.microbatches > 1 and (bn := batch_statistics(model)) is not None:
         raise InputError(
             f"--microbatches {cfg.microbatches}: layer {bn!r} normalises over the batch "
             f"(BatchNorm), so micro-batches would train another model than batches of "
@@ -534,6 +543,14 @@ def _fit(
         device = f"cuda:{local % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
     model.to(device)
+    if auto:  # before DDP wraps it: every rank measures the same model, so picks the same M
+        m, per_sample, budget = auto_microbatches(model, loss_fn, data, cfg, device)
+        cfg = replace(cfg, microbatches=m)
+        if m > 1:
+            events.info(
+                f"micro-batches: {m} (auto: {per_sample * cfg.batch_size / 2**20:.0f} MiB of "
+                f"activations per batch of {cfg.batch_size}, {budget / 2**20:.0f} MiB allowed)"
+            )
     comm = None
     if world > 1 and updater is None:
         from compresskit.distrib import allreduce
@@ -638,6 +655,68 @@ def _fit(
         strategy=updater.report() if updater is not None else {},
         test_correct=test_correct,
     )
+
+
+# `microbatches="auto"`: one slice's activations within this many times the model's parameter
+# bytes, and never sliced below this many bytes (small models keep their whole batch). ViT-tiny
+# (5.4M parameters, 22 MiB) saves about 12 MiB per 3x32x32 sample, 390 MiB per batch of 32:
+# auto takes 5 slices of 78 MiB or less.
+AUTO_ACTIVATIONS = 4
+AUTO_FLOOR = 16 << 20
+AUTO_PROBE = 4  # samples of the measuring forward pass
+
+
+def saved_bytes_per_sample(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor
+) -> float:
+    """Bytes that autograd keeps for the backward pass per sample of `x`: one forward (no
+    backward) under `saved_tensors_hooks`, each storage counted once, the parameters (which do
+    not grow with the batch) left out. The caller's random generators are left as they were, so
+    dropout's masks in training are the same as without the measurement."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # Per storage, the distinct views saved (offset, elements, element size): one tensor saved
+    # by two ops counts once, and a slice counts its own bytes, not its whole storage's (the
+    # probe's batch is a slice of the data set).
+    views: dict[int, set[tuple[int, int, int]]] = {}
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params:
+            views.setdefault(ptr, set()).add((t.storage_offset(), t.numel(), t.element_size()))
+            sizes[ptr] = storage.nbytes()
+        return t
+
+    devices = [x.device] if x.device.type == "cuda" else []
+    with (
+        torch.random.fork_rng(devices=devices),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
+        loss, _ = loss_fn(model, x, y)
+    del loss  # the graph, and with it every saved tensor
+    held = sum(min(sizes[p], sum(n * size for _, n, size in v)) for p, v in views.items())
+    return held / len(y)
+
+
+def auto_microbatches(
+    model: nn.Module, loss_fn: LossFn, data: Dataset, cfg: TrainConfig, device: str
+) -> tuple[int, float, int]:
+    """`microbatches="auto"`: the fewest slices of `cfg.batch_size` whose activations each fit
+    max(AUTO_FLOOR, AUTO_ACTIVATIONS x the parameter bytes). Returns (M, activation bytes per
+    sample, the budget). A model with BatchNorm keeps its batch whole (M = 1, not measured: the
+    measuring forward would move its running statistics)."""
+    budget = max(
+        AUTO_FLOOR, AUTO_ACTIVATIONS * sum(p.numel() * p.element_size() for p in model.parameters())
+    )
+    if batch_statistics(model) is not None:
+        return 1, 0.0, budget
+    k = min(AUTO_PROBE, len(data.y_train))
+    x, y = data.x_train[:k].to(device), data.y_train[:k].to(device)
+    with _autocast(cfg.precision, device):
+        per_sample = saved_bytes_per_sample(model, loss_fn, x, y)
+    m = max(1, min(cfg.batch_size, math.ceil(cfg.batch_size * per_sample / budget)))
+    return m, per_sample, budget
 
 
 def _accumulate(

@@ -233,3 +233,26 @@ def test_the_recipes_microbatches_reach_every_retraining_run():
     )
     api._hooks(ds, recipe, None).retrain(model, 1, 1e-3)
     assert sizes[:4] == [8, 8, 8, 8] and max(sizes) == 8
+
+
+def test_auto_microbatches_in_the_recipe_slice_a_model_over_its_budget(monkeypatch):
+    from compresskit import api
+    from compresskit.compressor.recipe import TrainSection
+    from compresskit.distrib import trainer
+    from compresskit.models import tiny
+
+    ds = ck.load_data("digits")
+    recipe = ck.Recipe(train=TrainSection(microbatches="auto"))
+    model = tiny("mlp", seed=0)
+    per = trainer.saved_bytes_per_sample(
+        model, trainer.cross_entropy_loss, ds.x_train[:4], ds.y_train[:4]
+    )
+    monkeypatch.setattr(trainer, "AUTO_FLOOR", int(8 * per))  # 8 samples' activations
+    monkeypatch.setattr(trainer, "AUTO_ACTIVATIONS", 0)
+    sizes = []
+    model.register_forward_pre_hook(
+        lambda mod, args: sizes.append(len(args[0])) if mod.training else None
+    )
+    api._hooks(ds, recipe, None).retrain(model, 1, 1e-3)
+    # the measuring forward (4 samples), then batches of 32 in 4 slices of 8
+    assert sizes[:5] == [4, 8, 8, 8, 8] and max(sizes) == 8

@@ -325,6 +325,8 @@ def _write_recipe(tmp_path, text):
         ("microbatches over the batch", "train.microbatches = 64 is impossible"),
         ("microbatches flag zero", "with --microbatches: train.microbatches = 0 is impossible"),
         ("microbatches on a BatchNorm student", "layer 'features.1' normalises over the batch"),
+        ("microbatches a word", "train.microbatches = 'most' is impossible"),
+        ("microbatches flag a word", "'some' is not a whole number or auto"),
     ],
 )
 def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
@@ -369,6 +371,10 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
         args += ["--microbatches", "0"]
     elif case == "microbatches on a BatchNorm student":
         args += _write_recipe(tmp_path, '[train]\nmicrobatches = 2\n[distill]\nstudent = "vgg"\n')
+    elif case == "microbatches a word":
+        args += _write_recipe(tmp_path, '[train]\nmicrobatches = "most"\n')
+    elif case == "microbatches flag a word":
+        args += ["--microbatches", "some"]
     elif case == "seed out of range":
         args += _write_recipe(tmp_path, "[train]\nseed = -1\n")
     elif case == "include_bias not bool":

@@ -472,3 +472,83 @@ def test_compress_train_deterministic_gives_the_cpus_bits_and_is_kept_on_resume(
     kept = run("train", "--model", "mlp", "--epochs", "2", "--out", det, "-q", "--resume")
     assert kept.exit_code == 0, kept.stderr
     assert checkpoint.load(det).train_state["config"]["deterministic"] is True
+
+
+def test_saved_bytes_per_sample_grow_with_the_activations_not_the_weights(digits):
+    from compresskit.distrib.trainer import cross_entropy_loss, saved_bytes_per_sample
+
+    x, y = digits.x_train[:8], digits.y_train[:8]
+
+    def net(width):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(64, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 10),
+        )
+
+    narrow, wide = net(32), net(512)
+    state = torch.get_rng_state()
+    a = saved_bytes_per_sample(narrow, cross_entropy_loss, x, y)
+    b = saved_bytes_per_sample(wide, cross_entropy_loss, x, y)
+    assert torch.equal(torch.get_rng_state(), state)  # dropout's later draws are unchanged
+    # Per sample: the input (64 floats) and the hidden activations (ReLU's output, which the
+    # second Linear saves too: one storage) and the logits' softmax; never the weights (64 x 512
+    # floats = 128 KiB, far above any of these).
+    assert 4 * (64 + 32) <= a < 4 * (64 + 32 + 3 * 10) + 64
+    assert 4 * (64 + 512) <= b < 4 * (64 + 512 + 3 * 10) + 64
+    # the same per sample from 4 samples as from 8 (to a few bytes the batch does not scale)
+    assert saved_bytes_per_sample(wide, cross_entropy_loss, x[:4], y[:4]) == pytest.approx(
+        b, rel=0.01
+    )
+    assert not any(p.grad is not None for p in wide.parameters())
+
+
+def test_auto_microbatches_slice_to_the_budget_and_train_as_that_many(digits, monkeypatch):
+    from compresskit.distrib import trainer
+
+    _, model = _model(digits)
+    per = trainer.saved_bytes_per_sample(
+        model, trainer.cross_entropy_loss, digits.x_train[:4], digits.y_train[:4]
+    )
+    # A budget of 5 samples' activations: a batch of 32 in ceil(32 / 5) = 7 slices.
+    monkeypatch.setattr(trainer, "AUTO_FLOOR", int(5 * per))
+    monkeypatch.setattr(trainer, "AUTO_ACTIVATIONS", 0)
+    m, measured, budget = trainer.auto_microbatches(
+        model, trainer.cross_entropy_loss, digits, TrainConfig(microbatches="auto"), "cpu"
+    )
+    assert (m, budget) == (7, int(5 * per)) and measured == pytest.approx(per)
+    said = []
+
+    class Listen(trainer.Events):
+        def info(self, message):
+            said.append(message)
+
+    auto = fit(model, digits, TrainConfig(epochs=1, microbatches="auto"), events=Listen())
+    _, same = _model(digits)
+    fixed = fit(same, digits, TrainConfig(epochs=1, microbatches=7))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), same.state_dict().values(), strict=True)
+    )
+    assert auto.steps == fixed.steps
+    assert len(said) == 1 and said[0].startswith("micro-batches: 7 (auto: ")
+
+
+def test_auto_microbatches_keep_small_and_batchnorm_models_whole(digits):
+    from compresskit.distrib import trainer
+
+    cfg = TrainConfig(microbatches="auto")
+    _, mlp = _model(digits)
+    assert trainer.auto_microbatches(mlp, trainer.cross_entropy_loss, digits, cfg, "cpu")[0] == 1
+    _, vgg = _model(digits, name="vgg")
+    stats = {k: v.clone() for k, v in vgg.state_dict().items() if "running" in k}
+    m, per, _ = trainer.auto_microbatches(vgg, trainer.cross_entropy_loss, digits, cfg, "cpu")
+    assert (m, per) == (1, 0.0)  # not even measured: a forward would move the statistics
+    assert all(torch.equal(vgg.state_dict()[k], v) for k, v in stats.items())
+    fit(vgg, digits, TrainConfig(epochs=1, microbatches="auto"))  # trains, no refusal
+    with pytest.raises(
+        InputError, match=r"--microbatches 'some' is invalid; give 1 or more, or auto"
+    ):
+        TrainConfig(microbatches="some")
