@@ -227,6 +227,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
     """The pipeline's hooks: `distrib`'s training loop and evaluation on `ds`."""
     train = recipe.train
     x_val, y_val = ds.decision_split()  # held out of training: what stages decide on
+    slices: list[int] = []  # micro-batches per batch of each retraining run, for the report
 
     def retrain(m: nn.Module, epochs: int, lr: float, loss_fn=None, data=None):
         cfg = TrainConfig(
@@ -244,6 +245,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
         # inside the block and keep zero weights at zero (pruned layers at dense speed).
         with prune.zeroed_training(m):
             result = fit(m, data or ds, cfg, events=events, loss_fn=loss_fn or cross_entropy_loss)
+        slices.append(result.microbatches)
         # The loop's last evaluation is the test set's when it trained on `ds`: the pipeline
         # reuses its per-sample hits instead of a second pass (`Hooks.retrain`).
         return result.test_correct if data is None else None
@@ -257,6 +259,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
         test_correct=lambda m: correct(m, ds.x_test, ds.y_test),
         info=info,
         train_samples=len(ds.y_train),
+        trained=lambda: {"microbatches": sorted(set(slices))} if slices else {},
     )
 
 

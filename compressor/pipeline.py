@@ -297,6 +297,8 @@ def shrink_to_folder(
         if "archive" in report:
             report["archive"]["path"] = str(out / f"{name}.dcz")
         report["name"] = name
+        if hooks.trained is not None and (trained := hooks.trained()):
+            report["training"] = trained
         report["deliverables"] = deliverables(report)
         cfg = guard.GuardConfig.from_recipe(recipe.guard)
         report["guard"] = {"max_stage_drop": cfg.max_stage_drop, "strict": cfg.strict}

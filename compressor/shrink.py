@@ -68,6 +68,9 @@ class Hooks:
     # The validation split's (inputs, labels): what an accuracy budget (`compressor.budget`,
     # --max-drop) measures its curves and trials on.
     val_data: tuple[torch.Tensor, torch.Tensor] | None = None
+    # What the retraining runs settled on, for the report: {"microbatches": [M, ...]}, the
+    # slices per batch each distinct run took (recipe train.microbatches = "auto" measures).
+    trained: Callable[[], dict[str, Any]] | None = None
 
 
 def default_sparsity(model: nn.Module, embeddings: bool = False) -> dict[str, float]:

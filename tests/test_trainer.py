@@ -533,6 +533,7 @@ def test_auto_microbatches_slice_to_the_budget_and_train_as_that_many(digits, mo
         for a, b in zip(model.state_dict().values(), same.state_dict().values(), strict=True)
     )
     assert auto.steps == fixed.steps
+    assert auto.microbatches == fixed.microbatches == 7 and auto.to_json()["microbatches"] == 7
     assert len(said) == 1 and said[0].startswith("micro-batches: 7 (auto: ")
 
 
