@@ -241,11 +241,12 @@ Examples:
     help="Process-group timeout: a dead or stuck worker ends the job after at most this.",
 )
 @click.option(
-    "--deterministic",
-    is_flag=True,
+    "--deterministic/--no-deterministic",
+    default=False,
     help="Deterministic kernels only: the same seed gives the same bits on a GPU too, and a "
     "resumed run ends where the uninterrupted one does (a CPU already does; a GPU runs slower). "
-    "An op with no such kernel stops the run, naming it.",
+    "An op with no such kernel stops the run, naming it. A resumed run keeps the checkpoint's "
+    "choice unless given either flag.  [default: no-deterministic]",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No per-epoch lines on stderr.")
 @json_option

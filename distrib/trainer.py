@@ -446,8 +446,10 @@ def _autocast(precision: str, device: str):
 @contextmanager
 def deterministic(on: bool, device: str | torch.device = "cpu") -> Iterator[None]:
     """Within the block, torch uses deterministic kernels only (`TrainConfig.deterministic`);
-    the process's own settings come back after it. An op with no deterministic kernel on this
-    device raises InputError naming it (exit 2), not torch's paragraph."""
+    torch's own settings come back after it (CUBLAS_WORKSPACE_CONFIG, set for a GPU, stays:
+    torch reads it once per process). An op with no deterministic kernel on this device, or a
+    cuBLAS workspace setting that allows none, raises InputError in one line (exit 2), not
+    torch's paragraph."""
     if not on:
         yield
         return
@@ -465,13 +467,20 @@ def deterministic(on: bool, device: str | torch.device = "cpu") -> Iterator[None
         yield
     except RuntimeError as e:
         text = str(e)
-        if "deterministic" not in text:
-            raise
-        op = text.split(" does not have", 1)[0].strip().splitlines()[-1][:120]
-        raise InputError(
-            f"--deterministic: {op} has no deterministic kernel on this device; "
-            "drop --deterministic (or change the layer that uses it)"
-        ) from None
+        off = "run without it (--no-deterministic when resuming a run that used it)"
+        if "does not have a deterministic implementation" in text:
+            op = text.split(" does not have", 1)[0].strip().splitlines()[-1][:120]
+            raise InputError(
+                f"--deterministic: {op} has no deterministic kernel on this device; {off}, "
+                "or change the layer that uses it"
+            ) from None
+        if "CUBLAS_WORKSPACE_CONFIG" in text:  # a value of the user's that cuBLAS cannot use
+            value = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+            raise InputError(
+                f"--deterministic: CUBLAS_WORKSPACE_CONFIG={value} lets cuBLAS sum in any "
+                f"order; unset it (:4096:8 is then used) or set :4096:8 or :16:8, or {off}"
+            ) from None
+        raise
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
         torch.backends.cudnn.benchmark = benchmark
@@ -666,20 +675,16 @@ def _fit(
 # takes 4 slices of at most 82 MiB (its whole shrink peaked 90-495 MiB lower than with 1).
 AUTO_ACTIVATIONS = 4
 AUTO_FLOOR = 16 << 20
-AUTO_PROBE = 4  # samples of the measuring forward pass
+AUTO_PROBE = 8  # samples of the larger measuring forward pass (the other takes half)
 
 
-def saved_bytes_per_sample(
-    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor
-) -> float:
-    """Bytes that autograd keeps for the backward pass per sample of `x`: one forward (no
-    backward) under `saved_tensors_hooks`, each storage counted once, the parameters (which do
-    not grow with the batch) left out. The caller's random generators are left as they were, so
-    dropout's masks in training are the same as without the measurement."""
+def saved_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes that autograd keeps for the backward pass of one forward (no backward) over
+    `x`, under `saved_tensors_hooks`: each view of a storage once (one tensor saved by two ops
+    counts once, a slice its own bytes, not its storage's), the parameters left out. The
+    caller's random generators are left as they were, so dropout's masks in training are the
+    same as without the measurement."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    # Per storage, the distinct views saved (offset, elements, element size): one tensor saved
-    # by two ops counts once, and a slice counts its own bytes, not its whole storage's (the
-    # probe's batch is a slice of the data set).
     views: dict[int, set[tuple[int, int, int]]] = {}
     sizes: dict[int, int] = {}
 
@@ -698,8 +703,23 @@ def saved_bytes_per_sample(
     ):
         loss, _ = loss_fn(model, x, y)
     del loss  # the graph, and with it every saved tensor
-    held = sum(min(sizes[p], sum(n * size for _, n, size in v)) for p, v in views.items())
-    return held / len(y)
+    return sum(min(sizes[p], sum(n * size for _, n, size in v)) for p, v in views.items())
+
+
+def saved_bytes_per_sample(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor
+) -> float:
+    """What one more sample adds to `saved_bytes`: measured on the first half of `x` and on
+    all of it, the difference over the samples added. Saved tensors that do not grow with the
+    batch (weights a parametrization computes, as weight sharing's codebook lookup; a prior's
+    terms; bf16 copies of weights) cancel out: counted per sample, they made a LeNet-5 under
+    weight sharing look like it needed 4 slices."""
+    half = len(y) // 2
+    if half < 1:
+        raise ValueError("saved_bytes_per_sample needs 2 samples or more")
+    whole = saved_bytes(model, loss_fn, x[: 2 * half], y[: 2 * half])
+    part = saved_bytes(model, loss_fn, x[:half], y[:half])
+    return max(0.0, (whole - part) / half)
 
 
 def auto_microbatches(
@@ -708,16 +728,22 @@ def auto_microbatches(
     """`microbatches="auto"`: the fewest slices of `cfg.batch_size` whose activations each fit
     max(AUTO_FLOOR, AUTO_ACTIVATIONS x the parameter bytes). Returns (M, activation bytes per
     sample, the budget). A model with BatchNorm keeps its batch whole (M = 1, not measured: the
-    measuring forward would move its running statistics)."""
+    measuring forward would move its running statistics), as does a data set of one sample."""
     budget = max(
-        AUTO_FLOOR, AUTO_ACTIVATIONS * sum(p.numel() * p.element_size() for p in model.parameters())
+        AUTO_FLOOR,
+        AUTO_ACTIVATIONS * sum(p.numel() * p.element_size() for p in model.parameters()),
     )
-    if batch_statistics(model) is not None:
-        return 1, 0.0, budget
     k = min(AUTO_PROBE, len(data.y_train))
+    if batch_statistics(model) is not None or k < 2:
+        return 1, 0.0, budget
     x, y = data.x_train[:k].to(device), data.y_train[:k].to(device)
-    with _autocast(cfg.precision, device):
-        per_sample = saved_bytes_per_sample(model, loss_fn, x, y)
+    was = model.training
+    model.train()  # what training saves: dropout's masks included
+    try:
+        with _autocast(cfg.precision, device):
+            per_sample = saved_bytes_per_sample(model, loss_fn, x, y)
+    finally:
+        model.train(was)
     m = max(1, min(cfg.batch_size, math.ceil(cfg.batch_size * per_sample / budget)))
     return m, per_sample, budget
 

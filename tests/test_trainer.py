@@ -387,7 +387,8 @@ class _NeedsADeterministicKernel(torch.nn.Module):
 
 
 def test_deterministic_training_is_on_for_the_run_only(digits, monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "x")  # recorded, so restored after the test
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     seen = []
 
     class Spy(torch.nn.Module):
@@ -419,7 +420,8 @@ def test_deterministic_training_is_on_for_the_run_only(digits, monkeypatch):
 def test_deterministic_sets_cublas_workspace_for_a_gpu_and_keeps_a_users(monkeypatch):
     from compresskit.distrib.trainer import deterministic
 
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "x")  # recorded, so restored after the test
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     with deterministic(True, "cuda"):  # sets the variable only: no GPU is touched here
         assert torch.are_deterministic_algorithms_enabled()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -435,7 +437,8 @@ def test_an_op_without_a_deterministic_kernel_is_named_in_one_line(digits):
         fit(_NeedsADeterministicKernel(), digits, TrainConfig(epochs=1, deterministic=True))
     assert str(e.value) == (
         "--deterministic: adaptive_avg_pool2d_backward_cuda has no deterministic kernel on this "
-        "device; drop --deterministic (or change the layer that uses it)"
+        "device; run without it (--no-deterministic when resuming a run that used it), or "
+        "change the layer that uses it"
     )
     assert not torch.are_deterministic_algorithms_enabled()
     # Without the flag the same model trains.
@@ -472,6 +475,11 @@ def test_compress_train_deterministic_gives_the_cpus_bits_and_is_kept_on_resume(
     kept = run("train", "--model", "mlp", "--epochs", "2", "--out", det, "-q", "--resume")
     assert kept.exit_code == 0, kept.stderr
     assert checkpoint.load(det).train_state["config"]["deterministic"] is True
+    # ... unless told otherwise
+    args = ["train", "--model", "mlp", "--epochs", "3", "--out", det, "-q", "--resume"]
+    off = run(*args, "--no-deterministic")
+    assert off.exit_code == 0, off.stderr
+    assert checkpoint.load(det).train_state["config"]["deterministic"] is False
 
 
 def test_saved_bytes_per_sample_grow_with_the_activations_not_the_weights(digits):
@@ -493,16 +501,56 @@ def test_saved_bytes_per_sample_grow_with_the_activations_not_the_weights(digits
     a = saved_bytes_per_sample(narrow, cross_entropy_loss, x, y)
     b = saved_bytes_per_sample(wide, cross_entropy_loss, x, y)
     assert torch.equal(torch.get_rng_state(), state)  # dropout's later draws are unchanged
-    # Per sample: the input (64 floats) and the hidden activations (ReLU's output, which the
-    # second Linear saves too: one storage) and the logits' softmax; never the weights (64 x 512
-    # floats = 128 KiB, far above any of these).
-    assert 4 * (64 + 32) <= a < 4 * (64 + 32 + 3 * 10) + 64
-    assert 4 * (64 + 512) <= b < 4 * (64 + 512 + 3 * 10) + 64
-    # the same per sample from 4 samples as from 8 (to a few bytes the batch does not scale)
-    assert saved_bytes_per_sample(wide, cross_entropy_loss, x[:4], y[:4]) == pytest.approx(
-        b, rel=0.01
-    )
+    # Per sample: the input (64 floats), the hidden activations (ReLU's output, which the
+    # second Linear saves too: one storage), the logits' softmax and the label; never the
+    # weights (64 x 512 floats = 128 KiB, far above any of these).
+    assert 4 * (64 + 32) <= a <= 4 * (64 + 32 + 10) + 8
+    assert 4 * (64 + 512) <= b <= 4 * (64 + 512 + 10) + 8
+    # the same per sample from 4 samples as from 8
+    assert saved_bytes_per_sample(wide, cross_entropy_loss, x[:4], y[:4]) == b
     assert not any(p.grad is not None for p in wide.parameters())
+
+
+class _ComputedWeight(torch.nn.Module):
+    """A second layer whose weight is computed in the forward pass (as weight sharing's
+    codebook lookup is): its matmul saves that weight for the first layer's gradient, and the
+    weight does not grow with the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(64, 32)
+        self.base = torch.nn.Parameter(torch.randn(10, 32))
+
+    def forward(self, x):
+        h = torch.relu(self.first(x.flatten(1)))
+        return torch.nn.functional.linear(h, self.base * 2.0)
+
+
+def test_saved_bytes_per_sample_leave_out_what_the_batch_does_not_grow(digits):
+    from compresskit.distrib.trainer import cross_entropy_loss, saved_bytes, saved_bytes_per_sample
+
+    model = _ComputedWeight()
+    x, y = digits.x_train[:32], digits.y_train[:32]
+    # the computed weight (320 floats) is among what is saved...
+    assert saved_bytes(model, cross_entropy_loss, x[:4], y[:4]) >= 4 * (320 + 4 * (64 + 32))
+    # ...but not per sample: 4 samples give what 32 give (input, hidden, softmax, label)
+    few = saved_bytes_per_sample(model, cross_entropy_loss, x[:4], y[:4])
+    many = saved_bytes_per_sample(model, cross_entropy_loss, x, y)
+    assert few == many and 4 * (64 + 32) <= few <= 4 * (64 + 32 + 10) + 8
+
+
+def test_auto_microbatches_keep_a_shared_weight_lenet5_whole():
+    # Weight sharing computes every layer's weight from its codebook: counted per sample, those
+    # weights asked for 4 slices of a LeNet-5 on 28x28 digits.
+    from compresskit.compressor import kmeans
+    from compresskit.distrib import trainer
+
+    data = load("digits:28")
+    _, model = _model(data, name="lenet5")
+    kmeans.share_weights_(model, kmeans.QuantizeConfig())
+    cfg = TrainConfig(microbatches="auto")
+    m, per, _ = trainer.auto_microbatches(model, trainer.cross_entropy_loss, data, cfg, "cpu")
+    assert m == 1 and 0 < per < 200_000
 
 
 def test_auto_microbatches_slice_to_the_budget_and_train_as_that_many(digits, monkeypatch):
