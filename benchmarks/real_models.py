@@ -224,12 +224,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--microbatches",
-        default="1",
+        default="default",
         metavar="M[,M...]",
-        help="shrink each model once per count, from the same dense checkpoint, with the "
-        "recipe's train.microbatches = M (gradient accumulation: retraining's activations "
-        "over M, or auto: as many as fit 4x the model's bytes); rows 'NAME M=4'. Models with "
-        "BatchNorm refuse M > 1",
+        help="shrink each model once per entry, from the same dense checkpoint: 'default' is "
+        "the recipe as it is (train.microbatches = auto: as many slices as keep one within 4x "
+        "the model's bytes), a count M or auto sets train.microbatches (gradient "
+        "accumulation: retraining's activations over M); rows 'NAME' and 'NAME M=4', each M "
+        "row printed against the default one. Models with BatchNorm refuse M > 1",
     )
     opts = ap.parse_args()
     if opts.after in (1, 2) or opts.after < 0:
@@ -254,16 +255,19 @@ def main() -> None:
         images_npz(images, opts.samples)
     try:
         counts = tuple(
-            dict.fromkeys(m if m == "auto" else int(m) for m in opts.microbatches.split(","))
+            dict.fromkeys(
+                m if m in ("auto", "default") else int(m) for m in opts.microbatches.split(",")
+            )
         )
     except ValueError:
-        ap.error(f"--microbatches {opts.microbatches!r}: give counts like 1,4 (or auto)")
-    if not counts or any(m != "auto" and m < 1 for m in counts):
-        ap.error("--microbatches: give counts of 1 or more, or auto")
+        ap.error(f"--microbatches {opts.microbatches!r}: give entries like default,1,4,auto")
+    if not counts or any(isinstance(m, int) and m < 1 for m in counts):
+        ap.error("--microbatches: give counts of 1 or more, auto or default")
     recipes = {}
-    for m in {1, *counts}:  # the recipe (the floor's too), and with microbatches = M
-        recipes[m] = work / (f"{opts.recipe}.toml" if m == 1 else f"{opts.recipe}-m{m}.toml")
-        extra = f"[train]\nmicrobatches = {json.dumps(m)}\n" if m != 1 else ""
+    for m in {"default", *counts}:  # the recipe (the floor's too), and with microbatches = M
+        default = m == "default"
+        recipes[m] = work / (f"{opts.recipe}.toml" if default else f"{opts.recipe}-m{m}.toml")
+        extra = "" if default else f"[train]\nmicrobatches = {json.dumps(m)}\n"
         recipes[m].write_text(RECIPES[opts.recipe] + extra)
     flags = _cpu_flags()
     print(
@@ -319,7 +323,7 @@ def one(
     code_rss: int,
     epochs: int,
     after: int = 0,
-    microbatches: tuple[int, ...] = (1,),
+    microbatches: tuple[int | str, ...] = ("default",),
 ) -> list[dict]:
     ck = work / f"{case.name}.pt"
     model_args = ["--model", case.model, "--model-kwargs", case.kwargs]
@@ -339,9 +343,10 @@ def one(
 
     before = dense_epoch(epochs, ck)
     shrunk = []
-    for m in microbatches if case.name != FLOOR else (1,):  # the fixed cost: measured once
-        variant = case.name if m == 1 else f"{case.name} M={m}"
-        out = work / f"{case.name}-shrunk" if m == 1 else work / f"{case.name}-shrunk-m{m}"
+    for m in microbatches if case.name != FLOOR else ("default",):  # fixed cost: measured once
+        default = m == "default"
+        variant = case.name if default else f"{case.name} M={m}"
+        out = work / f"{case.name}-shrunk" if default else work / f"{case.name}-shrunk-m{m}"
         shrunk.append((m, variant, out, *shrink_measured(ck, data, recipes[m], out, case)))
     # The dense epoch again, in a process after the shrink: back-to-back runs of ResNet-18 saw
     # the first process's median epoch move 2.72-3.47 s while the shrink moved 7%
@@ -485,7 +490,7 @@ def table(rows: list[dict]) -> None:
     # beside it. The marginal figure subtracts the floor run's non-training seconds: what
     # grows with the model, which is what "linear in weights" is about.
     # A row shrunk with micro-batches is the same model again: not a point of the growth curve.
-    real = [r for r in ok if r["name"] != FLOOR and r.get("microbatches", 1) == 1]
+    real = [r for r in ok if r["name"] != FLOOR and r.get("microbatches") == "default"]
     big = [r for r in real if r["parameters"] >= 900_000]
     if floor:
         print(
@@ -515,13 +520,13 @@ def table(rows: list[dict]) -> None:
             "MiB; peak over the model's code and that, per FP32 model + data bytes: "
             + ", ".join(f"{r['name']} {r['mem_multiple']:.1f}x" for r in ok if r["name"] != FLOOR)
         )
-    # Each micro-batched shrink against the same model's shrink with whole batches, side by side.
+    # Each row with a set train.microbatches against the same model's default-recipe row.
     for r in ok:
         base = next((b for b in ok if b["name"] == r.get("model")), None)
-        if r.get("microbatches", 1) == 1 or base is None:
+        if r.get("microbatches") == "default" or base is None:
             continue
         print(
-            f"{r['name']} against M=1: peak RSS {r['peak_rss'] / 2**20:.0f} / "
+            f"{r['name']} against the default recipe: peak RSS {r['peak_rss'] / 2**20:.0f} / "
             f"{base['peak_rss'] / 2**20:.0f} MiB, training s {r['training_s']:.0f} / "
             f"{base['training_s']:.0f} ({r['training_s'] / base['training_s']:.2f}x), whole "
             f"shrink / its training epochs {r['vs_train']:.2f} / {base['vs_train']:.2f}, test "
