@@ -123,8 +123,8 @@ def train(
             PSConfig's workers, or the PipelineConfig's stages.
         resume: continue from `out` if it exists, with the settings stored there. Settings
             counted as given (`explicit`) must match the stored ones, except epochs, device,
-            checkpoint_every, grad_compression, eval_batch_size and microbatches, which may
-            change.
+            checkpoint_every, grad_compression, eval_batch_size, microbatches and
+            deterministic, which may change.
         timeout_s: process-group timeout: a dead or stuck worker ends the run after at most
             this many seconds.
         progress: an `Events` whose callbacks see the epochs, steps and checkpoints of this

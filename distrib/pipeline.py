@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compresskit.distrib.trainer import honours_deterministic
 from compresskit.models.base import batch_statistics
 from compresskit.models.data import Dataset
 from compresskit.models.errors import InputError, StageError
@@ -367,6 +368,7 @@ class _Runner:
         return self.cache[key]
 
 
+@honours_deterministic
 def fit(
     model: nn.Module,
     data: Dataset,
@@ -387,34 +389,6 @@ def fit(
     `cfg` is the `TrainConfig` (its batch size is the pipeline's whole batch); `split` the cut
     points (`plan`'s, made once before the processes start; None: planned here); `resume` a
     checkpoint's train_state, its weights already in `model`."""
-    from compresskit.distrib.trainer import deterministic
-
-    with deterministic(cfg.deterministic, cfg.device):
-        return _fit(
-            model,
-            data,
-            cfg,
-            pcfg,
-            checkpointer=checkpointer,
-            resume=resume,
-            events=events,
-            split=split,
-            label=label,
-        )
-
-
-def _fit(
-    model: nn.Module,
-    data: Dataset,
-    cfg,
-    pcfg: PipelineConfig,
-    *,
-    checkpointer,
-    resume: dict[str, Any] | None,
-    events,
-    split: Sequence[str] | None,
-    label: str,
-) -> Any:
     import torch.distributed as dist
 
     from compresskit.distrib.trainer import (

@@ -15,6 +15,7 @@ RNG state in the checkpoint, a resumed run ends with the same weights as an unin
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -486,6 +487,19 @@ def deterministic(on: bool, device: str | torch.device = "cpu") -> Iterator[None
         torch.backends.cudnn.benchmark = benchmark
 
 
+def honours_deterministic(loop: Callable[..., Any]) -> Callable[..., Any]:
+    """A training loop `loop(model, data, cfg, ...)` run under `deterministic(cfg.deterministic,
+    cfg.device)`: this module's `fit` and the pipeline's."""
+
+    @functools.wraps(loop)
+    def run(model: nn.Module, data: Dataset, cfg: TrainConfig, *args: Any, **kwargs: Any) -> Any:
+        with deterministic(cfg.deterministic, cfg.device):
+            return loop(model, data, cfg, *args, **kwargs)
+
+    return run
+
+
+@honours_deterministic
 def fit(
     model: nn.Module,
     data: Dataset,
@@ -507,30 +521,6 @@ def fit(
     the local optimizer step (it pushes the gradient and pulls the new weights) and says which
     batches this rank trains (the `Batches` interface).
     """
-    with deterministic(cfg.deterministic, cfg.device):
-        return _fit(
-            model,
-            data,
-            cfg,
-            loss_fn=loss_fn,
-            checkpointer=checkpointer,
-            resume=resume,
-            events=events,
-            updater=updater,
-        )
-
-
-def _fit(
-    model: nn.Module,
-    data: Dataset,
-    cfg: TrainConfig,
-    *,
-    loss_fn: LossFn,
-    checkpointer: Checkpointer | None,
-    resume: dict[str, Any] | None,
-    events: Events | None,
-    updater: Any,
-) -> TrainResult:
     auto = cfg.microbatches == "auto"
     _check(
         auto or cfg.microbatches <= cfg.batch_size,
