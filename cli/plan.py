@@ -24,7 +24,8 @@ SHORT = {"allreduce": "all-reduce", "ps": "param server", "pipeline": "pipeline"
 Examples:
   compress plan --model vgg                         # measure compute and the link here
   compress plan --model vgg --bandwidth 10GB/s --latency 20us    # a cluster's link
-  compress plan --model lenet300 --servers 4 --stages 4 --json
+  compress plan --model lenet300 --servers 4 --stages 4 --json > plan.json
+  compress plan --model vgg --links-from plan.json  # the links plan.json measured
   compress plan --model-bytes 100MB --compute 200ms --bandwidth 100Gb/s --latency 5us \\
       --plot plan.png                               # nothing measured
 """
@@ -56,6 +57,12 @@ Examples:
     default=None,
     metavar="TIME",
     help="Link latency per message, e.g. 20us, 1.5ms [default: measured].",
+)
+@click.option(
+    "--links-from",
+    default=None,
+    metavar="PLAN.json",
+    help="Take the links an earlier `compress plan --json` measured instead of measuring.",
 )
 @click.option(
     "--compute",
@@ -123,6 +130,7 @@ def plan(
     batch_size: int,
     bandwidth: str | None,
     latency: str | None,
+    links_from: str | None,
     compute: str | None,
     model_bytes: str | None,
     activation_bytes: str | None,
@@ -148,6 +156,7 @@ def plan(
             batch=batch_size,
             bandwidth=bandwidth,
             latency=latency,
+            links_from=links_from,
             compute=compute,
             model_bytes=model_bytes,
             activation_bytes=activation_bytes,
@@ -191,7 +200,7 @@ def _time(s: float) -> str:
 
 
 def header_lines(p: Plan) -> list[str]:
-    w, link, m = p.workload, p.link, p.measured
+    w, m = p.workload, p.measured
     threads = m.get("compute", {}).get("threads")
     total = _ms(w.compute_s(w.batch))
     if threads:
@@ -202,14 +211,17 @@ def header_lines(p: Plan) -> list[str]:
         )
     else:
         compute = f"compute, batch {w.batch} on 1 worker: {total} ms (given)"
-    link_how = m.get("link", {}).get("how", "")
-    given = m.get("link", {}).get("given", [])
-    gap = m.get("link", {}).get("gap_s")
-    source = "given" if link_how.startswith("given") else "measured: gloo ping-pong, 2 ranks"
-    if gap:
-        source += f", {1e3 * gap:.2g} ms compute between trips"
-    if given:
-        source += f"; {', '.join(given)} given"
+    how = m.get("link", {})
+    if how.get("how", "").startswith("given"):
+        source = "given"
+    elif how.get("how", "").startswith("from "):
+        source = how["how"]
+    else:
+        source = "measured: gloo, 2 ranks"
+        if how.get("gap_s"):
+            source += f", {1e3 * how['gap_s']:.2g} ms compute between exchanges"
+        if how.get("given"):
+            source += f"; {', '.join(how['given'])} given"
     model = f"model {m.get('model')}" if "parameters" in m else "model"
     if "parameters" in m:
         model += f" ({m['parameters']:,} parameters)"
@@ -217,13 +229,26 @@ def header_lines(p: Plan) -> list[str]:
         f"{model}: {_bytes(w.model_bytes)} of gradients per step; "
         f"activations {_bytes(w.activation_bytes)} per sample",
         compute,
-        f"link: latency {_time(link.alpha_s)}, bandwidth {_bytes(link.beta_bytes_per_s)}/s "
-        f"({source})",
+        *link_lines(p, source),
         "parameter server: "
         + (f"S = {p.servers} shards" if p.servers else "S = ceil(N/2) shards")
         + "; pipeline: "
         + (f"K = {p.stages} stages, N/K replicas" if p.stages else "K = N stages")
         + f", {p.microbatches} micro-batches",
+    ]
+
+
+def link_lines(p: Plan, source: str) -> list[str]:
+    """One line for a single link; two where the all-reduce has its own."""
+
+    def words(link) -> str:
+        return f"latency {_time(link.alpha_s)}, bandwidth {_bytes(link.beta_bytes_per_s)}/s"
+
+    if p.allreduce_link == p.link:
+        return [f"link: {words(p.link)} ({source})"]
+    return [
+        f"link, send/recv (parameter server, pipeline): {words(p.link)} ({source})",
+        f"link, all-reduce (ring): {words(p.allreduce_link)}",
     ]
 
 

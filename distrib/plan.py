@@ -6,8 +6,12 @@ The cost model
 --------------
 Link (Hockney, "The communication challenge for MPP", Parallel Computing 1994): sending one
 message of n bytes takes ``alpha + n / beta`` seconds, alpha the latency and beta the bandwidth
-(bytes/s). `measure_link` fits both to a gloo ping-pong (broadcasts) between two local ranks
-that compute between round trips as training does (see there why that matters).
+(bytes/s). Each strategy's link is measured on the primitive it uses, between two local ranks
+that compute between round trips as training does (see `measure_link` why that matters):
+point-to-point send/recv for the parameter server and the pipeline's activations, gloo's own
+all-reduce for the ring. On this project's 2-core machine an all-reduce after compute took
+1.5-4x a pair of broadcasts of the same bytes (256 kB: 1.63 against 0.42 ms), so one link fitted
+to broadcasts had put LeNet-300-100's all-reduce step at a third of what training measured.
 
 Compute: forward and backward of b samples on one worker take ``fixed_s + sample_s * b`` (the
 per-step constant is Python and kernel-launch overhead, large for small models on CPUs: a
@@ -257,11 +261,17 @@ def ps_step(w: Workload, link: Link, n: int, servers: int | None = None) -> Step
 
 
 def pipeline_step(
-    w: Workload, link: Link, n: int, stages: int | None = None, microbatches: int = 8
+    w: Workload,
+    link: Link,
+    n: int,
+    stages: int | None = None,
+    microbatches: int = 8,
+    ring: Link | None = None,
 ) -> Step | None:
     """GPipe with K = `stages` (None: K = n) stages and m micro-batches, n/K replicas kept in
-    step by ring all-reduce of each stage's M/K bytes. None where it does not apply: n not a
-    multiple of K, K beyond the model's layers, or micro-batches of less than a sample."""
+    step by ring all-reduce of each stage's M/K bytes (over `ring`, None: `link`; activations
+    go over `link`). None where it does not apply: n not a multiple of K, K beyond the model's
+    layers, or micro-batches of less than a sample."""
     k = stages or n
     if n % k or (w.layers is not None and k > w.layers):
         return None
@@ -272,7 +282,7 @@ def pipeline_step(
     transfer = 2 * link.send_s(w.activation_bytes * b) if k > 1 else 0.0
     slots = m + k - 1
     compute = slots * w.compute_s(b) / k
-    comm = slots * transfer + ring_allreduce_s(link, replicas, w.model_bytes / k)
+    comm = slots * transfer + ring_allreduce_s(ring or link, replicas, w.model_bytes / k)
     return Step(n, compute, comm, w.update_s / k)
 
 
@@ -285,13 +295,16 @@ def step(
     servers: int | None = None,
     stages: int | None = None,
     microbatches: int = 8,
+    ring: Link | None = None,
 ) -> Step | None:
+    """One strategy's predicted step at N = n. `link`: point-to-point messages (the parameter
+    server, pipeline activations); `ring`: all-reduce (None: `link`)."""
     if strategy == "allreduce":
-        return allreduce_step(w, link, n)
+        return allreduce_step(w, ring or link, n)
     if strategy == "ps":
         return ps_step(w, link, n, servers)
     if strategy == "pipeline":
-        return pipeline_step(w, link, n, stages, microbatches)
+        return pipeline_step(w, link, n, stages, microbatches, ring)
     raise ValueError(f"strategy {strategy!r}: one of {STRATEGIES}")
 
 
@@ -335,6 +348,11 @@ class Plan:
     microbatches: int
     curves: dict[str, Curve]
     measured: dict[str, Any] = field(default_factory=dict)  # how each input was obtained
+    ring: Link | None = None  # all-reduce's link where it is not `link`
+
+    @property
+    def allreduce_link(self) -> Link:
+        return self.ring or self.link
 
     def rows(self, workers: Sequence[int]) -> list[dict[str, Any]]:
         """Per N in `workers`, per strategy: step ms, its parts, speed-up, efficiency."""
@@ -393,6 +411,7 @@ class Plan:
         return {
             "workload": asdict(self.workload),
             "link": asdict(self.link),
+            "allreduce_link": asdict(self.allreduce_link),
             "single_worker_ms": 1e3 * self.workload.single_s,
             "servers": self.servers,
             "stages": self.stages,
@@ -421,8 +440,10 @@ def plan(
     stages: int | None = None,
     microbatches: int = 8,
     measured: dict[str, Any] | None = None,
+    ring: Link | None = None,
 ) -> Plan:
-    """Every strategy's predicted step for N = 1..max_workers."""
+    """Every strategy's predicted step for N = 1..max_workers. `link`: point-to-point
+    messages; `ring`: the all-reduce's link (None: `link`)."""
     for flag, v in (
         ("--max-workers", max_workers),
         ("--servers", servers),
@@ -431,7 +452,7 @@ def plan(
     ):
         if v is not None and v < 1:
             raise InputError(f"{flag} {v}: give 1 or more")
-    kw = {"servers": servers, "stages": stages, "microbatches": microbatches}
+    kw = {"servers": servers, "stages": stages, "microbatches": microbatches, "ring": ring}
     curves = {
         name: Curve(
             name,
@@ -440,7 +461,9 @@ def plan(
         )
         for name in STRATEGIES
     }
-    return Plan(w, link, max_workers, servers, stages, microbatches, curves, dict(measured or {}))
+    return Plan(
+        w, link, max_workers, servers, stages, microbatches, curves, dict(measured or {}), ring
+    )
 
 
 # ---- measuring ------------------------------------------------------------------------------
@@ -449,7 +472,7 @@ def plan(
 @dataclass(frozen=True)
 class LinkFit:
     link: Link
-    points: tuple[tuple[int, float], ...]  # (bytes, median one-way seconds)
+    points: tuple[tuple[float, float], ...]  # (bytes per message, mean one-way seconds)
 
 
 def fit_link(points: Sequence[tuple[float, float]]) -> Link:
@@ -470,17 +493,33 @@ def fit_link(points: Sequence[tuple[float, float]]) -> Link:
 
 
 SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 23)  # 1 KiB .. 8 MiB
-TRANSPORTS = ("collective", "p2p")
+# "p2p": send/recv, the parameter server's and the pipeline's path; "allreduce": gloo's own
+# all-reduce, the ring strategy's (DDP's); "collective": two broadcasts, one message each way
+# (the planner's single link before it measured all-reduce itself).
+TRANSPORTS = ("p2p", "allreduce", "collective")
 
 
 def _pingpong(
-    sizes: Sequence[int], budget_s: float, transport: str, gap_s: float, rank: int, world: int
-) -> list[tuple[int, float]]:
-    """Rank 0 and 1 bounce a message of each size; rank 0 returns (bytes, median one-way s).
-    A warm-up of a tenth of a second first (the peer may still be starting), then three
-    interleaved passes over the sizes, so a burst of load elsewhere hits every size alike.
-    Before each timed round trip both ranks compute for `gap_s` (untimed), as training
-    computes between its messages."""
+    sizes: Sequence[int],
+    budget_s: float,
+    transports: Sequence[str],
+    gap_s: float,
+    rank: int,
+    world: int,
+) -> dict[str, list[tuple[float, float]]]:
+    """Rank 0 and 1 exchange a message of each size over each transport; rank 0 returns, per
+    transport, (bytes per message, mean one-way s) as `fit_link` takes them. An all-reduce
+    of n bytes over two ranks is, as the ring formula counts it, two steps of one message of
+    n/2 bytes each way: 2 alpha + n/beta, so (n/2, half its time) fits the same alpha and beta.
+
+    A warm-up of a tenth of a second first (the peer may still be starting), then three passes
+    over sizes and transports, interleaved, so a burst of load elsewhere hits every point
+    alike. Before each timed exchange both ranks compute for `gap_s` (untimed), as training
+    computes between its messages.
+
+    The mean, not the median: a training run's step rate pays every exchange's time, tails
+    included. On this project's 2-core machine a 200 kB all-reduce after 0.4 ms of compute
+    had a median of 0.7-1.1 ms and a mean of 1.5-1.8 ms (a tenth of them took over 3.8 ms)."""
     import torch
     import torch.distributed as dist
 
@@ -491,32 +530,41 @@ def _pingpong(
         while time.perf_counter() - t < gap_s:
             work @ work
 
-    bounce = bounce_p2p if transport == "p2p" else _bounce_collective
+    bounces = {"p2p": bounce_p2p, "allreduce": _bounce_allreduce, "collective": _bounce_collective}
     tensors = [torch.zeros(max(1, n // 4)) for n in sizes]
-    times: list[list[float]] = [[] for _ in sizes]
+    times = {tr: [[] for _ in sizes] for tr in transports}
     start = time.perf_counter()
     go = torch.tensor([1])
     while go[0]:
-        bounce(dist, tensors[0], rank)
+        for tr in transports:
+            bounces[tr](dist, tensors[0], rank)
         if rank == 0:
             go[0] = int(time.perf_counter() - start < 0.1)
         dist.broadcast(go, 0)
     for _ in range(3):
-        for x, seen in zip(tensors, times, strict=True):
-            # Rank 0 decides how many round trips fit a third of the budget; rank 1 follows.
-            t0 = time.perf_counter()
-            bounce(dist, x, rank)
-            took = time.perf_counter() - t0 + gap_s
-            rounds = torch.tensor([int(min(100, max(3, budget_s / 3 / took)))])
-            dist.broadcast(rounds, 0)
-            for _ in range(int(rounds[0])):
-                gap()
+        for i, x in enumerate(tensors):
+            for tr in transports:
+                bounce, seen = bounces[tr], times[tr][i]
+                # Rank 0 decides how many exchanges fit its share of the budget; rank 1 follows.
                 t0 = time.perf_counter()
                 bounce(dist, x, rank)
-                seen.append(time.perf_counter() - t0)
+                took = time.perf_counter() - t0 + gap_s
+                rounds = torch.tensor([int(min(100, max(3, budget_s / 3 / took)))])
+                dist.broadcast(rounds, 0)
+                for _ in range(int(rounds[0])):
+                    gap()
+                    t0 = time.perf_counter()
+                    bounce(dist, x, rank)
+                    seen.append(time.perf_counter() - t0)
     if rank != 0:
-        return []
-    return [(x.numel() * 4, statistics.median(t) / 2) for x, t in zip(tensors, times, strict=True)]
+        return {}
+    out = {}
+    for tr in transports:
+        per_message = [x.numel() * 4 / (2 if tr == "allreduce" else 1) for x in tensors]
+        out[tr] = [
+            (n, statistics.fmean(t) / 2) for n, t in zip(per_message, times[tr], strict=True)
+        ]
+    return out
 
 
 def bounce_p2p(dist, x, rank: int) -> None:
@@ -536,35 +584,51 @@ def _bounce_collective(dist, x, rank: int) -> None:
     dist.broadcast(x, 1)
 
 
-def measure_link(
+def _bounce_allreduce(dist, x, rank: int) -> None:
+    dist.all_reduce(x)  # of zeros: the values stay what they are
+
+
+def measure_links(
+    transports: Sequence[str] = ("p2p", "allreduce"),
     sizes: Sequence[int] = SIZES,
     budget_s: float = 0.15,
     timeout_s: float = 60.0,
-    transport: str = "collective",
     gap_s: float = 0.0,
-) -> LinkFit:
-    """alpha and beta of this machine's gloo link: two local ranks (spawned by
-    `distrib.launch.run`) ping-pong each message size for about `budget_s`; the median
-    one-way time per size is fitted by `fit_link`.
+) -> dict[str, LinkFit]:
+    """alpha and beta of this machine's gloo link, per transport (see TRANSPORTS): two local
+    ranks (spawned by `distrib.launch.run`, one launch for all) exchange each message size
+    for about `budget_s` per transport; the mean one-way time per size is fitted by
+    `fit_link`.
 
-    `transport`: "collective" bounces with two broadcasts (on two ranks, one message each
-    way), the path gloo's collectives (DDP's all-reduce) take; "p2p" with send/recv, the
-    parameter server's path. On a loaded machine they differ: a blocking recv waits for a
-    helper thread to be scheduled (measured here on 2 busy cores: p2p round trips of 0.2 ms or
-    4 ms, bimodal; broadcast ones 0.25 ms).
+    Why per transport: on a loaded machine they differ. A blocking recv waits for a helper
+    thread to be scheduled (measured here on 2 busy cores: p2p round trips of 0.2 ms or 4 ms,
+    bimodal; broadcast ones 0.25 ms), and gloo's all-reduce after compute took 1.5-4x a pair
+    of broadcasts of the same bytes on this project's 2-core machine.
 
-    `gap_s`: both ranks compute this long (untimed) before each round trip, as training
+    `gap_s`: both ranks compute this long (untimed) before each exchange, as training
     computes between its all-reduces. A tight ping-pong keeps gloo's threads awake; after a
     gap a message waits for them to be scheduled again, which on a machine whose cores other
     processes share costs far more than the wire: on this project's shared 2-core machine a
     200 kB all-reduce took 0.47 ms in a tight loop and 2.1 ms after 1 ms of compute."""
     from compresskit.distrib import launch
 
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport {transport!r}: one of {TRANSPORTS}")
-    fn = functools.partial(_pingpong, tuple(sizes), budget_s, transport, gap_s)
+    for tr in transports:
+        if tr not in TRANSPORTS:
+            raise ValueError(f"transport {tr!r}: one of {TRANSPORTS}")
+    fn = functools.partial(_pingpong, tuple(sizes), budget_s, tuple(transports), gap_s)
     points = launch.run(fn, 2, timeout_s)
-    return LinkFit(fit_link(points), tuple(points))
+    return {tr: LinkFit(fit_link(points[tr]), tuple(points[tr])) for tr in transports}
+
+
+def measure_link(
+    sizes: Sequence[int] = SIZES,
+    budget_s: float = 0.15,
+    timeout_s: float = 60.0,
+    transport: str = "p2p",
+    gap_s: float = 0.0,
+) -> LinkFit:
+    """One transport's `measure_links`."""
+    return measure_links((transport,), sizes, budget_s, timeout_s, gap_s)[transport]
 
 
 @dataclass(frozen=True)
@@ -576,15 +640,26 @@ class ComputeFit:
     points: tuple[tuple[int, float], ...]  # (batch, median forward+backward seconds)
 
 
-def _median_time(fn: Callable[[], Any], budget_s: float, warmup: int = 2, most: int = 50) -> float:
-    for _ in range(warmup):
-        fn()
+def _median_time(
+    fn: Callable[[], Any],
+    budget_s: float,
+    warmup: int = 2,
+    most: int = 50,
+    after: Callable[[], Any] | None = None,
+) -> float:
+    """Median seconds of `fn` over a few calls after a warm-up; `after` runs, untimed, after
+    each call."""
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < most):
+    for i in range(warmup + most):
+        if i >= warmup + 3 and time.perf_counter() - start >= budget_s:
+            break
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        if after is not None:
+            after()
     return statistics.median(times)
 
 
@@ -598,46 +673,85 @@ def measure_compute(
     optimizer: str = "adam",
     budget_s: float = 0.5,
 ) -> ComputeFit:
-    """Time one training step's compute on this process as `distrib.trainer.fit` runs it:
-    gather a batch from (x, y) by index, forward, cross-entropy, backward (median of a few
-    after a warm-up, about `budget_s` per batch size); fit fixed_s + sample_s * b over
-    `batches` by least squares; time the optimizer step alone (update_s). `threads`: torch's
-    intra-op threads while measuring (None: as they are; a worker on its own machine has all
-    of its cores); restored afterwards."""
+    """Time training steps on this process through `distrib.trainer.fit` itself, the loop
+    `compress train` runs (a batch gathered by index, the schedule's learning rate, forward,
+    cross-entropy, backward, the optimizer step, the running figures): per batch size in
+    `batches`, one short epoch of about `budget_s` on (x, y), and the mean time between
+    consecutive steps (a step rate pays every step, tails included). The optimizer step is
+    timed inside the same epochs (update_s, through torch's global optimizer hooks);
+    fixed_s + sample_s * b is fitted to the rest by least squares, so fixed_s holds the loop's
+    own per-step cost.
+
+    Why the loop and not a bare forward+backward: on LeNet-300-100 (batch 64, one thread) the
+    bare pass plus Adam's step timed alone came to 0.57 ms, the loop's steps to 0.72 ms, and
+    Adam's step timed alone, over and over on the same gradients, ran cache-warm (0.07 ms
+    against 0.12 ms inside the loop). The model trains while it is measured. `threads`:
+    torch's intra-op threads while measuring (None: as they are; a worker on its own machine
+    has all of its cores); restored afterwards. One process: refused inside a process group,
+    where `fit` would train data-parallel."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
+    import torch.distributed as dist
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
-    from compresskit.distrib.trainer import TrainConfig, make_optimizer
+    from compresskit.distrib.trainer import Events, TrainConfig, fit
+    from compresskit.models.data import Dataset
 
     if len(batches) < 1:
         raise ValueError("measure_compute needs a batch size")
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError("measure_compute times one worker: call it outside a process group")
+    n = len(y)
+    empty = slice(0, 0)
+    updates: list[float] = []
+    started: list[float] = []
+
+    class Clock(Events):
+        def __init__(self) -> None:
+            self.times: list[tuple[int, float]] = []
+
+        def step(self, epoch: int, step: int, loss: float) -> None:
+            self.times.append((epoch, time.perf_counter()))
+
+    def run(b: int, steps: int) -> list[float]:
+        """Seconds between consecutive steps of about `steps` steps at batch b: one epoch on
+        the first b * steps samples, or epochs over all of them where there are fewer. An
+        epoch's end is not between two steps, unless every epoch is one step."""
+        k = min(n, b * steps)
+        data = Dataset("plan", x[:k], y[:k], x[:1], y[:1], int(y.max()) + 1, x[empty], y[empty])
+        epochs = -(-b * steps // k)
+        cfg = TrainConfig(epochs=epochs, batch_size=b, optimizer=optimizer, evaluate="last")
+        clock = Clock()
+        fit(model, data, cfg, events=clock)
+        pairs = list(zip(clock.times, clock.times[1:], strict=False))
+        within = [t1 - t0 for (e0, t0), (e1, t1) in pairs if e0 == e1]
+        return within or [t1 - t0 for (_, t0), (_, t1) in pairs]
+
+    pre = register_optimizer_step_pre_hook(lambda *_: started.append(time.perf_counter()))
+    post = register_optimizer_step_post_hook(
+        lambda *_: updates.append(time.perf_counter() - started[-1])
+    )
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     used = torch.get_num_threads()
     try:
-        model.train()
-        opt = make_optimizer(model, TrainConfig(optimizer=optimizer))
-        n = len(y)
-        gen = torch.Generator().manual_seed(0)
-        points = []
+        points, timed = [], []
         for b in batches:
-            idx = torch.randint(0, n, (b,), generator=gen)
-
-            def one(idx=idx) -> None:
-                xb, yb = x[idx], y[idx]
-                logits = model(xb)
-                loss = F.cross_entropy(logits, yb)
-                float(loss.detach())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                int((logits.argmax(1) == yb).sum())
-
-            points.append((int(b), _median_time(one, budget_s)))
-        update = _median_time(opt.step, budget_s / 2)  # gradients of the last batch are there
+            warm = run(b, 6)  # a warm-up, and how long a step takes
+            steps = int(min(2000, max(10, budget_s / max(statistics.fmean(warm), 1e-6))))
+            del updates[:]
+            points.append((int(b), statistics.fmean(run(b, steps))))
+            timed += updates
+        update = statistics.fmean(timed)
     finally:
+        pre.remove()
+        post.remove()
         torch.set_num_threads(before)
+    points = [(b, max(t - update, 0.0)) for b, t in points]
     bs = np.array([p[0] for p in points], dtype=float)
     ts = np.array([p[1] for p in points], dtype=float)
     if len(set(bs)) < 2:
@@ -703,6 +817,8 @@ class PlanRequest:
     # Compute between the ping-pong's round trips (s); None: a worker's compute at N = 2,
     # at most LINK_GAP_MAX_S (see `measure_link`); 0: a tight ping-pong.
     link_gap: float | None = None
+    # An earlier `compress plan --json`'s output: take its links instead of measuring.
+    links_from: str | None = None
 
 
 LINK_GAP_MAX_S = 0.01
@@ -743,7 +859,7 @@ def make_plan(req: PlanRequest) -> Plan:
     model = ds = None
     layers = None
     if model_bytes is None or compute is None or activation is None:
-        model, ds = _build(req)
+        model, ds = build(req)
         measured["parameters"] = sum(p.numel() for p in model.parameters())
     if model_bytes is None:
         model_bytes = 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -776,23 +892,38 @@ def make_plan(req: PlanRequest) -> Plan:
     else:
         fixed, per, update = 0.0, compute / req.batch, 0.0
         measured["compute"] = {"how": "given (--compute), all of it split across workers"}
-    if bandwidth is None or latency is None:
+    ring = None
+    if req.links_from is not None and (bandwidth is not None or latency is not None):
+        raise InputError("--links-from with --bandwidth or --latency: give one or the other")
+    if req.links_from is not None:
+        link, ring, measured["link"] = links_from(req.links_from)
+    elif bandwidth is None or latency is None:
         gap = req.link_gap
         if gap is None:
             gap = min(LINK_GAP_MAX_S, fixed + per * req.batch / 2)
-        lf = measure_link(gap_s=gap)
+        fits = measure_links(("p2p", "allreduce"), gap_s=gap)
+        given = [f for f, v in (("bandwidth", bandwidth), ("latency", latency)) if v]
+        p2p, ar = (
+            Link(
+                latency if latency is not None else fits[tr].link.alpha_s,
+                bandwidth if bandwidth is not None else fits[tr].link.beta_bytes_per_s,
+            )
+            for tr in ("p2p", "allreduce")
+        )
         measured["link"] = {
-            "how": "gloo ping-pong (broadcasts) between 2 local ranks, "
-            f"{1e3 * gap:.3g} ms of compute before each round trip, "
+            "how": "gloo send/recv (parameter server, pipeline) and all-reduce (ring) between "
+            f"2 local ranks, {1e3 * gap:.3g} ms of compute before each exchange, "
             "least-squares alpha + n/beta",
             "gap_s": gap,
-            "fitted": asdict(lf.link),
-            "points_us": {str(n): 1e6 * t for n, t in lf.points},
-            "given": [f for f, v in (("bandwidth", bandwidth), ("latency", latency)) if v],
+            "fitted": asdict(fits["p2p"].link),
+            "points_us": {f"{n:.0f}": 1e6 * t for n, t in fits["p2p"].points},
+            "allreduce_fitted": asdict(fits["allreduce"].link),
+            "allreduce_points_us": {f"{n:.0f}": 1e6 * t for n, t in fits["allreduce"].points},
+            "given": given,
         }
-        bandwidth = bandwidth if bandwidth is not None else lf.link.beta_bytes_per_s
-        latency = latency if latency is not None else lf.link.alpha_s
+        link, ring = p2p, ar
     else:
+        link = Link(latency, bandwidth)
         measured["link"] = {"how": "given (--bandwidth, --latency)"}
     workload = Workload(
         model_bytes=model_bytes,
@@ -805,16 +936,41 @@ def make_plan(req: PlanRequest) -> Plan:
     )
     return plan(
         workload,
-        Link(latency, bandwidth),
+        link,
         req.max_workers,
         servers=req.servers,
         stages=req.stages,
         microbatches=req.microbatches,
         measured=measured,
+        ring=ring,
     )
 
 
-def _build(req: PlanRequest):
+def links_from(path: str) -> tuple[Link, Link, dict[str, Any]]:
+    """The point-to-point and all-reduce links of an earlier `compress plan --json` (its
+    "link" and "allreduce_link"), and the "measured" entry that says so."""
+    import json
+    from pathlib import Path
+
+    where = f"--links-from {path}"
+    fix = "give the output of compress plan --json"
+    try:
+        doc = json.loads(Path(path).read_bytes())
+        link = Link(**doc["link"])
+        ring = Link(**doc.get("allreduce_link", doc["link"]))
+    except OSError as e:
+        raise InputError(f"{where}: {e.strerror or e}; {fix}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{where}: not JSON ({e}); {fix}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise InputError(f"{where}: no link in it ({type(e).__name__}: {e}); {fix}") from None
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+    how = {"how": f"from {path}", "from": doc.get("measured", {}).get("link", {})}
+    return link, ring, how
+
+
+def build(req: PlanRequest):
     """The zoo (or user) model built for the data, as `compress train` builds it."""
     from compresskit.models import data, zoo
 

@@ -5,6 +5,7 @@ the command (JSON, table width, plot, one-line exit-2 errors)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -77,6 +78,27 @@ def test_pipeline_by_hand():
     narrow = P.Workload(model_bytes=4e6, batch=64, sample_s=1e-3, layers=3)
     assert P.pipeline_step(narrow, link, 4) is None  # more stages than layers
     assert P.pipeline_step(narrow, link, 3) is not None
+
+
+def test_each_strategy_takes_its_own_link():
+    """The ring all-reduce (and a pipeline's replicas) on the all-reduce link; the parameter
+    server and the pipeline's activations on the send/recv link."""
+    w = P.Workload(model_bytes=4e6, batch=64, sample_s=1e-3, update_s=0.04, activation_bytes=1000)
+    p2p, ring = P.Link(1e-4, 1e8), P.Link(1e-3, 1e7)
+    p = P.plan(w, p2p, 8, stages=4, microbatches=8, ring=ring)
+    assert p.allreduce_link == ring and p.link == p2p
+    ar = p.curves["allreduce"].steps[3]
+    assert ar.comm_s == pytest.approx(6 * 1e-3 + 1.5 * 4e6 / 1e7)  # N = 4 on the ring link
+    ps = p.curves["ps"].steps[3]
+    assert ps.comm_s == pytest.approx(P.ps_comm_s(p2p, 4, 2, 4e6))
+    pipe = p.curves["pipeline"].steps[7]  # 2 replicas of 4 stages, micro-batches of 4
+    assert pipe.comm_s == pytest.approx(11 * 2 * (1e-4 + 4e-5) + 2e-3 + 1e6 / 1e7)
+    one = P.plan(w, p2p, 8, stages=4, microbatches=8)  # no ring link: the one link for all
+    assert one.allreduce_link == p2p
+    assert one.curves["allreduce"].steps[3].comm_s == pytest.approx(
+        P.ring_allreduce_s(p2p, 4, 4e6)
+    )
+    assert p.to_dict()["allreduce_link"] == {"alpha_s": 1e-3, "beta_bytes_per_s": 1e7}
 
 
 # ---- saturation and the shape of the curves ---------------------------------------------
@@ -241,11 +263,16 @@ def test_fit_link_recovers_alpha_and_beta():
     assert link.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
 
 
-def test_measure_link_on_two_local_ranks():
-    fit = P.measure_link(sizes=(1024, 1 << 18), budget_s=0.03, timeout_s=60)
-    assert [n for n, _ in fit.points] == [1024, 1 << 18]
-    assert all(t > 0 for _, t in fit.points)
-    assert fit.link.alpha_s >= 0 and fit.link.beta_bytes_per_s > 0
+def test_measure_links_on_two_local_ranks():
+    fits = P.measure_links(("p2p", "allreduce"), sizes=(1024, 1 << 18), budget_s=0.03)
+    assert [n for n, _ in fits["p2p"].points] == [1024, 1 << 18]
+    # an all-reduce over two ranks counts as one message of half the tensor each way
+    assert [n for n, _ in fits["allreduce"].points] == [512, 1 << 17]
+    for fit in fits.values():
+        assert all(t > 0 for _, t in fit.points)
+        assert fit.link.alpha_s >= 0 and fit.link.beta_bytes_per_s > 0
+    with pytest.raises(ValueError, match="transport 'carrier pigeon'"):
+        P.measure_links(("carrier pigeon",))
 
 
 def test_measure_compute_fits_a_line():
@@ -255,10 +282,21 @@ def test_measure_compute_fits_a_line():
 
     model = zoo.tiny("mlp")
     x, y = torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    before = torch.get_num_threads()
+    weights = [p.detach().clone() for p in model.parameters()]
     fit = P.measure_compute(model, x, y, [4, 16, 64], threads=1, budget_s=0.05)
     assert [b for b, _ in fit.points] == [4, 16, 64] and fit.threads == 1
+    assert all(t >= 0 for _, t in fit.points)
     assert fit.fixed_s >= 0 and fit.sample_s >= 0 and fit.update_s > 0
-    assert torch.get_num_threads() >= 1
+    assert torch.get_num_threads() == before
+    # it timed real training steps: the weights moved (64 samples at batch 64: epochs of one
+    # step, so the steps it timed span epochs, and none of them across an epoch's end)
+    assert any(not torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
+    # the optimizer hooks it timed the step with are gone
+    from torch.optim import optimizer
+
+    assert not optimizer._global_optimizer_pre_hooks
+    assert not optimizer._global_optimizer_post_hooks
 
 
 # ---- the command -------------------------------------------------------------------------
@@ -311,6 +349,51 @@ def test_plan_fixed_servers_and_stages(run):
     assert math.isclose(
         rows[4]["ps"]["comm_ms"], 1e3 * P.ps_comm_s(P.Link(5e-5, 1e9), 4, 2, 1e6), rel_tol=1e-9
     )
+
+
+def test_plan_links_from_an_earlier_plan(run, tmp_path):
+    """--links-from takes both links of an earlier `compress plan --json` and measures none."""
+    args = ["plan", "--model-bytes", "1MB", "--compute", "100ms", "--activation-bytes", "1kB"]
+    earlier = run(*args, *GIVEN, "--json").json()
+    earlier["allreduce_link"] = {"alpha_s": 1e-3, "beta_bytes_per_s": 2e8}  # as if measured
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(earlier))
+    r = run(*args, "--links-from", path, "--json").json()
+    assert r["link"] == {"alpha_s": pytest.approx(5e-5), "beta_bytes_per_s": pytest.approx(1e9)}
+    assert r["allreduce_link"] == {"alpha_s": 1e-3, "beta_bytes_per_s": 2e8}
+    assert r["measured"]["link"]["how"] == f"from {path}"
+    two = next(row for row in r["rows"] if row["workers"] == 2)
+    assert two["allreduce"]["comm_ms"] == pytest.approx(1e3 * (2e-3 + 1e6 / 2e8))
+    text = run(*args, "--links-from", path)
+    assert "link, all-reduce (ring): latency 1 ms, bandwidth 200 MB/s" in text.stdout
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "--links-from {path}: No such file or directory"),
+        ("{", "--links-from {path}: not JSON"),
+        ('{"rows": []}', "--links-from {path}: no link in it"),
+        ('{"link": {"alpha_s": 1e-5, "beta_bytes_per_s": -4}}', "--links-from {path}: --bandwidth"),
+        ('{"link": {"alpha_s": "fast", "beta_bytes_per_s": 1e9}}', "no link in it"),
+        ("[1, 2]", "no link in it"),
+    ],
+)
+def test_bad_links_from_is_one_line_and_exit_2(run, tmp_path, content, message):
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    result = run("plan", "--model-bytes", "1MB", "--compute", "1s", "--links-from", path)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message.format(path=path) in lines[0], lines[0]
+
+
+def test_links_from_with_a_given_link_is_refused(run, tmp_path):
+    result = run("plan", "--model-bytes", "1MB", "--compute", "1s", *GIVEN, "--links-from", "x")
+    assert result.exit_code == 2
+    assert "--links-from with --bandwidth or --latency" in result.stderr
 
 
 @pytest.mark.parametrize(
