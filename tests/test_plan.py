@@ -95,9 +95,7 @@ def test_each_strategy_takes_its_own_link():
     assert pipe.comm_s == pytest.approx(11 * 2 * (1e-4 + 4e-5) + 2e-3 + 1e6 / 1e7)
     one = P.plan(w, p2p, 8, stages=4, microbatches=8)  # no ring link: the one link for all
     assert one.allreduce_link == p2p
-    assert one.curves["allreduce"].steps[3].comm_s == pytest.approx(
-        P.ring_allreduce_s(p2p, 4, 4e6)
-    )
+    assert one.curves["allreduce"].steps[3].comm_s == pytest.approx(P.ring_allreduce_s(p2p, 4, 4e6))
     assert p.to_dict()["allreduce_link"] == {"alpha_s": 1e-3, "beta_bytes_per_s": 1e7}
 
 
