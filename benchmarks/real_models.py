@@ -121,7 +121,7 @@ def images_npz(path: Path, n: int = 2000, side: int = 32) -> None:
 # runs, so a child whose own peak was lower read the parent's size (a 0.1M-weight model
 # "peaked" at 567 MiB, 160 MiB over its real figure).
 _HWM = """
-import atexit, runpy, sys
+import atexit, json, runpy, sys
 out, what = sys.argv[1], sys.argv[2]
 def hwm():
     with open("/proc/self/status") as f:
@@ -129,23 +129,37 @@ def hwm():
     with open(out, "w") as f:
         f.write(str(kb * 1024))
 atexit.register(hwm)
+if "shrink" in sys.argv[3:6]:
+    sys.path.insert(0, __BENCH__)
+    import _stage_memory
+    atexit.register(_stage_memory.start(out + ".stages"))
 if what == "-m":
     sys.argv = [sys.argv[3], *sys.argv[4:]]
     runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 else:  # -c CODE
     code, sys.argv = sys.argv[3], ["-c"]
     exec(code)
-"""
+""".replace("__BENCH__", repr(str(Path(__file__).resolve().parent)))
 
 
 def _run_measured(argv: list[str], **popen) -> tuple[int, int]:
-    """Run `python ARGV` (`-m MODULE ...` or `-c CODE`); its exit status and peak RSS."""
+    """Run `python ARGV` (`-m MODULE ...` or `-c CODE`); its exit status and peak RSS. A
+    `compress shrink` also leaves its peak RSS per pipeline step in LAST_STAGES (see
+    `_stage_memory`)."""
+    LAST_STAGES.clear()
     with tempfile.NamedTemporaryFile("r", suffix=".hwm") as hwm:
         proc = subprocess.Popen([sys.executable, "-c", _HWM, hwm.name, *argv], cwd=ROOT, **popen)
         _, status, usage = os.wait4(proc.pid, 0)
         text = hwm.read().strip()
+        stages = Path(hwm.name + ".stages")
+        if stages.exists():
+            LAST_STAGES.update(json.loads(stages.read_text()))
+            stages.unlink()
     # no /proc (not Linux): wait4's figure, with the caveat above
     return status, int(text) if text else usage.ru_maxrss * 1024
+
+
+LAST_STAGES: dict = {}
 
 
 def peak_rss_of(code: str) -> int:
@@ -343,11 +357,13 @@ def one(
 
     before = dense_epoch(epochs, ck)
     shrunk = []
+    stage_peaks: dict[str, dict] = {}
     for m in microbatches if case.name != FLOOR else ("default",):  # fixed cost: measured once
         default = m == "default"
         variant = case.name if default else f"{case.name} M={m}"
         out = work / f"{case.name}-shrunk" if default else work / f"{case.name}-shrunk-m{m}"
         shrunk.append((m, variant, out, *shrink_measured(ck, data, recipes[m], out, case)))
+        stage_peaks[variant] = dict(LAST_STAGES)
     # The dense epoch again, in a process after the shrink: back-to-back runs of ResNet-18 saw
     # the first process's median epoch move 2.72-3.47 s while the shrink moved 7%
     # (docs/benchmarks.md); the figure divided by is the mean of both processes' medians.
@@ -382,6 +398,7 @@ def one(
             "stages": {s["name"]: s["seconds"] for s in rep["stages"]},
             "timings": timings,
             "peak_rss": peak,
+            "peak_by_step": stage_peaks.get(variant, {}),
             "base_rss": base_rss,
             "code_rss": code_rss,
             "model_bytes": 4 * params,
@@ -520,6 +537,18 @@ def table(rows: list[dict]) -> None:
             "MiB; peak over the model's code and that, per FP32 model + data bytes: "
             + ", ".join(f"{r['name']} {r['mem_multiple']:.1f}x" for r in ok if r["name"] != FLOOR)
         )
+    # Where each run's peak was: the highest RSS sampled while each pipeline step ran.
+    for r in ok:
+        steps = r.get("peak_by_step") or {}
+        if steps:
+            print(
+                f"{r['name']}: peak RSS by step (sampled every 2 ms; VmHWM "
+                f"{r['peak_rss'] / 2**20:.0f} MiB): "
+                + ", ".join(
+                    f"{k} {v['peak'] / 2**20:.0f}"
+                    for k, v in sorted(steps.items(), key=lambda kv: -kv[1]["peak"])
+                )
+            )
     # Each row with a set train.microbatches against the same model's default-recipe row.
     for r in ok:
         base = next((b for b in ok if b["name"] == r.get("model")), None)

@@ -99,6 +99,55 @@ def test_weights_mode_holds_sharing_while_weights_train():
         assert set(w[s.mask].unique().tolist()) <= set(s.codebook.detach().tolist())
 
 
+def _original_bytes(model) -> dict[str, int]:
+    from torch.nn.utils import parametrize
+
+    return {
+        f"{mname}.{pname}": plist.original.untyped_storage().nbytes()
+        for mname, m in model.named_modules()
+        if parametrize.is_parametrized(m)
+        for pname, plist in m.parametrizations.items()
+    }
+
+
+def test_centroids_mode_holds_no_original_weights():
+    """Fine-tuning centroids never reads the float originals: they keep their shape, not their
+    bytes; the shared weights, their training and a state_dict round trip are unchanged."""
+    data = load("digits")
+    model = tiny("lenet5", in_shape=data.in_shape)
+    prune.prune_(model, prune.PruneConfig(sparsity=0.6))
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(conv_bits=3, fc_bits=2))
+    held = _original_bytes(model)
+    assert held and all(n <= 4 for n in held.values()), held
+    for name, s in kmeans.shared_of(model).items():
+        w = model.get_submodule(name).weight
+        original = model.get_submodule(name).parametrizations.weight.original
+        assert original.shape == w.shape and not original.requires_grad
+        expect = torch.where(s.mask, s.codebook.detach()[s.index.long()], 0.0)
+        assert torch.equal(w.detach(), expect)
+        assert dense[f"{name}.parametrizations.weight.original"].ne(0).any()  # it had bytes
+    fit(model, data, TrainConfig(epochs=1))
+    assert all(n <= 4 for n in _original_bytes(model).values())
+    twin = tiny("lenet5", in_shape=data.in_shape)
+    prune.prune_(twin, prune.PruneConfig(sparsity=0.6))
+    kmeans.share_weights_(twin, kmeans.QuantizeConfig(conv_bits=3, fc_bits=2))
+    twin.load_state_dict(model.state_dict())
+    x = data.x_test[:8]
+    assert torch.equal(twin.eval()(x), model.eval()(x))
+
+
+def test_weights_mode_drops_the_originals_once_frozen():
+    model = tiny("mlp")
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=3, mode="weights"))
+    assert all(n > 4 for n in _original_bytes(model).values())  # they train
+    before = {n: model.get_submodule(n).weight.detach().clone() for n in kmeans.shared_of(model)}
+    kmeans.freeze_sharing_(model)
+    assert all(n <= 4 for n in _original_bytes(model).values())
+    for n, w in before.items():
+        assert torch.equal(model.get_submodule(n).weight.detach(), w)
+
+
 def test_unknown_layer_and_bad_bits():
     with pytest.raises(InputError, match="no layer named fc9"):
         kmeans.share_weights_(tiny("mlp"), kmeans.QuantizeConfig(bits={"fc9": 4}))
