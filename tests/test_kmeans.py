@@ -167,3 +167,48 @@ def test_weights_mode_forward_is_exactly_the_centroids():
     assert not torch.signbit(out[~mask]).any()
     out.sum().backward()  # straight-through: the kept originals get the weight's gradient
     assert torch.equal(w.grad, mask.float())
+
+
+def test_fine_tuning_keeps_no_pruned_originals_alive(tmp_path):
+    """Through the whole shrink: while the centroids fine-tune, no float weight of the pruned
+    model is left alive (the histogram's weights, computed through the pruning mask with a
+    graph, once kept every pruned original and its gradient: 2x the model's bytes)."""
+    import gc
+
+    from compresskit.compressor import recipe, shrink
+
+    def plain(o) -> bool:
+        return type(o) in (torch.Tensor, torch.nn.Parameter) and not o.is_meta  # not fakes
+
+    model = tiny("lenet300", in_shape=(1, 8, 8))
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if plain(o)}  # other tests' tensors
+    seen: list[list[tuple]] = []
+
+    def retrain(m, epochs, lr, loss_fn=None, data=None):
+        for p in m.parameters():  # a retraining run leaves gradients, as fit does
+            if p.requires_grad:
+                p.grad = torch.ones_like(p)
+        gc.collect()
+        inside = {p.untyped_storage().data_ptr() for p in m.parameters()}
+        weights = {tuple(p.shape) for p in m.parameters() if p.dim() == 2}
+        seen.append(
+            [
+                (type(o).__name__, tuple(o.shape))
+                for o in gc.get_objects()
+                if plain(o)
+                and id(o) not in before
+                and tuple(o.shape) in weights
+                and o.untyped_storage().nbytes() > 4
+                and o.untyped_storage().data_ptr() not in inside
+                and o.is_floating_point()
+            ]
+        )
+
+    hooks = shrink.Hooks(retrain=retrain, test_accuracy=lambda m: 0.5, val_accuracy=lambda m: 0.5)
+    r = recipe.resolve(
+        {"prune": {"rounds": 1, "retrain_epochs": 1}, "quantize": {"finetune_epochs": 1}}
+    )
+    shrink.shrink(model, {"name": "lenet300", "kwargs": {}}, r, hooks, tmp_path)
+    _, fine_tuning = seen
+    assert fine_tuning == []
