@@ -511,6 +511,26 @@ def test_saved_bytes_per_sample_grow_with_the_activations_not_the_weights(digits
     assert not any(p.grad is not None for p in wide.parameters())
 
 
+def test_saved_bytes_keeps_nothing_after_it_returns(digits):
+    """GELU and softmax save their own outputs: a pack hook that returned the tensor itself
+    made each a reference cycle through the graph that gc cannot see, and every measurement
+    kept its forward's saved tensors for good (ViT-tiny: 120 MiB per retraining run)."""
+    import gc
+    import weakref
+
+    from compresskit.distrib.trainer import cross_entropy_loss, saved_bytes
+
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 10)
+    )
+    outputs: list = []
+    model[2].register_forward_hook(lambda m, i, out: outputs.append(weakref.ref(out)))
+    x, y = digits.x_train[:8], digits.y_train[:8]
+    assert saved_bytes(model, cross_entropy_loss, x, y) >= 4 * 8 * (64 + 32 + 32)
+    gc.collect()
+    assert len(outputs) == 1 and outputs[0]() is None  # GELU's saved output is gone
+
+
 class _ComputedWeight(torch.nn.Module):
     """A second layer whose weight is computed in the forward pass (as weight sharing's
     codebook lookup is): its matmul saves that weight for the first layer's gradient, and the
