@@ -71,9 +71,10 @@ class TrainSection:
     # same update, dropout's draws aside, in about 1/M of the activation memory; refused for
     # BatchNorm models). "auto": as many as keep one slice's activations within 4x the model's
     # bytes, measured on the model that retrains (1 with BatchNorm, or when they fit already:
-    # every zoo model but the ViT, which takes 4 at batch 32). Not the default: ViT-tiny's whole
-    # shrink peaked 909-1,412 MiB with 4 and 1,159-1,404 with 1 (docs/benchmarks.md).
-    microbatches: int | str = 1
+    # every zoo model but the ViT, which takes 4 at batch 32: its whole shrink peaked at 818-843
+    # MiB with 4 slices against 1,083-1,094 with 1 once the measurement stopped leaking;
+    # docs/benchmarks.md, "Peak memory by step").
+    microbatches: int | str = "auto"
     optimizer: str = "adam"  # "adam" | "sgd"
     seed: int = 0
     # alpha of the soft-target loss against the dense model while retraining and fine-tuning

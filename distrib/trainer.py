@@ -662,8 +662,8 @@ def fit(
 # `microbatches="auto"`: one slice's activations within this many times the model's parameter
 # bytes, and never sliced below this many bytes (small models keep their whole batch). ViT-tiny
 # (5.4M parameters, 20.5 MiB) saves 9.8 MiB per 3x32x32 sample, 315 MiB per batch of 32: auto
-# takes 4 slices of at most 82 MiB (though its whole shrink's peak is set elsewhere: 909-1,412
-# MiB with 4 slices, 1,159-1,404 with 1, in ten runs; docs/benchmarks.md).
+# takes 4 slices of at most 82 MiB (its whole shrink: 818-843 MiB against 1,083-1,094 with 1;
+# docs/benchmarks.md, "Peak memory by step").
 AUTO_ACTIVATIONS = 4
 AUTO_FLOOR = 16 << 20
 AUTO_PROBE = 8  # samples of the larger measuring forward pass (the other takes half)

@@ -100,6 +100,8 @@ def test_shrink_json_and_files(trained):
     assert "1,294 train / 143 validation / 360 test samples" in md
     saved = json.loads((out / "report.json").read_text())
     assert saved["recipe"]["prune"]["rounds"] == 2
+    # the default micro-batches ("auto") measured this MLP's activations: its batch stays whole
+    assert saved["recipe"]["train"]["microbatches"] == "auto"
     assert saved["training"] == {"microbatches": [1]}  # what the retraining runs took
     assert not [p for p in folder.iterdir() if p.name.startswith(".shrunk")]  # no temp folder left
 
