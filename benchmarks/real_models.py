@@ -142,42 +142,39 @@ else:  # -c CODE
 """.replace("__BENCH__", repr(str(Path(__file__).resolve().parent)))
 
 
-def _run_measured(argv: list[str], **popen) -> tuple[int, int]:
-    """Run `python ARGV` (`-m MODULE ...` or `-c CODE`); its exit status and peak RSS. A
-    `compress shrink` also leaves its peak RSS per pipeline step in LAST_STAGES (see
-    `_stage_memory`)."""
-    LAST_STAGES.clear()
+def _run_measured(argv: list[str], **popen) -> tuple[int, int, dict]:
+    """Run `python ARGV` (`-m MODULE ...` or `-c CODE`); its exit status, peak RSS, and for a
+    `compress shrink` its peak RSS per pipeline step (`_stage_memory`; else {})."""
+    by_step = {}
     with tempfile.NamedTemporaryFile("r", suffix=".hwm") as hwm:
         proc = subprocess.Popen([sys.executable, "-c", _HWM, hwm.name, *argv], cwd=ROOT, **popen)
         _, status, usage = os.wait4(proc.pid, 0)
         text = hwm.read().strip()
         stages = Path(hwm.name + ".stages")
         if stages.exists():
-            LAST_STAGES.update(json.loads(stages.read_text()))
+            by_step = json.loads(stages.read_text())
             stages.unlink()
     # no /proc (not Linux): wait4's figure, with the caveat above
-    return status, int(text) if text else usage.ru_maxrss * 1024
-
-
-LAST_STAGES: dict = {}
+    return status, int(text) if text else usage.ru_maxrss * 1024, by_step
 
 
 def peak_rss_of(code: str) -> int:
     """Peak RSS of `python -c CODE` (RuntimeError when CODE fails: a baseline that stopped
     early would read low)."""
     with tempfile.TemporaryFile("w+") as err:
-        status, peak = _run_measured(["-c", code], stdout=subprocess.DEVNULL, stderr=err)
+        status, peak, _ = _run_measured(["-c", code], stdout=subprocess.DEVNULL, stderr=err)
         err.seek(0)
         if status:
             raise RuntimeError(f"baseline failed: {err.read().strip().splitlines()[-1:]}")
     return peak
 
 
-def compress_measured(args: list[str]) -> tuple[dict, float, int]:
-    """`compress ARGS --json -q` with wall seconds and the run's own peak RSS."""
+def compress_measured(args: list[str]) -> tuple[dict, float, int, dict]:
+    """`compress ARGS --json -q` with wall seconds, the run's own peak RSS and, for a shrink,
+    its peak RSS per pipeline step."""
     t = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        status, peak = _run_measured(
+        status, peak, by_step = _run_measured(
             ["-m", "compresskit.cli", *args, "--json", "-q"], stdout=out, stderr=err
         )
         seconds = time.perf_counter() - t
@@ -187,7 +184,7 @@ def compress_measured(args: list[str]) -> tuple[dict, float, int]:
     if status:
         lines = errors.strip().splitlines() or [f"exit status {status}"]
         raise RuntimeError(lines[-1])
-    return json.loads(text), seconds, peak
+    return json.loads(text), seconds, peak, by_step
 
 
 def fp32_parity(folder: Path, data_x: np.ndarray) -> tuple[float, float]:
@@ -344,7 +341,7 @@ def one(
 
     def dense_epoch(n: int, out: Path) -> float:
         """The median epoch of `n` epochs of `compress train` (its test pass included)."""
-        trained, _, _ = compress_measured(
+        trained, *_ = compress_measured(
             [
                 "train",
                 *model_args,
@@ -357,13 +354,11 @@ def one(
 
     before = dense_epoch(epochs, ck)
     shrunk = []
-    stage_peaks: dict[str, dict] = {}
     for m in microbatches if case.name != FLOOR else ("default",):  # fixed cost: measured once
         default = m == "default"
         variant = case.name if default else f"{case.name} M={m}"
         out = work / f"{case.name}-shrunk" if default else work / f"{case.name}-shrunk-m{m}"
         shrunk.append((m, variant, out, *shrink_measured(ck, data, recipes[m], out, case)))
-        stage_peaks[variant] = dict(LAST_STAGES)
     # The dense epoch again, in a process after the shrink: back-to-back runs of ResNet-18 saw
     # the first process's median epoch move 2.72-3.47 s while the shrink moved 7%
     # (docs/benchmarks.md); the figure divided by is the mean of both processes' medians.
@@ -372,7 +367,7 @@ def one(
     ds = _dataset(data)
     test_x = ds.x_test.numpy()
     rows = []
-    for m, variant, out, rep, shrink_s, peak in shrunk:
+    for m, variant, out, rep, shrink_s, peak, by_step in shrunk:
         params = rep["baseline"]["parameters"]
         # --json prints a summary; the full report (timings included) is the folder's report.json.
         rep = json.loads((out / "report.json").read_text())
@@ -398,7 +393,7 @@ def one(
             "stages": {s["name"]: s["seconds"] for s in rep["stages"]},
             "timings": timings,
             "peak_rss": peak,
-            "peak_by_step": stage_peaks.get(variant, {}),
+            "peak_by_step": by_step,
             "base_rss": base_rss,
             "code_rss": code_rss,
             "model_bytes": 4 * params,
@@ -421,7 +416,8 @@ def one(
 
 
 def shrink_measured(ck: Path, data: str, recipe: Path, out: Path, case: Case):
-    """`compress shrink` of checkpoint `ck`: its --json summary, wall seconds and peak RSS."""
+    """`compress shrink` of checkpoint `ck`: its --json summary, wall seconds, peak RSS and peak
+    RSS per pipeline step."""
     return compress_measured(
         [
             "shrink",

@@ -26,6 +26,7 @@ projections and, when asked (`embeddings`), Embedding tables.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -282,14 +283,17 @@ def _not_missing_original(module, incompatible) -> None:
 def shared_params(model: nn.Module) -> dict[str, SharedWeights]:
     """The SharedWeights parametrization of each shared parameter, by state_dict key
     ("fc1.weight", "encoder.blocks.0.attn.in_proj_weight")."""
-    out = {}
+    return {key: p for key, _, p in _shared_lists(model)}
+
+
+def _shared_lists(model: nn.Module) -> Iterator[tuple[str, nn.Module, SharedWeights]]:
+    """(state_dict key, its ParametrizationList, the SharedWeights in it) per shared parameter."""
     for name, module in model.named_modules():
         if parametrize.is_parametrized(module):
             for pname, plist in module.parametrizations.items():
                 for p in plist:
                     if isinstance(p, SharedWeights):
-                        out[f"{name}.{pname}" if name else pname] = p
-    return out
+                        yield (f"{name}.{pname}" if name else pname), plist, p
 
 
 def shared_of(model: nn.Module) -> dict[str, SharedWeights]:
@@ -301,14 +305,10 @@ def shared_of(model: nn.Module) -> dict[str, SharedWeights]:
 def freeze_sharing_(model: nn.Module) -> None:
     """After weight-mode fine-tuning: keep the last assignment and stop training originals
     (and holding them)."""
-    for module in model.modules():
-        if not parametrize.is_parametrized(module):
-            continue
-        for plist in module.parametrizations.values():
-            for p in plist:
-                if isinstance(p, SharedWeights) and p.mode != "centroids":
-                    p.mode = "centroids"
-                    _drop_original_(plist)
+    for _, plist, p in _shared_lists(model):
+        if p.mode != "centroids":
+            p.mode = "centroids"
+            _drop_original_(plist)
 
 
 def distinct_values(w: torch.Tensor) -> int:

@@ -332,12 +332,13 @@ def _quantize(
         seed=seed,
         embeddings=q.embeddings,
     )
-    # The histogram's layer: the largest. Its values only, without autograd: a weight computed
-    # through the pruning mask with a graph keeps every pruned original, and its gradient,
-    # alive (ViT-tiny: 41 MiB through fine-tuning).
+    # The histogram's layer: the largest (sized by its stored tensor, nothing computed). Its
+    # values only, without autograd: a weight computed through the pruning mask with a graph
+    # keeps every pruned original, and its gradient, alive (ViT-tiny: 41 MiB through
+    # fine-tuning).
     found = kmeans.layers(model, cfg.embeddings)
+    largest = max(found, key=lambda n: prune._raw(model, found[n].key).numel())
     with torch.no_grad():
-        largest = max(found, key=lambda n: _baked_value(model, found[n].key).numel())
         w = _baked_value(model, found[largest].key).flatten()
         w = w[w != 0].numpy()
     if q.method == "soft":

@@ -7,7 +7,7 @@ The cost model
 Link (Hockney, "The communication challenge for MPP", Parallel Computing 1994): sending one
 message of n bytes takes ``alpha + n / beta`` seconds, alpha the latency and beta the bandwidth
 (bytes/s). Each strategy's link is measured on the primitive it uses, between two local ranks
-that compute between round trips as training does (see `measure_link` why that matters):
+that compute between round trips as training does (see `measure_links` why that matters):
 point-to-point send/recv for the parameter server and the pipeline's activations, gloo's own
 all-reduce for the ring. On this project's 2-core machine an all-reduce after compute took
 1.5-4x a pair of broadcasts of the same bytes (256 kB: 1.63 against 0.42 ms), so one link fitted
@@ -494,9 +494,8 @@ def fit_link(points: Sequence[tuple[float, float]]) -> Link:
 
 SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 23)  # 1 KiB .. 8 MiB
 # "p2p": send/recv, the parameter server's and the pipeline's path; "allreduce": gloo's own
-# all-reduce, the ring strategy's (DDP's); "collective": two broadcasts, one message each way
-# (the planner's single link before it measured all-reduce itself).
-TRANSPORTS = ("p2p", "allreduce", "collective")
+# all-reduce, the ring strategy's (DDP's).
+TRANSPORTS = ("p2p", "allreduce")
 
 
 def _pingpong(
@@ -530,7 +529,7 @@ def _pingpong(
         while time.perf_counter() - t < gap_s:
             work @ work
 
-    bounces = {"p2p": bounce_p2p, "allreduce": _bounce_allreduce, "collective": _bounce_collective}
+    bounces = {"p2p": bounce_p2p, "allreduce": _bounce_allreduce}
     tensors = [torch.zeros(max(1, n // 4)) for n in sizes]
     times = {tr: [[] for _ in sizes] for tr in transports}
     start = time.perf_counter()
@@ -578,12 +577,6 @@ def bounce_p2p(dist, x, rank: int) -> None:
         dist.send(x, 0)
 
 
-def _bounce_collective(dist, x, rank: int) -> None:
-    # On two ranks a broadcast is one message from its source to the other rank.
-    dist.broadcast(x, 0)
-    dist.broadcast(x, 1)
-
-
 def _bounce_allreduce(dist, x, rank: int) -> None:
     dist.all_reduce(x)  # of zeros: the values stay what they are
 
@@ -620,47 +613,13 @@ def measure_links(
     return {tr: LinkFit(fit_link(points[tr]), tuple(points[tr])) for tr in transports}
 
 
-def measure_link(
-    sizes: Sequence[int] = SIZES,
-    budget_s: float = 0.15,
-    timeout_s: float = 60.0,
-    transport: str = "p2p",
-    gap_s: float = 0.0,
-) -> LinkFit:
-    """One transport's `measure_links`."""
-    return measure_links((transport,), sizes, budget_s, timeout_s, gap_s)[transport]
-
-
 @dataclass(frozen=True)
 class ComputeFit:
     fixed_s: float
     sample_s: float
     update_s: float
     threads: int
-    points: tuple[tuple[int, float], ...]  # (batch, median forward+backward seconds)
-
-
-def _median_time(
-    fn: Callable[[], Any],
-    budget_s: float,
-    warmup: int = 2,
-    most: int = 50,
-    after: Callable[[], Any] | None = None,
-) -> float:
-    """Median seconds of `fn` over a few calls after a warm-up; `after` runs, untimed, after
-    each call."""
-    times: list[float] = []
-    start = time.perf_counter()
-    for i in range(warmup + most):
-        if i >= warmup + 3 and time.perf_counter() - start >= budget_s:
-            break
-        t0 = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        if after is not None:
-            after()
-    return statistics.median(times)
+    points: tuple[tuple[int, float], ...]  # (batch, mean seconds of a step less update_s)
 
 
 def measure_compute(
@@ -815,7 +774,7 @@ class PlanRequest:
     threads: int = 0  # torch threads of one worker while measuring its compute (0: all)
     optimizer: str = "adam"
     # Compute between the ping-pong's round trips (s); None: a worker's compute at N = 2,
-    # at most LINK_GAP_MAX_S (see `measure_link`); 0: a tight ping-pong.
+    # at most LINK_GAP_MAX_S (see `measure_links`); 0: a tight ping-pong.
     link_gap: float | None = None
     # An earlier `compress plan --json`'s output: take its links instead of measuring.
     links_from: str | None = None
@@ -838,7 +797,7 @@ def fit_batches(batch: int, max_workers: int) -> list[int]:
 
 def make_plan(req: PlanRequest) -> Plan:
     """Measure what `req` does not give (model bytes and activations from the built model,
-    compute by `measure_compute`, the link by `measure_link`), then `plan` every strategy."""
+    compute by `measure_compute`, the links by `measure_links`), then `plan` every strategy."""
     for flag, v in (("--max-workers", req.max_workers), ("--microbatches", req.microbatches)):
         if v < 1:
             raise InputError(f"{flag} {v}: give 1 or more")
