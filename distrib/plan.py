@@ -917,6 +917,7 @@ def links_from(path: str) -> tuple[Link, Link, dict[str, Any]]:
         doc = json.loads(Path(path).read_bytes())
         link = Link(**doc["link"])
         ring = Link(**doc.get("allreduce_link", doc["link"]))
+        how = {"how": f"from {path}", "from": doc.get("measured", {}).get("link", {})}
     except OSError as e:
         raise InputError(f"{where}: {e.strerror or e}; {fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -925,7 +926,6 @@ def links_from(path: str) -> tuple[Link, Link, dict[str, Any]]:
         raise InputError(f"{where}: no link in it ({type(e).__name__}: {e}); {fix}") from None
     except InputError as e:
         raise InputError(f"{where}: {e}") from None
-    how = {"how": f"from {path}", "from": doc.get("measured", {}).get("link", {})}
     return link, ring, how
 
 

@@ -375,6 +375,7 @@ def test_plan_links_from_an_earlier_plan(run, tmp_path):
         ('{"link": {"alpha_s": 1e-5, "beta_bytes_per_s": -4}}', "--links-from {path}: --bandwidth"),
         ('{"link": {"alpha_s": "fast", "beta_bytes_per_s": 1e9}}', "no link in it"),
         ("[1, 2]", "no link in it"),
+        ('{"link": {"alpha_s": 1e-5, "beta_bytes_per_s": 1e9}, "measured": 5}', "no link in it"),
     ],
 )
 def test_bad_links_from_is_one_line_and_exit_2(run, tmp_path, content, message):
