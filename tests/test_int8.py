@@ -1,6 +1,7 @@
 """INT8 files for the runtimes apps pin: versions read back, no orphan Q/DQ, choices that do
 not depend on the build machine's load, parity of the file as written against plain numpy."""
 
+import copy
 import itertools
 from pathlib import Path
 
@@ -855,6 +856,38 @@ def test_the_error_graphs_fp32_weights_go_beside_it_unchanged(tmp_path, prepared
     for got, want in zip(back.graph.initializer, ref.graph.initializer, strict=True):
         a, b = numpy_helper.to_array(got), numpy_helper.to_array(want)
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_keep_only_deletes_in_place_in_order(prepared):
+    """`protos.keep_only` drops the elements its predicate refuses, keeps the rest in order,
+    and writes the bytes the copy-and-extend it replaced wrote (it deletes by index, so the
+    arena holds no second copy of the kept weights)."""
+    _, prep, calib = prepared
+    a = I.Quantizer(prep, calib).model
+    b = copy.deepcopy(a)
+    names = [t.name for t in a.graph.initializer]
+    drop = set(names[::2])
+    assert protos.keep_only(a.graph.initializer, lambda t: t.name not in drop) == len(drop)
+    keep = [t for t in b.graph.initializer if t.name not in drop]
+    del b.graph.initializer[:]
+    b.graph.initializer.extend(keep)
+    assert [t.name for t in a.graph.initializer] == [n for n in names if n not in drop]
+    assert a.SerializeToString() == b.SerializeToString()
+    assert protos.keep_only(a.graph.initializer, lambda t: True) == 0
+
+
+def test_bias_shifts_in_place_match_the_copy(prepared):
+    """`apply_bias_shifts_` (the fallback search's, in place) makes the file the copying
+    `apply_bias_shifts` makes, and leaves the copy's source untouched."""
+    _, prep, calib = prepared
+    q = I.Quantizer(prep, calib)
+    built = q.build(I.scheme_for(I.QuantConfig(), False))
+    errors = I.node_errors(built, q.model, calib, False, q.batch)
+    before = built.SerializeToString()
+    copied, n = I.apply_bias_shifts(built, errors)
+    assert n > 0 and built.SerializeToString() == before
+    assert I.apply_bias_shifts_(built, errors) == n
+    assert built.SerializeToString() == copied.SerializeToString()
 
 
 def test_preprocess_writes_what_orts_quant_pre_process_writes(

@@ -33,6 +33,20 @@ def compact(model):
     return onnx.load_from_string(model.SerializeToString())
 
 
+def keep_only(repeated, keep) -> int:
+    """Delete the elements of a repeated message field for which `keep(element)` is false, in
+    place and in order; returns how many went. Why not `del field[:]` then `extend(kept)`:
+    extend copies every kept element into the arena again and the old copies stay there until
+    the whole message goes (upb). An EfficientNet-B0 fallback candidate, 15 MiB of bytes, held
+    55 MiB live after three such passes over its initializers; deleted by index, 21."""
+    gone = 0
+    for i in range(len(repeated) - 1, -1, -1):
+        if not keep(repeated[i]):
+            del repeated[i]
+            gone += 1
+    return gone
+
+
 def shell(ref):
     """A copy of the ModelProto `ref` but for its graph's initializers: every other field,
     whatever this onnx version defines, copied by reflection."""
