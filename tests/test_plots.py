@@ -318,3 +318,23 @@ def test_mobile_section_names_the_files_the_report_names():
     assert "usability` on `model.int8.onnx`" in md
     fix = next(line for line in md.splitlines() if line.startswith("- Fix"))
     assert "`model.int8.fixed.onnx`" in fix and "student" not in fix
+
+
+def test_fp32_nodes_with_one_reason_are_listed_once():
+    """Nodes the fallback returned for one reason share one bullet that names them all; a
+    node with a reason of its own keeps its own bullet."""
+    why = "accuracy: with every node in INT8, top-1 agreement 0.9938"
+    onnx = {
+        **ONNX,
+        "int8": {
+            **ONNX["int8"],
+            "fp32_nodes": {"conv_a": why, "head": "INT8 slower", "conv_b": why, "conv_c": why},
+            "int8_nodes": 1,
+            "quantizable_nodes": 5,
+        },
+    }
+    md = report_mod.markdown(_shrink_report(onnx=onnx), plots=[])
+    kept = md.split("Kept in FP32:\n", 1)[1].split("\n")
+    assert kept[0] == f"- 3 nodes: {why}. The nodes: `conv_a`, `conv_b`, `conv_c`"
+    assert kept[1] == "- `head`: INT8 slower"
+    assert md.count(why) == 1
