@@ -858,6 +858,36 @@ def test_the_error_graphs_fp32_weights_go_beside_it_unchanged(tmp_path, prepared
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+def test_a_search_that_kept_under_half_in_int8_searches_again_by_effect(tmp_path, monkeypatch):
+    """When the own-error order leaves fewer than half the nodes in INT8, each node's effect
+    on the logits alone in INT8 orders a second search, whose result ships when it keeps more
+    nodes in INT8. Here the first order is made useless (the harmful fc0 last, no delta
+    debugging), so it puts all six nodes back; by effect, the head and fc0 go first and the
+    other four stay INT8, as the own-error search finds on its own (test above)."""
+    fp32, prep = _outlier_mlp(tmp_path)
+    x = np.random.default_rng(0).standard_normal((400, 12)).astype(np.float32)
+    x[:4, 0] = 3000.0
+    cfg = I.QuantConfig(min_agreement=0.97)
+    monkeypatch.setattr(I, "fallback_order", lambda errors, *a: sorted(errors, reverse=True))
+    monkeypatch.setattr(I, "_budget", lambda n: 0)
+    orders = []
+    real = I.effect_order
+    monkeypatch.setattr(I, "effect_order", lambda *a: orders.append(real(*a)) or orders[-1])
+    choice = I.choose(prep, fp32.read_bytes(), x[:100], x[100:], cfg, {"avx2"})
+    sel = choice.selection
+    assert len(orders) == 1 and set(orders[0][:2]) == {"fc0", "fc5"}
+    assert set(sel.fp32_nodes) == {"fc0", "fc5"} and sel.int8_nodes == 4
+    assert all("largest effect on the logits alone in INT8" in w for w in sel.fp32_nodes.values())
+    assert min(sel.agreement, sel.expected_low) >= 0.97
+    record = choice.candidates[[c["scheme"] for c in choice.candidates].index(sel.scheme.name)]
+    assert record["searched"] >= 6  # the six nodes alone, then the second search
+
+
+def test_effect_order_puts_the_largest_effect_first_ties_in_graph_order():
+    effects = {"c": 0.5, "a": 0.1, "b": 0.5, "d": 0.0}
+    assert I.effect_order(effects, ["a", "b", "c", "d"]) == ["b", "c", "a", "d"]
+
+
 def test_keep_only_deletes_in_place_in_order(prepared):
     """`protos.keep_only` drops the elements its predicate refuses, keeps the rest in order,
     and writes the bytes the copy-and-extend it replaced wrote (it deletes by index, so the
