@@ -1577,8 +1577,9 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 f"narrowed to {len(fallen)} by delta debugging"
             )
             if 2 * len(fallen) > len(int8) >= 4:
-                # Own error is not what reaches the logits: EfficientNet-B0 kept 2 of 82 nodes
-                # in INT8 in that order and 32 in the order of each node's effect alone.
+                # Own error is not what reaches the logits: an EfficientNet-B0 file kept 0 of
+                # 82 nodes in INT8 in that order and 26 in the order of each node's effect
+                # alone (2 and 9 in the matrix's shrink; docs/benchmarks.md).
                 def alone(n: str) -> float:
                     m, _ = make([o for o in int8 if o != n])
                     few = x[:EFFECT_SAMPLES]
