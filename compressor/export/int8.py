@@ -794,8 +794,8 @@ def _fp32_constant(graph, const: str, ref_inits, have: dict[str, str], taken: se
         fresh = const
         while fresh in taken:
             fresh += "_fp32"
-        # copied once, into the graph's own arena: a deepcopy appended cost 3.7x the
-        # tensor's bytes (EfficientNet-B0's candidate with 80 nodes in FP32: 55 MiB live)
+        # copied once, straight into the graph (append copies its argument: a deep copy
+        # appended was two copies)
         t = graph.initializer.add()
         t.CopyFrom(ref_inits[const])
         t.name = fresh
@@ -1482,8 +1482,9 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
         builds += 1
         return q.build(scheme, [*excluded, *extra], ir_version)
 
-    def run(model) -> np.ndarray:
-        return outputs(session(model.SerializeToString(), optimized=host), x, q.batch)
+    def run(model, inputs: np.ndarray | None = None) -> np.ndarray:
+        xs = x if inputs is None else inputs
+        return outputs(session(model.SerializeToString(), optimized=host), xs, q.batch)
 
     def run_within(model, floor: float | None) -> np.ndarray | None:
         if floor is None:
@@ -1572,18 +1573,15 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
             order += [n for n in int8 if n not in order]
             model = None  # the search starts from `uncorrected`
             _, got, n_bias, fallen = _fall_back(order, candidate, reference, cfg, floor)
-            how = (
-                "the output layers, then the nodes of largest own error (normalised MSE), "
-                f"narrowed to {len(fallen)} by delta debugging"
-            )
+            how = "the output layers, then the nodes of largest own error (normalised MSE)"
             if 2 * len(fallen) > len(int8) >= 4:
                 # Own error is not what reaches the logits: an EfficientNet-B0 file kept 0 of
                 # 82 nodes in INT8 in that order and 26 in the order of each node's effect
                 # alone (2 and 9 in the matrix's shrink; docs/benchmarks.md).
+                few = x[:EFFECT_SAMPLES]
+
                 def alone(n: str) -> float:
-                    m, _ = make([o for o in int8 if o != n])
-                    few = x[:EFFECT_SAMPLES]
-                    out = outputs(session(m.SerializeToString(), optimized=host), few, q.batch)
+                    out = run(make([o for o in int8 if o != n])[0], few)
                     return float(np.mean((out - reference[: len(few)]) ** 2))
 
                 effects = {n: alone(n) for n in int8}
@@ -1595,8 +1593,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                     _, got, n_bias, fallen = second
                     how = (
                         "the nodes of largest effect on the logits alone in INT8 (mean squared "
-                        f"change on the {min(EFFECT_SAMPLES, len(x))} most fragile check inputs) "
-                        f"first, narrowed to {len(fallen)} by delta debugging"
+                        f"change on the {len(few)} most fragile check inputs) first"
                     )
             # The search ran on surgery-made candidates; the quantizer's own file for the nodes
             # found ships when it holds the floor too (it did on every model measured), else the
@@ -1611,8 +1608,8 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
             why = (
                 f"accuracy: with every node in INT8, top-1 agreement {before:.4f}, expected on new "
                 f"inputs {before_expected[0]:.4f} (95% lower bound {before_expected[1]:.4f}), "
-                f"against min_agreement {cfg.min_agreement}; {how}, "
-                f"back in FP32 give {agreement(got, reference):.4f}, expected "
+                f"against min_agreement {cfg.min_agreement}; {how}, narrowed to {len(fallen)} "
+                f"by delta debugging, back in FP32 give {agreement(got, reference):.4f}, expected "
                 f"{after[0]:.4f} (bound {after[1]:.4f})"
             )
             excluded.update({n: why for n in fallen})
