@@ -228,6 +228,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
     train = recipe.train
     x_val, y_val = ds.decision_split()  # held out of training: what stages decide on
     slices: list[int] = []  # micro-batches per batch of each retraining run, for the report
+    refreshed: list[bool] = []  # per retraining run: BatchNorm statistics re-estimated at its end
 
     def retrain(m: nn.Module, epochs: int, lr: float, loss_fn=None, data=None):
         cfg = TrainConfig(
@@ -237,6 +238,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
             microbatches=train.microbatches,
             optimizer=train.optimizer,
             seed=train.seed,
+            bn_refresh=train.bn_refresh,
             # The stages read the final model's test hits only: the test pass after every
             # other epoch was a forward over the test set for a progress line.
             evaluate="last",
@@ -246,6 +248,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
         with prune.zeroed_training(m):
             result = fit(m, data or ds, cfg, events=events, loss_fn=loss_fn or cross_entropy_loss)
         slices.append(result.microbatches)
+        refreshed.append(result.bn_refreshed > 0)
         # The loop's last evaluation is the test set's when it trained on `ds`: the pipeline
         # reuses its per-sample hits instead of a second pass (`Hooks.retrain`).
         return result.test_correct if data is None else None
@@ -259,7 +262,11 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
         test_correct=lambda m: correct(m, ds.x_test, ds.y_test),
         info=info,
         train_samples=len(ds.y_train),
-        trained=lambda: {"microbatches": sorted(set(slices))} if slices else {},
+        trained=lambda: (
+            {"microbatches": sorted(set(slices)), "bn_refreshed_runs": sum(refreshed)}
+            if slices
+            else {}
+        ),
     )
 
 

@@ -69,7 +69,8 @@ class Hooks:
     # --max-drop) measures its curves and trials on.
     val_data: tuple[torch.Tensor, torch.Tensor] | None = None
     # What the retraining runs settled on, for the report: {"microbatches": [M, ...]}, the
-    # slices per batch each distinct run took (recipe train.microbatches = "auto" measures).
+    # slices per batch each distinct run took (recipe train.microbatches = "auto" measures),
+    # and "bn_refreshed_runs", how many re-estimated BatchNorm statistics (train.bn_refresh).
     trained: Callable[[], dict[str, Any]] | None = None
 
 

@@ -42,6 +42,7 @@ _RESUME_MAY_CHANGE = {
     "evaluate",
     "device",
     "deterministic",  # which kernels, not which update
+    "bn_refresh",  # after the last epoch only: no update depends on it
     "checkpoint_every",
     "grad_compression",
 }

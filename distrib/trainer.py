@@ -31,7 +31,7 @@ from torch import nn
 
 from compresskit import _datapass, _mem
 from compresskit.models import checkpoint
-from compresskit.models.base import batch_statistics
+from compresskit.models.base import batch_statistics, batchnorm_memory, refresh_batchnorm_
 from compresskit.models.data import Dataset
 from compresskit.models.errors import InputError, StageError
 from compresskit.models.jsonable import plain
@@ -93,10 +93,19 @@ class TrainConfig:
     # grows the difference: on an H100, VGG with dropout, 2 epochs, twice: weights up to 27
     # apart, 75.0% against 54.4% test accuracy; with it, a resumed run was the same bits.
     deterministic: bool = False
+    # After the last epoch, before its test pass: BatchNorm's running statistics re-estimated
+    # on this many training samples (a seeded subset) under the final weights
+    # (`models.base.refresh_batchnorm_`), where the run's steps left more than BN_STALE of
+    # them from before it (`batchnorm_memory`: momentum 0.01 over 45 steps leaves 64%, 0.1
+    # leaves 0.9%); 0 keeps the running averages. The pipeline's retraining sets it (recipe
+    # train.bn_refresh); data-parallel ranks all take the same subset, so their statistics
+    # agree; a parameter-server run leaves them alone.
+    bn_refresh: int = 0
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "--epochs", self.epochs, "give 1 or more")
         _check(self.batch_size >= 1, "--batch-size", self.batch_size, "give 1 or more")
+        _check(self.bn_refresh >= 0, "bn_refresh", self.bn_refresh, "give 0 or more samples")
         # (at most the batch size: checked by `fit`, which a resumed run reaches with the
         # checkpoint's batch size, not the flag's default)
         _check(
@@ -197,6 +206,7 @@ class TrainResult:
     comm_bytes: int = 0  # gradient bytes this rank sent to all-reduce (0 in one process)
     strategy: dict[str, Any] = field(default_factory=dict)  # parameter server: its figures
     microbatches: int = 1  # slices per batch the run took (what "auto" resolved to)
+    bn_refreshed: int = 0  # BatchNorm layers whose statistics the run re-estimated at its end
     # The trained model (set by `distrib.train`; None from the loop itself and across
     # processes). Not part of `to_json()`.
     model: nn.Module | None = field(default=None, repr=False, compare=False)
@@ -563,7 +573,7 @@ def fit(
     state = _initial_state(resume, optimizer, cfg, device)
     history, start = resume_position(state, batches, "--workers, --batch-size or --strategy")
     t0 = time.perf_counter()
-    steps = samples = 0
+    steps = samples = refreshed = 0
     test_correct = None
 
     def save(gathered: dict[str, Any] | None = None, **metadata: Any) -> None:
@@ -609,6 +619,25 @@ def fit(
             torch.distributed.all_reduce(totals)
             state["loss_sum"], state["correct"], state["seen"] = totals.tolist()
         _mem.trim()  # the epoch's freed memory back to the OS: peak RSS (compresskit._mem)
+        if (
+            cfg.bn_refresh
+            and updater is None
+            and epoch == cfg.epochs - 1
+            # the run's steps, resumed or not: a resumed run refreshes as the whole one would
+            and batchnorm_memory(_unwrap(model), cfg.epochs * steps_per_epoch) > BN_STALE
+        ):
+            idx = epoch_order(n, cfg.seed, cfg.epochs)[: cfg.bn_refresh]  # not an epoch's order
+            refreshed = refresh_batchnorm_(
+                _unwrap(model),
+                data.x_train[idx],
+                cfg.batch_size,
+                lambda: _autocast(cfg.precision, device),
+            )
+            if refreshed:
+                events.info(
+                    f"BatchNorm: running statistics of {refreshed} layers re-estimated on "
+                    f"{len(idx)} training samples"
+                )
         gathered = None
         if updater is not None:
             if epoch == cfg.epochs - 1:
@@ -655,9 +684,17 @@ def fit(
         comm_bytes=updater.stats.comm_bytes if updater else comm.bytes if comm else 0,
         strategy=updater.report() if updater is not None else {},
         microbatches=cfg.microbatches,
+        bn_refreshed=refreshed,
         test_correct=test_correct,
     )
 
+
+# `bn_refresh`: statistics are re-estimated where the running averages still give more than this
+# share to batches from before the run. Momentum 0.1 (torch's default) forgets within ~45 steps;
+# refreshing such models anyway (ResNet-18, MobileNetV2, EfficientNet-B0 of the matrix, one
+# retraining epoch a run) moved test accuracy by -1 to +1 of 400 samples and cost EfficientNet-B0
+# 16 s of its 32 s of retraining (docs/benchmarks.md, "Adaptive BatchNorm").
+BN_STALE = 0.01
 
 # `microbatches="auto"`: one slice's activations within this many times the model's parameter
 # bytes, and never sliced below this many bytes (small models keep their whole batch). ViT-tiny

@@ -8,7 +8,9 @@ through every stage:
 * `resnet_se` -- inverted residual blocks (Sandler et al., MobileNetV2, 2018): 1x1 expand,
   depthwise 3x3, squeeze-and-excitation (Hu et al. 2018, as in MobileNetV3 and EfficientNet),
   1x1 project, identity shortcut where shapes allow. Grouped and depthwise convs, BatchNorm,
-  residual adds and a sigmoid gate: what trips pruning, sharing and INT8 in real CNNs.
+  residual adds and a sigmoid gate: what trips pruning, sharing and INT8 in real CNNs. With
+  `act="hardswish", bn_momentum=0.01` it is MobileNetV3's kind (hard swish, a hard-sigmoid
+  gate, torchvision's slow BatchNorm averages).
 * `vit` -- a Vision Transformer (Dosovitskiy et al. 2021): patch embedding (a strided conv),
   a class token, learned positions, pre-norm blocks of `nn.MultiheadAttention` (its packed
   q/k/v projection is one (3d, d) parameter, not a Linear) and a GELU MLP.
@@ -30,32 +32,48 @@ from compresskit.models.zoo import register
 
 
 class SqueezeExcite(nn.Module):
-    """Channel gate: global pool -> 1x1 reduce -> ReLU -> 1x1 expand -> sigmoid -> scale."""
+    """Channel gate: global pool -> 1x1 reduce -> ReLU -> 1x1 expand -> sigmoid -> scale
+    (`hard`: MobileNetV3's hard sigmoid)."""
 
-    def __init__(self, channels: int, reduced: int) -> None:
+    def __init__(self, channels: int, reduced: int, hard: bool = False) -> None:
         super().__init__()
         self.reduce = nn.Conv2d(channels, reduced, 1)
         self.expand = nn.Conv2d(reduced, channels, 1)
+        self.hard = hard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.mean((2, 3), keepdim=True)
-        return x * torch.sigmoid(self.expand(torch.relu(self.reduce(s))))
+        s = self.expand(torch.relu(self.reduce(x.mean((2, 3), keepdim=True))))
+        return x * (nn.functional.hardsigmoid(s) if self.hard else torch.sigmoid(s))
+
+
+# act: the blocks' activation; "hardswish" with bn_momentum 0.01 is MobileNetV3 as torchvision
+# builds it (Howard et al. 2019), whose slow BatchNorm averages `train.bn_refresh` is for.
+ACTIVATIONS = {"relu6": nn.ReLU6, "hardswish": nn.Hardswish}
 
 
 class InvertedResidual(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        stride: int,
+        expand: int,
+        act: str = "relu6",
+        bn_momentum: float = 0.1,
+    ) -> None:
         super().__init__()
         mid = cin * expand
+        act_layer, hard = ACTIVATIONS[act], act == "hardswish"
         self.block = nn.Sequential(
             nn.Conv2d(cin, mid, 1, bias=False),
-            nn.BatchNorm2d(mid),
-            nn.ReLU6(),
+            nn.BatchNorm2d(mid, momentum=bn_momentum),
+            act_layer(),
             nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False),  # depthwise
-            nn.BatchNorm2d(mid),
-            nn.ReLU6(),
-            SqueezeExcite(mid, max(4, mid // 4)),
+            nn.BatchNorm2d(mid, momentum=bn_momentum),
+            act_layer(),
+            SqueezeExcite(mid, max(4, mid // 4), hard),
             nn.Conv2d(mid, cout, 1, bias=False),
-            nn.BatchNorm2d(cout),
+            nn.BatchNorm2d(cout, momentum=bn_momentum),
         )
         self.shortcut = stride == 1 and cin == cout
 
@@ -79,11 +97,19 @@ class ResNetSE(ZooModel):
         width: int = 16,
         depth: int = 3,
         expand: int = 4,
+        act: str = "relu6",
+        bn_momentum: float = 0.1,
     ) -> None:
         super().__init__(in_shape, num_classes)
+        if act not in ACTIVATIONS:
+            raise ValueError(f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+        if not 0 < bn_momentum <= 1:
+            raise ValueError(f"bn_momentum must be in (0, 1], got {bn_momentum!r}")
         c, h, w = self.in_shape
         self.stem = nn.Sequential(
-            nn.Conv2d(c, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU6()
+            nn.Conv2d(c, width, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(width, momentum=bn_momentum),
+            ACTIVATIONS[act](),
         )
         blocks, c = [], width
         for stage in range(depth):
@@ -91,8 +117,8 @@ class ResNetSE(ZooModel):
             stride = 2 if stage and min(h, w) >= 4 else 1
             h, w = -(-h // stride), -(-w // stride)
             blocks += [
-                InvertedResidual(c, out, stride, expand),
-                InvertedResidual(out, out, 1, expand),
+                InvertedResidual(c, out, stride, expand, act, bn_momentum),
+                InvertedResidual(out, out, 1, expand, act, bn_momentum),
             ]
             c = out
         self.blocks = nn.Sequential(*blocks)

@@ -257,4 +257,4 @@ def test_auto_microbatches_in_the_recipe_slice_a_model_over_its_budget(monkeypat
     hooks.retrain(model, 1, 1e-3)
     # the measuring forwards (8 samples, then 4), then batches of 32 in 4 slices of 8
     assert sizes[:6] == [8, 4, 8, 8, 8, 8] and max(sizes) == 8
-    assert hooks.trained() == {"microbatches": [4]}  # what the report records
+    assert hooks.trained() == {"microbatches": [4], "bn_refreshed_runs": 0}  # the report

@@ -102,7 +102,7 @@ def test_shrink_json_and_files(trained):
     assert saved["recipe"]["prune"]["rounds"] == 2
     # the default micro-batches ("auto") measured this MLP's activations: its batch stays whole
     assert saved["recipe"]["train"]["microbatches"] == "auto"
-    assert saved["training"] == {"microbatches": [1]}  # what the retraining runs took
+    assert saved["training"] == {"microbatches": [1], "bn_refreshed_runs": 0}  # lenet: no BN
     assert not [p for p in folder.iterdir() if p.name.startswith(".shrunk")]  # no temp folder left
 
 
