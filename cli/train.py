@@ -41,6 +41,7 @@ _SETTINGS = (
     "device",
     "deterministic",
     "microbatches",
+    "bn_refresh",
 )
 
 
@@ -248,6 +249,15 @@ Examples:
     "An op with no such kernel stops the run, naming it. A resumed run keeps the checkpoint's "
     "choice unless given either flag.  [default: no-deterministic]",
 )
+@click.option(
+    "--bn-refresh",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="After the last epoch, re-estimate BatchNorm's running statistics on N training "
+    "samples under the final weights (for slow averages: torchvision's MobileNetV3 and "
+    "EfficientNet use momentum 0.01). Not under a parameter server.  [default: 0, off]",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No per-epoch lines on stderr.")
 @json_option
 @log_option
@@ -286,6 +296,7 @@ def train(
     grad_compression: str,
     timeout: float,
     deterministic: bool,
+    bn_refresh: int,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -324,6 +335,7 @@ def train(
         grad_compression=grad_compression,
         device=device,
         deterministic=deterministic,
+        bn_refresh=bn_refresh,
         # the pipeline's micro-batches are its own (PipelineConfig); elsewhere they accumulate
         microbatches=microbatches if pipe is None and microbatches is not None else 1,
     )

@@ -10,6 +10,7 @@ training loop (`trainer.fit`), handed in as hooks, exactly as the CLI does. The 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from compresskit.distrib.trainer import (
 )
 from compresskit.models import checkpoint, zoo
 from compresskit.models import data as data_mod
+from compresskit.models.base import BN_STALE, batchnorm_memory
 from compresskit.models.data import Dataset
 from compresskit.models.errors import InputError
 from compresskit.models.zoo import ModelSpec
@@ -231,6 +233,9 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
     refreshed: list[bool] = []  # per retraining run: BatchNorm statistics re-estimated at its end
 
     def retrain(m: nn.Module, epochs: int, lr: float, loss_fn=None, data=None):
+        # Statistics re-estimated only where this run leaves the running averages stale.
+        steps = epochs * math.ceil(len((data or ds).y_train) / train.batch_size)
+        stale = batchnorm_memory(m, steps) > BN_STALE
         cfg = TrainConfig(
             epochs=epochs,
             lr=lr,
@@ -238,7 +243,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
             microbatches=train.microbatches,
             optimizer=train.optimizer,
             seed=train.seed,
-            bn_refresh=train.bn_refresh,
+            bn_refresh=train.bn_refresh if stale else 0,
             # The stages read the final model's test hits only: the test pass after every
             # other epoch was a forward over the test set for a progress line.
             evaluate="last",

@@ -346,6 +346,11 @@ def _run_ps(job: TrainJob, events_factory) -> TrainResult:
         )
     if job.workers != ps.workers:
         raise InputError(f"--workers {job.workers} and the parameter server's {ps.workers} differ")
+    if job.config.bn_refresh:
+        raise InputError(
+            f"--bn-refresh {job.config.bn_refresh}: the parameter servers hold the weights, not "
+            "the workers' BatchNorm statistics; drop --bn-refresh"
+        )
     env = launch.DistEnv.from_torchrun()
     if env is not None and env.world != ps.workers + ps.servers:
         raise InputError(
@@ -382,6 +387,11 @@ def _run_pipeline(job: TrainJob, events_factory) -> TrainResult:
         raise InputError(
             f"--grad-compression {job.config.grad_compression} compresses data-parallel "
             "gradients; pipeline stages send activations: drop --grad-compression"
+        )
+    if job.config.bn_refresh:
+        raise InputError(
+            f"--bn-refresh {job.config.bn_refresh}: the pipeline's stages do not re-estimate "
+            "BatchNorm statistics; drop --bn-refresh"
         )
     if job.config.microbatches != 1:
         raise InputError(

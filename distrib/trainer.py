@@ -31,7 +31,7 @@ from torch import nn
 
 from compresskit import _datapass, _mem
 from compresskit.models import checkpoint
-from compresskit.models.base import batch_statistics, batchnorm_memory, refresh_batchnorm_
+from compresskit.models.base import batch_statistics, refresh_batchnorm_
 from compresskit.models.data import Dataset
 from compresskit.models.errors import InputError, StageError
 from compresskit.models.jsonable import plain
@@ -95,11 +95,10 @@ class TrainConfig:
     deterministic: bool = False
     # After the last epoch, before its test pass: BatchNorm's running statistics re-estimated
     # on this many training samples (a seeded subset) under the final weights
-    # (`models.base.refresh_batchnorm_`), where the run's steps left more than BN_STALE of
-    # them from before it (`batchnorm_memory`: momentum 0.01 over 45 steps leaves 64%, 0.1
-    # leaves 0.9%); 0 keeps the running averages. The pipeline's retraining sets it (recipe
-    # train.bn_refresh); data-parallel ranks all take the same subset, so their statistics
-    # agree; a parameter-server run leaves them alone.
+    # (`models.base.refresh_batchnorm_`); 0 keeps the running averages. For slow averages
+    # (torchvision's MobileNetV3 and EfficientNet: momentum 0.01). The pipeline's retraining
+    # sets it where a run leaves them stale (recipe train.bn_refresh); data-parallel ranks all
+    # take the same subset, so their statistics agree; a parameter-server run leaves them.
     bn_refresh: int = 0
 
     def __post_init__(self) -> None:
@@ -619,13 +618,7 @@ def fit(
             torch.distributed.all_reduce(totals)
             state["loss_sum"], state["correct"], state["seen"] = totals.tolist()
         _mem.trim()  # the epoch's freed memory back to the OS: peak RSS (compresskit._mem)
-        if (
-            cfg.bn_refresh
-            and updater is None
-            and epoch == cfg.epochs - 1
-            # the run's steps, resumed or not: a resumed run refreshes as the whole one would
-            and batchnorm_memory(_unwrap(model), cfg.epochs * steps_per_epoch) > BN_STALE
-        ):
+        if cfg.bn_refresh and updater is None and epoch == cfg.epochs - 1:
             idx = epoch_order(n, cfg.seed, cfg.epochs)[: cfg.bn_refresh]  # not an epoch's order
             refreshed = refresh_batchnorm_(
                 _unwrap(model),
@@ -688,13 +681,6 @@ def fit(
         test_correct=test_correct,
     )
 
-
-# `bn_refresh`: statistics are re-estimated where the running averages still give more than this
-# share to batches from before the run. Momentum 0.1 (torch's default) forgets within ~45 steps;
-# refreshing such models anyway (ResNet-18, MobileNetV2, EfficientNet-B0 of the matrix, one
-# retraining epoch a run) moved test accuracy by -1 to +1 of 400 samples and cost EfficientNet-B0
-# 16 s of its 32 s of retraining (docs/benchmarks.md, "Adaptive BatchNorm").
-BN_STALE = 0.01
 
 # `microbatches="auto"`: one slice's activations within this many times the model's parameter
 # bytes, and never sliced below this many bytes (small models keep their whole batch). ViT-tiny

@@ -48,6 +48,15 @@ def batch_statistics(model: nn.Module) -> str | None:
     return None
 
 
+# A retraining run re-estimates BatchNorm statistics (`refresh_batchnorm_`) where its running
+# averages still give more than this share to batches from before it. Momentum 0.1 (torch's
+# default) forgets within ~45 steps; refreshing such models anyway (ResNet-18, MobileNetV2,
+# EfficientNet-B0 of the matrix, one retraining epoch a run) moved test accuracy by -1 to +1 of
+# 400 samples and cost EfficientNet-B0 16 s of its 32 s of retraining (docs/benchmarks.md,
+# "Adaptive BatchNorm"); momentum 0.01 over 45 steps keeps 64%.
+BN_STALE = 0.01
+
+
 def batchnorm_memory(model: nn.Module, steps: int) -> float:
     """The largest share that any BatchNorm's running statistics still give to batches from
     before their last `steps` updates: (1 - momentum)^steps for torch's exponential average, 1

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -102,13 +104,45 @@ def test_memory_is_what_the_running_averages_keep_from_before_the_run():
     assert batchnorm_memory(mixed, 45) == pytest.approx(0.99**45)
 
 
-def test_averages_that_kept_up_are_left_alone(tmp_path):
-    # resnet_se with torch's momentum 0.1: 4 epochs of digits (41 steps each) leave 0.9^164 of
-    # the statistics from before, so the refresh makes no pass: the same bits.
-    kw = {"width": 8, "depth": 2, "expand": 2}
-    states = []
+@pytest.mark.parametrize(("momentum", "refreshed"), [(0.1, False), (0.01, True)])
+def test_shrink_refreshes_only_averages_a_run_left_stale(momentum, refreshed):
+    # The pipeline's retraining hook: 4 epochs of digits are 164 steps, after which momentum
+    # 0.1 keeps 0.9^164 of the averages from before the run (no pass: the same bits as
+    # bn_refresh = 0) and 0.01 keeps 0.99^164 = 19% (refreshed).
+    from compresskit import api
+
+    ds = ck.load_data("digits")
+    kw = {**MNV3, "bn_momentum": momentum}
+    states, runs = [], []
     for n in (0, 2048):
-        cfg = ck.TrainConfig(epochs=4, bn_refresh=n)
-        run = ck.train("resnet_se", "digits", cfg, out=tmp_path / f"{n}.pt", model_kwargs=kw)
-        states.append(run.model.state_dict())
-    assert all(torch.equal(v, states[1][k]) for k, v in states[0].items())
+        model = _resnet_se(kw, ds)
+        hooks = api._hooks(ds, Recipe.from_dict({"train": {"bn_refresh": n}}), None)
+        hooks.retrain(model, 4, 1e-3)
+        states.append(model.state_dict())
+        runs.append(hooks.trained()["bn_refreshed_runs"])
+    same = all(torch.equal(v, states[1][k]) for k, v in states[0].items())
+    assert runs == [0, int(refreshed)]
+    assert same is not refreshed
+
+
+def _resnet_se(kw, ds):
+    from compresskit.models import zoo
+
+    spec = zoo.resolve_spec("resnet_se", dict(kw), ds.in_shape, ds.num_classes)
+    return zoo.build(spec, seed=0)
+
+
+def test_train_cli_refreshes_and_refuses_it_where_no_process_holds_the_statistics(tmp_path):
+    from click.testing import CliRunner
+
+    from compresskit.cli.main import cli
+
+    args = ["train", "--model", "resnet_se", "--model-kwargs", json.dumps(MNV3), "--epochs", "4"]
+    out = tmp_path / "m.pt"
+    result = CliRunner().invoke(cli, [*args, "--bn-refresh", "2048", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["test_accuracy"] >= 0.8  # 0.097 without (above)
+    ps = ["--strategy", "ps-sync", "--workers", "2", "--bn-refresh", "64", "--out", str(out)]
+    refused = CliRunner().invoke(cli, [*args, *ps])
+    assert refused.exit_code == 2
+    assert "--bn-refresh 64" in refused.output and "drop --bn-refresh" in refused.output
