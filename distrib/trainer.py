@@ -619,7 +619,9 @@ def fit(
             state["loss_sum"], state["correct"], state["seen"] = totals.tolist()
         _mem.trim()  # the epoch's freed memory back to the OS: peak RSS (compresskit._mem)
         if cfg.bn_refresh and updater is None and epoch == cfg.epochs - 1:
-            idx = epoch_order(n, cfg.seed, cfg.epochs)[: cfg.bn_refresh]  # not an epoch's order
+            k = min(cfg.bn_refresh, n)
+            k -= k % cfg.batch_size if k >= cfg.batch_size else 0  # whole batches, as it uses
+            idx = epoch_order(n, cfg.seed, cfg.epochs)[:k]  # a seeded order no epoch took
             refreshed = refresh_batchnorm_(
                 _unwrap(model),
                 data.x_train[idx],
