@@ -243,3 +243,47 @@ def test_import_is_light():
     code = "import sys, compressor.export.mobile; print(any(m in sys.modules for m in ('onnx', 'onnxruntime')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_fixed_batch_writes_hardsigmoid_as_ops_nnapi_runs(tmp_path):
+    # MobileNetV3's gates: NNAPI has no HardSigmoid, and its file stayed "no" with fixed shapes.
+    from compresskit.models.families import ResNetSE
+
+    kw = {"width": 8, "depth": 2, "expand": 2, "act": "hardswish", "bn_momentum": 0.01}
+    model = ResNetSE(in_shape=SHAPE, num_classes=10, **kw).eval()
+    src = tmp_path / "mnv3.onnx"
+    with contextlib.redirect_stdout(io.StringIO()):
+        torch.onnx.export(
+            model,
+            (torch.randn(1, *SHAPE),),
+            src,
+            dynamic_shapes={"x": {0: torch.export.Dim("batch")}},
+            external_data=False,
+            opset_version=17,
+        )
+    ops = [n.op_type for n in onnx.load(str(src)).graph.node]
+    out = mobile.fixed_batch(src, tmp_path / "mnv3.b3.onnx", 3)
+    new = [n.op_type for n in onnx.load(str(out)).graph.node]
+    hard = ops.count("HardSigmoid") + ops.count("HardSwish")
+    assert ops.count("HardSigmoid") == 4 and ops.count("HardSwish") == 9  # gates, activations
+    assert "HardSigmoid" not in new and "HardSwish" not in new
+    assert new.count("Clip") == ops.count("Clip") + hard
+    np.testing.assert_allclose(_run(out, 3)[0], _run(src, 3)[0], rtol=1e-5, atol=1e-6)
+    assert "HardSigmoid" in mobile.usability(src)["details"]
+    assert "HardSigmoid" not in mobile.usability(out)["details"]
+
+
+def test_a_rewrite_that_answers_differently_is_refused(tmp_path, monkeypatch):
+    src = _export("mlp", tmp_path / "mlp.onnx")
+
+    def wrong(graph):  # a rewrite that changes what the model computes: one weight doubled
+        from onnx import numpy_helper
+
+        t = graph.initializer[0]
+        t.CopyFrom(numpy_helper.from_array(2 * numpy_helper.to_array(t) + 1, t.name))
+        return 1
+
+    monkeypatch.setattr(mobile, "compose_hardsigmoid", wrong)
+    with pytest.raises(StageError, match="answers differently"):
+        mobile.fixed_batch(src, tmp_path / "out.onnx", 2)
+    assert not (tmp_path / "out.onnx").exists()
