@@ -256,7 +256,8 @@ Examples:
     metavar="N",
     help="After the last epoch, re-estimate BatchNorm's running statistics on N training "
     "samples under the final weights (for slow averages: torchvision's MobileNetV3 and "
-    "EfficientNet use momentum 0.01). Not under a parameter server.  [default: 0, off]",
+    "EfficientNet use momentum 0.01). Refused with a parameter server or the pipeline "
+    "strategy.  [default: 0, off]",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No per-epoch lines on stderr.")
 @json_option

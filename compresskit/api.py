@@ -10,7 +10,6 @@ training loop (`trainer.fit`), handed in as hooks, exactly as the CLI does. The 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from compresskit.compressor import pipeline, prune
 from compresskit.compressor.recipe import Recipe
 from compresskit.compressor.shrink import Hooks
 from compresskit.distrib.trainer import (
+    Batches,
     Events,
     TrainConfig,
     correct,
@@ -234,7 +234,7 @@ def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:
 
     def retrain(m: nn.Module, epochs: int, lr: float, loss_fn=None, data=None):
         # Statistics re-estimated only where this run leaves the running averages stale.
-        steps = epochs * math.ceil(len((data or ds).y_train) / train.batch_size)
+        steps = epochs * Batches(len((data or ds).y_train), train.batch_size).steps_per_epoch
         stale = batchnorm_memory(m, steps) > BN_STALE
         cfg = TrainConfig(
             epochs=epochs,

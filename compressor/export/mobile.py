@@ -358,15 +358,15 @@ def compose_hardsigmoid(graph: Any) -> int:
         swish = node.op_type == "HardSwish"
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         x, y = node.input[0], node.output[0]
-        names = [f"{y}/hard_{part}" for part in ("alpha", "beta", "lo", "hi", "ax", "axb", "gate")]
+        n = {part: f"{y}/hard_{part}" for part in ("alpha", "beta", "lo", "hi", "ax", "axb")}
         alpha, beta = (1 / 6, 0.5) if swish else (attrs.get("alpha", 0.2), attrs.get("beta", 0.5))
-        for name, value in zip(names, (alpha, beta, 0.0, 1.0), strict=False):
-            graph.initializer.append(numpy_helper.from_array(np.float32(value), name))
-        stem, gate = node.name or y, names[6] if swish else y
+        for part, value in (("alpha", alpha), ("beta", beta), ("lo", 0.0), ("hi", 1.0)):
+            graph.initializer.append(numpy_helper.from_array(np.float32(value), n[part]))
+        stem, gate = node.name or y, f"{y}/hard_gate" if swish else y
         nodes += [
-            helper.make_node("Mul", [x, names[0]], [names[4]], name=f"{stem}/mul"),
-            helper.make_node("Add", [names[4], names[1]], [names[5]], name=f"{stem}/add"),
-            helper.make_node("Clip", [names[5], names[2], names[3]], [gate], name=f"{stem}/clip"),
+            helper.make_node("Mul", [x, n["alpha"]], [n["ax"]], name=f"{stem}/mul"),
+            helper.make_node("Add", [n["ax"], n["beta"]], [n["axb"]], name=f"{stem}/add"),
+            helper.make_node("Clip", [n["axb"], n["lo"], n["hi"]], [gate], name=f"{stem}/clip"),
         ]
         if swish:
             nodes.append(helper.make_node("Mul", [x, gate], [y], name=f"{stem}/times_x"))
@@ -458,6 +458,5 @@ def _check_same_outputs(source: Path, rewritten: Path) -> None:
             if float(np.abs(a.astype(np.float64) - b).max()) > MAX_ABS_DIFF * scale:
                 raise StageError(
                     f"{source}: HardSigmoid/HardSwish written as Mul, Add, Clip answers "
-                    "differently; "
-                    "leave fixed_batch unset"
+                    "differently; leave fixed_batch unset"
                 )
