@@ -117,13 +117,13 @@ def main() -> None:
     print(f"\npeaks: {first['peaks']}")
 
     print("\n## 2. Harness overhead per call (lenet5-classic FP32, batch 1, 1 thread)\n")
-    from compresskit.compressor import benchmark
+    from compresskit.compressor.measure import latency
 
     path = lenet / "model.fp32.onnx"
     x = np.random.default_rng(0).random((1, 1, 28, 28), dtype=np.float32)
-    session = benchmark._session(path, ["CPUExecutionProvider"], 1)
+    session = latency._session(path, ["CPUExecutionProvider"], 1)
     feed = {session.get_inputs()[0].name: x}
-    run = benchmark.onnx_runner(path, x, threads=1)
+    run = latency.onnx_runner(path, x, threads=1)
     n = 20000
     bare, ours = [], []
     for _ in range(5):  # alternate, so drift hits both alike
@@ -134,7 +134,7 @@ def main() -> None:
             session.run(None, feed)
         bare.append((time.perf_counter() - t0) / n)
         t0 = time.perf_counter()
-        times = benchmark.interleaved([run], seconds=0, min_runs=n, warmup=200)[0]
+        times = latency.interleaved([run], seconds=0, min_runs=n, warmup=200)[0]
         ours.append((time.perf_counter() - t0) / (n + 200))
         ours_median = float(np.median(times))
     b, o = 1e6 * min(bare), 1e6 * min(ours)

@@ -9,7 +9,7 @@ than its own FP32 ONNX.
 
 Everything that trains or writes files goes through the real CLI (`compress train`,
 `compress shrink --student`) in subprocesses; latency is measured here, interleaved, one thread,
-batch 1 (compressor.benchmark). With --scarce F, also a labels-scarce run: the teacher trained
+batch 1 (compressor.measure.latency). With --scarce F, also a labels-scarce run: the teacher trained
 on all labels, the student on a fraction F of them, alone vs through a mixup transfer set.
 """
 
@@ -100,7 +100,7 @@ def main() -> None:
     )
     t_shrink = time.perf_counter() - t0
 
-    from compresskit.compressor import benchmark
+    from compresskit.compressor.measure import latency
     from compresskit.models import checkpoint
     from compresskit.models import data as data_mod
 
@@ -108,12 +108,12 @@ def main() -> None:
     x = ds.x_test[:1]
     net = checkpoint.load(work / "teacher.pt").build_model()
     fp32, int8 = r["onnx"]["fp32"], r["onnx"]["int8"]
-    with benchmark.torch_threads(1), torch.inference_mode():
-        lat = benchmark.p50_ms(
+    with latency.torch_threads(1), torch.inference_mode():
+        lat = latency.p50_ms(
             [
-                benchmark.torch_runner(net, x),
-                benchmark.onnx_runner(fp32["path"], x.numpy()),
-                benchmark.onnx_runner(int8["path"], x.numpy()),
+                latency.torch_runner(net, x),
+                latency.onnx_runner(fp32["path"], x.numpy()),
+                latency.onnx_runner(int8["path"], x.numpy()),
             ],
             seconds=5.0,
         )

@@ -38,8 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compresskit.compressor import benchmark, envinfo, export  # noqa: E402
+from compresskit.compressor import export  # noqa: E402
 from compresskit.compressor.export import int8, mobile  # noqa: E402
+from compresskit.compressor.measure import envinfo, latency  # noqa: E402
 from compresskit.models import data as data_mod  # noqa: E402
 
 USER_NET = '''
@@ -349,7 +350,7 @@ def quantizer_table(work: Path, mnist: Path | None) -> list[dict]:
             sessions = [int8.session(p, True) for p in files.values()]
             name = sessions[0].get_inputs()[0].name
             calls = [(lambda s=s, f={name: xb}: s.run(None, f)) for s in sessions]
-            times = benchmark.interleaved(calls, seconds=4.0, min_runs=50)
+            times = latency.interleaved(calls, seconds=4.0, min_runs=50)
             lat[batch] = [1000 * float(np.median(t)) for t in times]
         print(f"\n### {title}: `{fp32}`\n")
         print(

@@ -92,7 +92,7 @@ def environment() -> dict:
     driver), plus NCCL's version where a GPU is visible."""
     import torch
 
-    from compresskit.compressor.envinfo import environment as bench_environment
+    from compresskit.compressor.measure.envinfo import environment as bench_environment
 
     env = bench_environment()
     if env["gpu"]:

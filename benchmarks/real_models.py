@@ -603,7 +603,7 @@ def _spread(values: list[float]) -> str:
 
 def _cpu_flags() -> list[str]:
     """The flags that decide the INT8/BF16 kernels (envinfo's list), plus fma and avx_vnni."""
-    from compresskit.compressor import envinfo
+    from compresskit.compressor.measure import envinfo
 
     return sorted(envinfo.cpu_flags() & {*envinfo.CPU_FLAGS, "avx_vnni", "fma"})
 

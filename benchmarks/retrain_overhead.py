@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from compresskit.compressor import envinfo, kmeans, prune
+from compresskit.compressor import kmeans, prune
+from compresskit.compressor.measure import envinfo
 from compresskit.distrib import trainer
 from compresskit.models import zoo
 from compresskit.models.data import Dataset

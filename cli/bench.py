@@ -9,8 +9,8 @@ import click
 from compresskit.cli import render
 from compresskit.cli.main import emit_json, json_option, log_option
 from compresskit.compressor import bench as run_bench
-from compresskit.compressor import benchmark, benchreport, variants
-from compresskit.compressor.variants import DEFAULT_PROVIDERS
+from compresskit.compressor.measure import benchreport, latency, variants
+from compresskit.compressor.measure.variants import DEFAULT_PROVIDERS
 from compresskit.models.errors import InputError
 
 
@@ -110,7 +110,7 @@ def bench(
     """Latency, throughput, size and accuracy of models across runtimes, measured alike."""
     batches, threads = _ints(batch_text, "--batch"), _ints(threads_text, "--threads")
     # The flags are checked before the output paths, and those before any model is read.
-    benchmark.BenchConfig(
+    latency.BenchConfig(
         batches=batches, threads=threads, min_runs=min_runs, min_seconds=min_seconds
     )
     variants.parse_providers(providers or DEFAULT_PROVIDERS)

@@ -15,8 +15,9 @@ import click
 from compresskit.cli import render
 from compresskit.cli.main import OutPath, emit_json, json_option, log_option
 from compresskit.cli.shrink import json_view, run_shrink
-from compresskit.compressor import benchmark, envinfo, pipeline, variants
+from compresskit.compressor import pipeline
 from compresskit.compressor import recipe as recipe_mod
+from compresskit.compressor.measure import envinfo, latency, variants
 from compresskit.distrib.job import TrainJob, run
 from compresskit.distrib.trainer import TrainConfig
 from compresskit.models import data as data_mod
@@ -111,7 +112,7 @@ def _bench(teacher_path: Path, report: dict, quiet: bool) -> dict:
     models = [variants.load(p, data=ds) for p in files if p.is_file()]
     runnable = [v for v in variants.variants(models, ["torch", "cpu"])[0] if v.precision != "bf16"]
     info = (lambda m: None) if quiet else render.stderr.print
-    results, _, extra = benchmark.measure(
-        runnable, benchmark.BenchConfig(batches=(1,), threads=(1,), min_seconds=2.0), ds, info
+    results, _, extra = latency.measure(
+        runnable, latency.BenchConfig(batches=(1,), threads=(1,), min_seconds=2.0), ds, info
     )
     return {"environment": envinfo.environment(), **extra, "results": results, "skipped": []}

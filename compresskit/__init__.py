@@ -12,9 +12,10 @@ line naming the problem and the fix:
     result = ck.bench(report.files, "digits")
 
 `train` is `compresskit.distrib.train` (data-parallel strategies on torch.distributed),
-`bench` is `compresskit.compressor.bench` (module `benching`); `shrink` joins Deep Compression
-(`compresskit.compressor`) with the training loop it retrains with (`compresskit.distrib`), as
-the CLI does: the two packages never import each other, so the call that needs both lives here.
+`bench` is `compresskit.compressor.bench` (module `compressor.measure.grid`); `shrink` joins
+Deep Compression (`compresskit.compressor`) with the training loop it retrains with
+(`compresskit.distrib`), as the CLI does: the two packages never import each other, so the
+call that needs both lives here.
 
 Names are imported on first use, so `import compresskit` is instant and loads neither torch
 nor ONNX Runtime.

@@ -215,8 +215,9 @@ def thin_(
     `gradients(model)`: fills each parameter's .grad from a few training batches; needed by
     Taylor importance, called before every increment.
     `evaluate(model)`: accuracy on held-out data; needed by the sensitivity scope.
-    `layer_times(model)`: a batch-1 profile where the model will run (`compressor.layertime`:
-    `.run_us` whole run, `.layers` {module: us}, `.file`); needed by `cfg.target_latency`.
+    `layer_times(model)`: a batch-1 profile where the model will run
+    (`compressor.measure.layertime`: `.run_us` whole run, `.layers` {module: us}, `.file`);
+    needed by `cfg.target_latency`.
 
     Returns a plain-data record: MACs and parameters before and after, per-layer widths,
     per-round figures, and `plan`, the replayable channel plan (`models.thin`).

@@ -21,20 +21,11 @@ import torch
 from torch import nn
 
 from compresskit import _datapass, _mem
-from compresskit.compressor import (
-    archive,
-    budget,
-    channels,
-    distill,
-    envinfo,
-    export,
-    guard,
-    layertime,
-    speedup,
-)
+from compresskit.compressor import archive, budget, channels, distill, export, guard
 from compresskit.compressor import report as report_mod
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.export import compat, int8, mobile
+from compresskit.compressor.measure import envinfo, layertime, speedup
 from compresskit.compressor.recipe import ExportSection, Recipe
 from compresskit.models import checkpoint
 from compresskit.models.base import batch_statistics
@@ -741,7 +732,7 @@ def _channel_latency(
     unthinned: nn.Module, e: ExportSection, report, data: Dataset, calib, tmp: Path, name: str
 ) -> dict[str, Any]:
     """The unthinned model's FP32 and INT8 files against the thinned ones, timed side by side
-    (`compressor.speedup`)."""
+    (`compressor.measure.speedup`)."""
     q = quant_config(e)
     has_int8 = "int8" in report["onnx"]
     return speedup.compare(

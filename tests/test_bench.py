@@ -8,8 +8,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from compresskit.compressor import benchmark, export, variants
+from compresskit.compressor import export
 from compresskit.compressor.export import mobile
+from compresskit.compressor.measure import latency, variants
 from compresskit.models import ModelSpec, checkpoint, tiny
 
 RESULT_KEYS = {
@@ -47,7 +48,7 @@ def test_runs_are_interleaved_after_warmup():
 
         return run
 
-    times = benchmark.interleaved_timed(
+    times = latency.interleaved_timed(
         [runner("A"), runner("B"), runner("C")], min_seconds=0, min_runs=3, warmup=2
     )
     assert calls == ["A", "A", "B", "B", "C", "C"] + ["A", "B", "C"] * 3
@@ -196,10 +197,10 @@ def test_a_gpu_provider_failing_at_run_time_is_a_skip(shrunk, monkeypatch):
         def run(self, *a):
             raise RuntimeError("CUDA failure 700: an illegal memory access\nmore")
 
-    monkeypatch.setattr(benchmark, "_session", lambda *a: Failing())
+    monkeypatch.setattr(latency, "_session", lambda *a: Failing())
     v = variants.Variant(variants.load(shrunk / "model.fp32.onnx"), "cuda", "fp32")
-    with pytest.raises(benchmark.Skip, match="CUDAExecutionProvider failed running it: CUDA fail"):
-        benchmark._prepare_ort(v, 1, np.zeros((1, 1, 8, 8), np.float32))
+    with pytest.raises(latency.Skip, match="CUDAExecutionProvider failed running it: CUDA fail"):
+        latency._prepare_ort(v, 1, np.zeros((1, 1, 8, 8), np.float32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
@@ -383,17 +384,17 @@ def test_int8_slower_than_its_fp32_file_is_explained(monkeypatch, shrunk):
             "notes": [],
         },
     ]
-    benchmark._explain(rows, None)
+    latency._explain(rows, None)
     note = rows[1]["notes"][0]
     assert note.startswith("INT8 3.00x slower than its FP32 file: time in INT8 ")
     assert "%" in note and rows[1]["vs_fp32"] == pytest.approx(1 / 3)
     rows[1]["p50_ms"], rows[1]["notes"] = 0.05, []
-    benchmark._explain(rows, None)
+    latency._explain(rows, None)
     assert rows[1]["notes"] == []  # faster INT8: nothing to explain
 
 
 def test_plot_with_no_results_is_still_written(tmp_path):
-    from compresskit.compressor import benchreport
+    from compresskit.compressor.measure import benchreport
 
     path = benchreport.plot({"results": []}, tmp_path / "empty.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -401,13 +402,13 @@ def test_plot_with_no_results_is_still_written(tmp_path):
 
 def test_each_cell_times_all_its_variants_in_one_interleaved_loop(run, shrunk, monkeypatch):
     calls = []
-    real = benchmark.interleaved_timed
+    real = latency.interleaved_timed
 
     def spy(runners, *args, **kwargs):
         calls.append(len(runners))
         return real(runners, *args, **kwargs)
 
-    monkeypatch.setattr(benchmark, "interleaved_timed", spy)
+    monkeypatch.setattr(latency, "interleaved_timed", spy)
     result = run("bench", shrunk, "--batch", "1,2", "--providers", "torch,cpu", *FAST[:4])
     assert result.exit_code == 0, result.stderr
     n = 3 + (2 if benchmark_bf16() else 1)  # three ONNX/ORT files, model.pt fp32 (+ bf16)
@@ -415,6 +416,6 @@ def test_each_cell_times_all_its_variants_in_one_interleaved_loop(run, shrunk, m
 
 
 def benchmark_bf16():
-    from compresskit.compressor import envinfo
+    from compresskit.compressor.measure import envinfo
 
     return envinfo.bf16_supported()

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from rich.cells import cell_len
 
 from compresskit.cli import render
-from compresskit.compressor import envinfo
+from compresskit.compressor.measure import envinfo
 
 GOLDEN = Path(__file__).parent / "golden"
 HEADERS = (
@@ -29,7 +29,7 @@ BASELINE = "student.fp32.onnx → ort-static-default"  # a long label, as --base
 
 
 def _row(model, precision, provider, batch, p50, size, acc, agree, speedup, gflops, peak, fmt):
-    """One result row with the keys `compressor.benchmark.measure` gives it."""
+    """One result row with the keys `compressor.measure.latency.measure` gives it."""
     return {
         "model": model,
         "path": f"/runs/{model}",

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from compresskit.compressor import channels, layertime, recipe
+from compresskit.compressor import channels, recipe
 from compresskit.compressor.flops import module_macs, onnx_macs, torch_macs
+from compresskit.compressor.measure import layertime
 from compresskit.models import thin, zoo
 from compresskit.models.errors import InputError
 

@@ -1,4 +1,5 @@
-"""compressor.envinfo: the cpuinfo parser on fixed text, the report block, and the peak probes."""
+"""compressor.measure.envinfo: the cpuinfo parser on fixed text, the report block, and the peak
+probes."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from datetime import datetime
 import pytest
 import torch
 
-from compresskit.compressor import envinfo
-from compresskit.compressor.envinfo import (
+from compresskit.compressor.measure import envinfo
+from compresskit.compressor.measure.envinfo import (
     CPU_FLAGS,
     bf16_supported,
     environment,

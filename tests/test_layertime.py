@@ -1,7 +1,7 @@
-"""Latency-aware structured pruning (`compressor.layertime`, `channels.target_latency`): each
-layer's measured time on ONNX Runtime mapped back to its module, the two-point fit of a layer's
-time against its MACs, the two-resource allocation against a brute-force optimum, and the
-channels stage reaching a time goal as well as a MACs goal."""
+"""Latency-aware structured pruning (`compressor.measure.layertime`, `channels.target_latency`):
+each layer's measured time on ONNX Runtime mapped back to its module, the two-point fit of a
+layer's time against its MACs, the two-resource allocation against a brute-force optimum, and
+the channels stage reaching a time goal as well as a MACs goal."""
 
 import itertools
 import math
@@ -13,9 +13,10 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 
-from compresskit.compressor import channels, export, layertime, recipe, report
+from compresskit.compressor import channels, export, recipe, report
 from compresskit.compressor.export import int8
 from compresskit.compressor.flops import module_macs, torch_macs
+from compresskit.compressor.measure import layertime
 from compresskit.models import thin, zoo
 from compresskit.models.errors import InputError
 

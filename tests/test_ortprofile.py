@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compresskit.compressor import export as E
-from compresskit.compressor import ortprofile as P
+from compresskit.compressor.measure import ortprofile as P
 from compresskit.models import tiny
 from compresskit.models.errors import InputError, StageError
 

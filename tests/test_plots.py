@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from compresskit.compressor import benchreport, recipe
+from compresskit.compressor import recipe
 from compresskit.compressor import report as report_mod
+from compresskit.compressor.measure import benchreport
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

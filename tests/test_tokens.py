@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from compresskit.compressor import archive, benchmark, variants
+from compresskit.compressor import archive
+from compresskit.compressor.measure import latency, variants
 from compresskit.compressor.shrink import bits_equal
 from compresskit.models import checkpoint, data, zoo
 from compresskit.models.errors import InputError
@@ -144,7 +145,7 @@ def test_bench_inputs_without_data_are_ids_the_model_embeds(shrunk):
     for name in ("model.pt", "model.fp32.onnx"):
         m = variants.load(out / name)
         assert m.tokens and m.vocab == 64 and m.in_shape == (16,)
-        x = benchmark.inputs(m, 500, None, rng)
+        x = latency.inputs(m, 500, None, rng)
         assert x.dtype == np.int64 and x.shape == (500, 16)
         assert x.min() >= 1 and x.max() == 63  # 0 is padding
 

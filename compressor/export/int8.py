@@ -1271,7 +1271,7 @@ def paired_rounds(
 ) -> np.ndarray:
     """[rounds, len(models)] median seconds per call, the models interleaved in each round
     (ROUNDS rounds unless given)."""
-    from compresskit.compressor import benchmark
+    from compresskit.compressor.measure import latency
 
     rounds = rounds or ROUNDS
     sessions = [session(m, optimized=True, threads=1) for m in models]
@@ -1280,7 +1280,7 @@ def paired_rounds(
     out = np.empty((rounds, len(models)))
     with _datapass.data_pass():  # timing runs the model on inputs too
         for r in range(rounds):
-            times = benchmark.interleaved(calls, ROUND_S, min_runs=5, warmup=3 if r == 0 else 1)
+            times = latency.interleaved(calls, ROUND_S, min_runs=5, warmup=3 if r == 0 else 1)
             out[r] = [np.median(t) for t in times]
     return out
 

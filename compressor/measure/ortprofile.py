@@ -15,7 +15,7 @@ kernels is not in `total_us_per_run` but is in `session_us_per_run` (ORT's `mode
 The profiler's JSON trace goes to a temporary folder, deleted before returning: nothing is
 written beside the model or in the working directory.
 
-onnxruntime is imported inside functions, so `import compressor.ortprofile` stays light.
+onnxruntime is imported inside functions, so `import compressor.measure.ortprofile` stays light.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ already on the device). After warm-up, the runners of one grid cell run interlea
 `compress demo` use the same loop through `p50_ms`.
 
 `measure` is `compress bench`: the (threads x batch) grid over the variants of
-`compressor.variants`, each cell summarised by `compressor.stats` (p50/p90/p99, bootstrap CI
+`compressor.measure.variants`, each cell summarised by `compressor.stats` (p50/p90/p99, bootstrap CI
 of p50, throughput), with session cold-start time, MACs and achieved GFLOP/s against the
 CPU's measured matmul peak, and accuracy / top-1 agreement with the first model on a data set.
 Timed inputs are random: float32 in [0, 1) for image models, int64 token ids in [1, vocab) for
@@ -144,7 +144,7 @@ class Skip(Exception):
 def absent_runtimes() -> dict[str, str]:
     """The GPU runtimes this machine lacks, by provider name ("pytorch-cuda",
     "CUDAExecutionProvider", "TensorrtExecutionProvider"), each with what is missing, in a few
-    words. `compressor.variants.variants` skips them without trying; a provider ONNX Runtime
+    words. `compressor.measure.variants.variants` skips them without trying; a provider ONNX Runtime
     lists but cannot start (no GPU) is not absent here: it is tried, and skipped with ORT's
     reason."""
     import onnxruntime as ort
@@ -226,7 +226,7 @@ def _prepare_torch(variant, x: np.ndarray) -> Prepared:
 
 
 def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
-    from compresskit.compressor.variants import PROVIDERS
+    from compresskit.compressor.measure.variants import PROVIDERS
 
     provider = PROVIDERS[variant.runtime]
     providers = {
@@ -318,7 +318,8 @@ def measure(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """Run the grid. Returns (results, skipped, extra): `extra` holds the peak probes and which
     variant the agreement and speed-up columns are measured against."""
-    from compresskit.compressor import envinfo, stats
+    from compresskit.compressor import stats
+    from compresskit.compressor.measure import envinfo
 
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -520,9 +521,9 @@ def _explain(results: list[dict[str, Any]], data, variants: list = ()) -> None:
     threads); when INT8 is slower, say so and name the operators that dominate both (ORT's
     profiler). `variants`: the measured ones, whose models say what input each file takes
     (a file not among them is read again)."""
-    from compresskit.compressor import ortprofile
-    from compresskit.compressor import variants as variants_mod
     from compresskit.compressor.export import clearly_faster
+    from compresskit.compressor.measure import ortprofile
+    from compresskit.compressor.measure import variants as variants_mod
 
     models = {str(v.model.path): v.model for v in variants}
     rows = {(r["path"], r["provider"], r["batch"], r["threads"]): r for r in results}

@@ -311,7 +311,7 @@ def variants(models: list[Model], runtimes: list[str]) -> tuple[list[Variant], l
     import onnxruntime as ort
     import torch
 
-    from compresskit.compressor import envinfo
+    from compresskit.compressor.measure import envinfo
 
     available = set(ort.get_available_providers())
     out: list[Variant] = []

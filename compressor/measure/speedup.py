@@ -1,6 +1,6 @@
 """What structured pruning buys where the model runs: ORT CPU latency of the unthinned and the
 thinned model, FP32 and INT8, at batch 1 and 64, measured side by side in one process,
-interleaved, on one thread (`compressor.benchmark`'s harness, as `compress bench` times).
+interleaved, on one thread (`compressor.measure.latency`'s harness, as `compress bench` times).
 
 Fewer channels shrink the archive only a little; they exist to make the graph itself cheaper.
 MACs say how much work went, not how much time: INT8 kernels, memory traffic and per-node
@@ -23,8 +23,9 @@ import numpy as np
 from torch import nn
 
 from compresskit import _datapass
-from compresskit.compressor import benchmark, envinfo, export
+from compresskit.compressor import export
 from compresskit.compressor.export import int8
+from compresskit.compressor.measure import envinfo, latency
 from compresskit.models.errors import one_line
 
 BATCHES = (1, 64)
@@ -91,9 +92,9 @@ def compare(
         for b in BATCHES:
             batch = np.resize(x, (b, *x.shape[1:]))
             kinds = [k for k in ("fp32", "int8") if files[k]]
-            calls = [benchmark.onnx_runner(p, batch, threads=1) for k in kinds for p in files[k]]
+            calls = [latency.onnx_runner(p, batch, threads=1) for k in kinds for p in files[k]]
             with _datapass.data_pass():  # timing runs the files on inputs, as INT8's does
-                ms = benchmark.p50_ms(calls, SECONDS)
+                ms = latency.p50_ms(calls, SECONDS)
             for i, k in enumerate(kinds):
                 b0, b1 = ms[2 * i], ms[2 * i + 1]
                 row = {"batch": b, "precision": k, "before_ms": b0, "after_ms": b1}

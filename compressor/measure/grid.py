@@ -1,10 +1,10 @@
 """`compress bench` as a library call: model files in, the measured grid out.
 
 `bench(paths, data)` turns model files (`.pt` checkpoints, `.onnx` / `.ort` files, `compress
-shrink` folders) into runnable variants (`compressor.variants`), measures them alike on every
-runtime asked for (`compressor.benchmark.measure`) and returns a `BenchResult`, whose
-`to_json()` is the object `compress bench --json` prints. The CLI parses its flags, calls
-this, and writes the table, `--report` and `--plot` from the result.
+shrink` folders) into runnable variants (`compressor.measure.variants`), measures them alike
+on every runtime asked for (`compressor.measure.latency.measure`) and returns a `BenchResult`,
+whose `to_json()` is the object `compress bench --json` prints. The CLI parses its flags,
+calls this, and writes the table, `--report` and `--plot` from the result.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compresskit.compressor import benchmark, envinfo, variants
-from compresskit.compressor.variants import DEFAULT_PROVIDERS
+from compresskit.compressor.measure import envinfo, latency, variants
+from compresskit.compressor.measure.variants import DEFAULT_PROVIDERS
 from compresskit.models import data as data_mod
 from compresskit.models import safeload, zoo
 from compresskit.models.data import SPECS_HELP, Dataset
@@ -54,7 +54,8 @@ class BenchResult:
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON values, exactly the object `compress bench --json` prints (and
-        what `compressor.benchreport.markdown` / `plot` take): NaN is None, paths are strings.
+        what `compressor.measure.benchreport.markdown` / `plot` take): NaN is None, paths are
+        strings.
         """
         return plain(
             {
@@ -122,7 +123,7 @@ def bench(
             size below 1, a data spec that cannot be read or does not fit the models, a
             checkpoint that names code without consent (`model` or `trust_model`).
     """
-    cfg = benchmark.BenchConfig(
+    cfg = latency.BenchConfig(
         batches=_ints(batches, "--batch"),
         threads=_ints(threads, "--threads"),
         min_runs=min_runs,
@@ -147,7 +148,7 @@ def bench(
         if baselines:
             described += _baselines(described, ds, Path(tmp), info)
         runnable, skipped = variants.variants(described, runtimes)
-        results, more, extra = benchmark.measure(runnable, cfg, ds, info)
+        results, more, extra = latency.measure(runnable, cfg, ds, info)
         profiles = _profiles(described, cfg, ds) if profile else {}
     return BenchResult(
         environment=envinfo.environment(),
@@ -155,7 +156,7 @@ def bench(
         runtimes={
             "requested": runtimes,
             "default": providers is None,
-            "absent": benchmark.absent_runtimes(),
+            "absent": latency.absent_runtimes(),
         },
         results=results,
         skipped=skipped + more,
@@ -239,7 +240,7 @@ def _baselines(described, ds, tmp: Path, info) -> list:
             pick = np.random.default_rng(0).permutation(len(ds.y_train))[:256]
             calib = ds.x_train.numpy()[pick]
         elif m.in_shape is not None:  # float32 images, or int64 ids the model embeds
-            calib = benchmark.inputs(m, 64, None, np.random.default_rng(0))
+            calib = latency.inputs(m, 64, None, np.random.default_rng(0))
         else:
             raise InputError(f"--baselines: {m.path} has no fixed input shape; pass --data SPEC")
         info(f"baselines: ORT quantize_dynamic and default quantize_static of {m.label}")
@@ -256,14 +257,14 @@ def _baselines(described, ds, tmp: Path, info) -> list:
 def _profiles(described, cfg, ds) -> dict:
     import numpy as np
 
-    from compresskit.compressor import ortprofile
+    from compresskit.compressor.measure import ortprofile
 
     out = {}
     for m in described:
         if m.format != "onnx":
             continue
-        x = benchmark.inputs(m, cfg.batches[0], ds, np.random.default_rng(0))
-        p = ortprofile.profile_ops(m.path, x, threads=benchmark.resolve_threads(cfg.threads[0]))
+        x = latency.inputs(m, cfg.batches[0], ds, np.random.default_rng(0))
+        p = ortprofile.profile_ops(m.path, x, threads=latency.resolve_threads(cfg.threads[0]))
         out[m.label] = {**p, "top": ortprofile.top_ops(p, 5)}
     return out
 

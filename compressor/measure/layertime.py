@@ -22,7 +22,7 @@ fused and quantized forms) are matched; the rest (adds, pooling, quantize/dequan
 `other_us`, which the channels stage models as a whole, with the executor's time.
 
 The file profiled has every quantizable node in INT8 with this build's own scheme, as the
-unthinned file `compressor.speedup` times: the shipped file may use ORT's default scheme or
+unthinned file `compressor.measure.speedup` times: the shipped file may use ORT's default scheme or
 keep a few nodes in FP32 after the agreement search.
 """
 
@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from compresskit import _datapass
-from compresskit.compressor import benchmark, export, ortprofile, speedup
+from compresskit.compressor import export
 from compresskit.compressor.export import int8
+from compresskit.compressor.measure import latency, ortprofile, speedup
 
 RUNS = 200  # batch-1 runs profiled (~0.2 s on ResNet-18); the mean per kernel is kept
 RUN_SECONDS = 0.3  # then whole runs timed without the profiler, the p50 kept
@@ -77,7 +78,7 @@ def measure(
     runs: int = RUNS,
 ) -> LayerTimes:
     """Export `model` (and quantize it with `quant`'s scheme, calibrated on `calib`, every
-    quantizable node INT8, as the unthinned file `compressor.speedup` times), profile `runs`
+    quantizable node INT8, as the unthinned file `compressor.measure.speedup` times), profile `runs`
     batch-1 runs, and give each module its kernel's time; then time whole runs without the
     profiler (it adds about a microsecond per node: on a thinned ResNet-18 the profiled run
     took 380 us and the plain one 215). Files go to `tmp` and are removed."""
@@ -95,8 +96,8 @@ def measure(
             kind = "int8"
         with _datapass.data_pass():  # the model runs on inputs, as INT8 timing does
             prof = ortprofile.profile_nodes(path, x.numpy(), runs=runs)
-            call = benchmark.onnx_runner(path, x.numpy(), threads=1)
-            run_us = 1000 * benchmark.p50_ms([call], RUN_SECONDS)[0]
+            call = latency.onnx_runner(path, x.numpy(), threads=1)
+            run_us = 1000 * latency.p50_ms([call], RUN_SECONDS)[0]
         kernels = {k: rec["op_type"] for k, rec in prof["nodes"].items()}
         weighted = {n for n, m in model.named_modules() if isinstance(m, WEIGHTED)}
         owners = kernel_owners(path, kernels, weighted, fp32 if kind == "int8" else None)
