@@ -127,6 +127,41 @@ def test_bias_and_norm_are_not_pruned_unless_asked():
     assert any(n.endswith(".bias") for n in with_bias)
 
 
+def test_sensitivity_bisects_to_the_full_grids_edge():
+    """On curves that fall as a layer loses weights, bisection proposes what measuring every
+    grid point would, in 3 evaluations a layer for 7 points; on a curve that passes again
+    above a miss it keeps the lower edge."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 10))
+    limit = {"0.weight": 0.85, "1.weight": 0.4}  # each layer's accuracy holds up to this cut
+    calls = []
+
+    def accuracy(m):
+        zeros = {n: float((w == 0).float().mean()) for n, w in prune.prunable(m).items()}
+        calls.append(zeros)
+        return 1.0 - sum(0.1 for n, z in zeros.items() if z > limit[n] + 1e-3)
+
+    grid = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97)
+    sens = prune.sensitivity(model, accuracy, budget=0.02, grid=grid)
+    assert sens.proposal == {"0.weight": 0.8, "1.weight": 0.3}
+    assert len(calls) == 1 + 2 * 3
+    for name, curve in sens.curves.items():
+        assert list(curve) == sorted(curve) and set(curve) <= set(grid)
+        assert all(
+            (sens.baseline - a <= 0.02) == (s <= sens.proposal[name]) for s, a in curve.items()
+        )
+
+    # A miss at 0.5 and a pass at 0.7 (noise): the edge below the miss.
+    def bumpy(m):
+        z = float((prune.prunable(m)["0.weight"] == 0).float().mean())
+        return 0.9 if 0.45 < z < 0.55 or z > 0.75 else 1.0
+
+    assert prune.sensitivity(model, bumpy, 0.02, grid).proposal["0.weight"] == 0.3
+    assert not prune.masks_of(model) and all(
+        bool((w != 0).all()) for w in prune.prunable(model).values()
+    )
+
+
 def test_sensitivity_proposes_within_budget():
     data = load("digits")
     model = tiny("lenet300", in_shape=data.in_shape)
