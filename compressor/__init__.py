@@ -2,7 +2,7 @@
 export and benchmarking: the stages behind `compress shrink` and `compress bench`.
 
 Three concerns, three places:
-- this folder: Deep Compression and what drives it (prune, kmeans, softshare, huffman,
+- this folder: Deep Compression and what drives it (e.g. prune, kmeans, softshare, huffman,
   archive, distill, budget, channels; shrink and pipeline run them as stages from a `Recipe`);
 - `export/`: what an app ships (ONNX at an opset, the INT8 choice, `.ort`, mobile checks);
 - `measure/`: what a file costs where it runs (`compress bench`'s grid, the timing harness,

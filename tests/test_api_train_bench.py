@@ -1,6 +1,6 @@
 """The Python API of `compress train` and `compress bench`, called only through documented
-names (`compresskit.distrib.train`, `compresskit.compressor.bench`, defined in `benching`), against the CLI built on
-them: the same runs, the same JSON."""
+names (`compresskit.distrib.train`, `compresskit.compressor.bench`, defined in
+`compressor.measure.grid`), against the CLI built on them: the same runs, the same JSON."""
 
 from __future__ import annotations
 

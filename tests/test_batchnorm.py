@@ -49,7 +49,8 @@ def test_an_eval_model_stays_in_eval_and_small_inputs_change_nothing():
 def test_the_sensitivity_analysis_judges_cuts_with_the_dense_models_statistics():
     """`prune.sensitivity` keeps BatchNorm's running statistics while it cuts each layer (its
     docstring gives the measurement: refreshed ones proposed cuts that, together, cost
-    MobileNetV2 45 points) and hands the model back as it was."""
+    MobileNetV2 45.75 points) and hands the model back as it was; so does the validation hook
+    `shrink` gives it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).eval()
     with torch.no_grad():
@@ -59,13 +60,29 @@ def test_the_sensitivity_analysis_judges_cuts_with_the_dense_models_statistics()
     seen = []
 
     def evaluate(m):
-        seen.append(all(torch.equal(m[1].get_buffer(k), before[f"1.{k}"]) for k in STATS))
+        seen.append(
+            not m.training and all(torch.equal(m[1].get_buffer(k), before[f"1.{k}"]) for k in STATS)
+        )
         return 1.0
 
     result = prune.sensitivity(model, evaluate, budget=0.02, grid=(0.5, 0.9))
     assert len(seen) == 1 + 2 * 2 and all(seen)  # the baseline, then 2 layers x 2 sparsities
     assert result.proposal == {"0.weight": 0.9, "3.weight": 0.9}
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+    # The hook `compresskit.shrink` hands the analysis: a plain evaluation on the validation
+    # split, no re-estimation in it.
+    from compresskit import api
+    from compresskit.models.data import load
+
+    digits = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.Linear(8, 10))
+    with torch.no_grad():
+        digits[2].running_mean.uniform_(-1, 1)
+    digits.eval()
+    kept = {k: v.clone() for k, v in digits.state_dict().items()}
+    hooks = api._hooks(load("digits"), Recipe(), None)
+    hooks.val_accuracy(digits)
+    assert all(torch.equal(v, digits.state_dict()[k]) for k, v in kept.items())
 
 
 STATS = ("running_mean", "running_var", "num_batches_tracked")

@@ -127,39 +127,68 @@ def test_bias_and_norm_are_not_pruned_unless_asked():
     assert any(n.endswith(".bias") for n in with_bias)
 
 
+GRID = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97)
+
+
+def _zeros(m, name):
+    return float((prune.prunable(m)[name] == 0).float().mean())
+
+
 def test_sensitivity_bisects_to_the_full_grids_edge():
     """On curves that fall as a layer loses weights, bisection proposes what measuring every
-    grid point would, in 3 evaluations a layer for 7 points; on a curve that passes again
-    above a miss it keeps the lower edge."""
+    grid point would (a middle edge, nothing within the budget, the grid's top), in 3
+    evaluations a layer for 7 points, whatever the grid's order or repeats."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 10))
-    limit = {"0.weight": 0.85, "1.weight": 0.4}  # each layer's accuracy holds up to this cut
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 20), nn.Linear(20, 10))
+    limit = {"0.weight": 0.85, "1.weight": 0.2, "2.weight": 1.0}  # accuracy holds up to this
     calls = []
 
     def accuracy(m):
-        zeros = {n: float((w == 0).float().mean()) for n, w in prune.prunable(m).items()}
-        calls.append(zeros)
-        return 1.0 - sum(0.1 for n, z in zeros.items() if z > limit[n] + 1e-3)
+        calls.append(m)
+        return 1.0 - sum(0.1 for n in limit if _zeros(m, n) > limit[n] + 1e-3)
 
-    grid = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97)
-    sens = prune.sensitivity(model, accuracy, budget=0.02, grid=grid)
-    assert sens.proposal == {"0.weight": 0.8, "1.weight": 0.3}
-    assert len(calls) == 1 + 2 * 3
+    sens = prune.sensitivity(model, accuracy, budget=0.02, grid=GRID)
+    assert sens.proposal == {"0.weight": 0.8, "1.weight": 0.0, "2.weight": 0.97}
+    assert len(calls) == 1 + 3 * 3
     for name, curve in sens.curves.items():
-        assert list(curve) == sorted(curve) and set(curve) <= set(grid)
+        assert list(curve) == sorted(curve) and set(curve) <= set(GRID)
         assert all(
             (sens.baseline - a <= 0.02) == (s <= sens.proposal[name]) for s, a in curve.items()
         )
-
-    # A miss at 0.5 and a pass at 0.7 (noise): the edge below the miss.
-    def bumpy(m):
-        z = float((prune.prunable(m)["0.weight"] == 0).float().mean())
-        return 0.9 if 0.45 < z < 0.55 or z > 0.75 else 1.0
-
-    assert prune.sensitivity(model, bumpy, 0.02, grid).proposal["0.weight"] == 0.3
+    shuffled = prune.sensitivity(model, accuracy, 0.02, grid=(0.97, 0.3, 0.8, 0.5, 0.8, 0.95))
+    assert shuffled.proposal == {"0.weight": 0.8, "1.weight": 0.0, "2.weight": 0.97}
     assert not prune.masks_of(model) and all(
         bool((w != 0).all()) for w in prune.prunable(model).values()
     )
+
+
+def test_sensitivity_on_a_noisy_curve_proposes_a_measured_edge_never_above_the_grids():
+    """Where a curve passes again above a miss, the proposal is a measured pass with a measured
+    miss (or the grid's end) just above it, and never more than the whole grid's proposal."""
+    model = nn.Sequential(nn.Linear(40, 30))
+    rng = torch.Generator().manual_seed(0)
+    below = 0
+    for _ in range(40):
+        passes = {s: bool(torch.rand(1, generator=rng) < 0.6) for s in GRID}
+
+        def bumpy(m, passes=passes):
+            z = _zeros(m, "0.weight")  # the grid point cut now (0 for the dense baseline)
+            return (
+                1.0 if z == 0 or next(ok for g, ok in passes.items() if abs(z - g) < 5e-3) else 0.9
+            )
+
+        sens = prune.sensitivity(model, bumpy, 0.02, GRID)
+        s, curve = sens.proposal["0.weight"], sens.curves["0.weight"]
+        whole = max((g for g, ok in passes.items() if ok), default=0.0)
+        assert s <= whole
+        assert s == 0.0 or passes[s]
+        above = [g for g in curve if g > s]  # the measured points above the proposal
+        if s == GRID[-1]:
+            assert above == []
+        else:
+            assert above and not passes[above[0]]
+        below += s < whole
+    assert below > 0  # the draws include curves where it stopped below the grid's best
 
 
 def test_sensitivity_proposes_within_budget():

@@ -11,5 +11,5 @@
 - `layertime`, `speedup`: per-layer latency and the thinned-vs-unthinned speed-up that
   structured pruning (`compressor.channels`) decides and reports on.
 
-Heavy imports (onnxruntime, torch) are made inside functions, as in the rest of `compressor`.
+onnxruntime is imported inside the functions that need it, as in the rest of `compressor`.
 """

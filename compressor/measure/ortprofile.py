@@ -42,7 +42,7 @@ def _session(path: Path, threads: int, providers: Sequence[str], prefix: str):
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     try:
-        # no retry on the CPU EP inside ORT's class (see benchmark._session)
+        # no retry on the CPU EP inside ORT's class (see latency._session)
         return ort.InferenceSession(str(path), opts, providers=list(providers), enable_fallback=0)
     except Exception as e:
         msg = one_line(e)
