@@ -486,10 +486,12 @@ def sensitivity(
     evaluate: Callable[[nn.Module], float],
     budget: float,
     grid: tuple[float, ...] = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97),
+    progress: Callable[[int, int], None] | None = None,
 ) -> Sensitivity:
     """Prune each layer alone to sparsities of `grid`, measure accuracy with `evaluate` (use
     held-out training data, not the test set), and propose for each layer the largest sparsity
-    whose accuracy drop stays within `budget` (a fraction, e.g. 0.02).
+    whose accuracy drop stays within `budget` (a fraction, e.g. 0.02). `progress(done, total)`
+    is called after each layer.
 
     Found by bisection over the grid: a layer loses accuracy as it loses weights, so at most
     ceil(log2(len(grid) + 1)) evaluations a layer find the edge (3 for the 7 default points;
@@ -509,7 +511,8 @@ def sensitivity(
     points = sorted(set(grid))
     base = evaluate(model)
     result = Sensitivity(baseline=base)
-    for name, w in prunable(model).items():
+    layers = prunable(model)
+    for done, (name, w) in enumerate(layers.items(), 1):
         original = w.detach().clone()
         target = _raw(model, name)
         curve = {}
@@ -525,6 +528,8 @@ def sensitivity(
             target.copy_(original)
         result.curves[name] = dict(sorted(curve.items()))
         result.proposal[name] = points[lo] if lo >= 0 else 0.0
+        if progress is not None:
+            progress(done, len(layers))
     return result
 
 

@@ -147,9 +147,13 @@ def test_sensitivity_bisects_to_the_full_grids_edge():
         calls.append(m)
         return 1.0 - sum(0.1 for n in limit if _zeros(m, n) > limit[n] + 1e-3)
 
-    sens = prune.sensitivity(model, accuracy, budget=0.02, grid=GRID)
+    ticks = []
+    sens = prune.sensitivity(
+        model, accuracy, budget=0.02, grid=GRID, progress=lambda *a: ticks.append(a)
+    )
     assert sens.proposal == {"0.weight": 0.8, "1.weight": 0.0, "2.weight": 0.97}
     assert len(calls) == 1 + 3 * 3
+    assert ticks == [(1, 3), (2, 3), (3, 3)]
     for name, curve in sens.curves.items():
         assert list(curve) == sorted(curve) and set(curve) <= set(GRID)
         assert all(
@@ -189,6 +193,21 @@ def test_sensitivity_on_a_noisy_curve_proposes_a_measured_edge_never_above_the_g
             assert above and not passes[above[0]]
         below += s < whole
     assert below > 0  # the draws include curves where it stopped below the grid's best
+
+
+def test_sensitivity_progress_lines_are_spaced_and_end_with_the_total(monkeypatch):
+    from compresskit.compressor import shrink
+
+    clock = iter([0.0, 1.0, 4.0, 12.0, 13.0, 14.0])  # the start, then one reading per layer
+    monkeypatch.setattr(shrink.time, "monotonic", lambda: next(clock))
+    lines = []
+    progress = shrink._every(lines.append)
+    for done in range(1, 6):
+        progress(done, 5)
+    assert lines == [
+        "sensitivity analysis: 3/5 layers, 12s, eta 8s",  # 10 s after the start
+        "sensitivity analysis: 5/5 layers, 14s",  # the end, however soon
+    ]
 
 
 def test_sensitivity_proposes_within_budget():
