@@ -506,8 +506,8 @@ def sensitivity(
     alone more kindly, and the cuts do not add up that way: on MobileNetV2 those proposals
     pruned further and lost 45.75 test points after full retraining, where these lost 0.5
     or none (ResNet-18: 73.0x at -0.50 points against 47.6x at +0.50; docs/benchmarks.md,
-    "The sensitivity analysis"). Stale statistics also charge each cut for the shift it puts on the
-    layers after it: a harsher verdict per layer, which leaves room for the cuts' sum."""
+    "The sensitivity analysis"). Stale statistics also charge each cut for the shift it puts
+    on the layers after it: a harsher verdict per layer, which leaves room for the cuts' sum."""
     points = sorted(set(grid))
     base = evaluate(model)
     result = Sensitivity(baseline=base)

@@ -64,10 +64,18 @@ def batchnorm_memory(model: nn.Module, steps: int) -> float:
     run of `steps` steps left of the statistics of the weights it started from."""
     shares = [
         1.0 if m.momentum is None else (1.0 - m.momentum) ** max(steps, 0)
+        for m in _running_norms(model)
+    ]
+    return max(shares, default=0.0)
+
+
+def _running_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The BatchNorm layers that keep running statistics."""
+    return [
+        m
         for m in model.modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
     ]
-    return max(shares, default=0.0)
 
 
 def refresh_batchnorm_(
@@ -88,11 +96,7 @@ def refresh_batchnorm_(
     of `batch_size` (the last, shorter one dropped so that every batch weighs the same in
     torch's cumulative average, unless it is the only one), each under `context()` (autocast
     for bf16 training). Momenta and training modes are left as they were."""
-    norms = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-    ]
+    norms = _running_norms(model)
     if not norms or len(x) < 2:
         return 0
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), x.device)
