@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compresskit.compressor import export  # noqa: E402
-from compresskit.compressor.export import int8, mobile  # noqa: E402
+from compresskit.compressor.export import checks, int8, mobile  # noqa: E402
 from compresskit.compressor.measure import envinfo, latency  # noqa: E402
 from compresskit.models import data as data_mod  # noqa: E402
 
@@ -256,12 +256,12 @@ def client_table(work: Path, folders: dict[str, Path]) -> list[dict]:
         }
         spec_path = folder / "clients.json"
         spec_path.write_text(json.dumps(spec))
-        ref = int8.outputs(int8.session(folder / f"{stem(folder)}.fp32.onnx", True), x)
+        ref = checks.outputs(checks.session(folder / f"{stem(folder)}.fp32.onnx", True), x)
         import onnxruntime as ort
 
         here = {"version": ort.__version__, "results": {}}
         for path, batch in files:
-            y = int8.outputs(int8.session(path, True), x, batch=batch or len(x))
+            y = checks.outputs(checks.session(path, True), x, batch=batch or len(x))
             np.save(str(path) + ".here.npy", y)
             here["results"][str(path)] = "ok"
         clients = {
@@ -296,7 +296,7 @@ def client_table(work: Path, folders: dict[str, Path]) -> list[dict]:
                         )
                         y = np.load(str(path) + tag)
                     diff = float(np.abs(y - ref).max())
-                    agree = int8.agreement(y, ref)
+                    agree = checks.agreement(y, ref)
                     is_int8 = ".int8." in path.name
                     ok = agree >= floor if is_int8 else diff <= 1e-3
                     row.update(max_abs_diff=diff, agreement=agree, within_floor=ok)
@@ -343,11 +343,11 @@ def quantizer_table(work: Path, mnist: Path | None) -> list[dict]:
         if isinstance(nncf_note, Path):
             files["NNCF nncf.quantize"] = nncf_note
         x = ds.x_test.numpy()
-        ref = {o: int8.outputs(int8.session(fp32, o), x) for o in (False, True)}
+        ref = {o: checks.outputs(checks.session(fp32, o), x) for o in (False, True)}
         lat = {}
         for batch in (1, 64):
             xb = x[:batch]
-            sessions = [int8.session(p, True) for p in files.values()]
+            sessions = [checks.session(p, True) for p in files.values()]
             name = sessions[0].get_inputs()[0].name
             calls = [(lambda s=s, f={name: xb}: s.run(None, f)) for s in sessions]
             times = latency.interleaved(calls, seconds=4.0, min_runs=50)
@@ -359,7 +359,9 @@ def quantizer_table(work: Path, mnist: Path | None) -> list[dict]:
         )
         print("|---|---|---|---|---|---|")
         for k, (label, path) in enumerate(files.items()):
-            a = {o: int8.agreement(int8.outputs(int8.session(path, o), x), ref[o]) for o in ref}
+            a = {
+                o: checks.agreement(checks.outputs(checks.session(path, o), x), ref[o]) for o in ref
+            }
             r1, r64 = lat[1][k] / lat[1][0], lat[64][k] / lat[64][0]
             print(
                 f"| {label} | {path.stat().st_size:,} | {a[False]:.2%} | {a[True]:.2%} | "

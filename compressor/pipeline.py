@@ -24,7 +24,7 @@ from compresskit import _datapass, _mem
 from compresskit.compressor import archive, budget, channels, distill, export, guard
 from compresskit.compressor import report as report_mod
 from compresskit.compressor import shrink as shrink_mod
-from compresskit.compressor.export import compat, int8, mobile
+from compresskit.compressor.export import checks, compat, int8, mobile
 from compresskit.compressor.measure import envinfo, layertime, speedup
 from compresskit.compressor.recipe import ExportSection, Recipe
 from compresskit.models import checkpoint
@@ -600,9 +600,9 @@ def _export(
             # ViT-tiny's runs over the test set held 130-207 MiB over their start at 64
             # samples a run, 43-80 MiB at the 4 this gives, in about the same time.
             if str(path) not in batches:
-                batches[str(path)] = int8.activation_batch(onnx.load(str(path)), cap=64)
+                batches[str(path)] = checks.activation_batch(onnx.load(str(path)), cap=64)
             batch = batches[str(path)]
-            runs[key] = int8.outputs(int8.session(path, optimized), data.x_test.numpy(), batch)
+            runs[key] = checks.outputs(checks.session(path, optimized), data.x_test.numpy(), batch)
         return runs[key]
 
     def parity(path: Path, optimized: bool = True) -> dict[str, float]:

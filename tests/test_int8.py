@@ -12,11 +12,16 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+from compresskit.compressor.export import biascorr as B
+from compresskit.compressor.export import checks as C
 from compresskit.compressor.export import compat as onnxcompat
+from compresskit.compressor.export import fallback as F
 from compresskit.compressor.export import int8 as I
 from compresskit.compressor.export import mobile, protos
 from compresskit.compressor.export import onnxfile as E
+from compresskit.compressor.export import qdq as Q
 from compresskit.models import tiny
+from compresskit.models.errors import StageError
 from tests.test_export import Residual  # BatchNorm, ReLU, a residual Add, a head
 
 
@@ -112,23 +117,23 @@ def test_an_opset_no_route_can_write_is_refused(monkeypatch, tmp_path):
 
 def test_every_node_in_fp32_leaves_no_qdq(prepared):
     fp32, prep, calib = prepared
-    q = I.Quantizer(prep, calib)
+    q = Q.Quantizer(prep, calib)
     model = q.build(I.scheme_for(I.QuantConfig(), False), q.nodes)
     assert not {"QuantizeLinear", "DequantizeLinear"} & set(_ops(model))
     x = calib[:8]
-    ref = I.outputs(I.session(str(fp32), optimized=False), x)
-    got = I.outputs(I.session(model.SerializeToString(), optimized=False), x)
+    ref = C.outputs(C.session(str(fp32), optimized=False), x)
+    got = C.outputs(C.session(model.SerializeToString(), optimized=False), x)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)  # the FP32 graph, nothing else
 
 
 def test_nodes_kept_in_int8_keep_their_qdq(prepared):
     _, prep, calib = prepared
-    q = I.Quantizer(prep, calib)
+    q = Q.Quantizer(prep, calib)
     scheme = I.scheme_for(I.QuantConfig(), False)
     full = q.build(scheme)
-    assert len(I.int8_compute_nodes(full.graph)) == 3
+    assert len(Q.int8_compute_nodes(full.graph)) == 3
     mixed = q.build(scheme, q.nodes[:1])  # the first conv back to FP32
-    assert [n.name for n in I.int8_compute_nodes(mixed.graph)] == q.nodes[1:]
+    assert [n.name for n in Q.int8_compute_nodes(mixed.graph)] == q.nodes[1:]
     onnx.checker.check_model(mixed, full_check=True)
 
 
@@ -141,13 +146,13 @@ def test_strip_is_needed_the_quantizer_alone_leaves_orphans(prepared):
     quantize_static(
         str(prep),
         str(out),
-        I._reader(calib, "x"),
+        Q._reader(calib, "x"),
         quant_format=QuantFormat.QDQ,
         nodes_to_exclude=E.quantizable_nodes(prep),
     )
     raw = onnx.load(str(out))
-    assert "QuantizeLinear" in _ops(raw) and not I.int8_compute_nodes(raw.graph)
-    assert I.strip_orphan_qdq(raw) > 0
+    assert "QuantizeLinear" in _ops(raw) and not Q.int8_compute_nodes(raw.graph)
+    assert Q.strip_orphan_qdq(raw) > 0
     assert not {"QuantizeLinear", "DequantizeLinear"} & set(_ops(raw))
 
 
@@ -193,11 +198,11 @@ def test_reference_semantics_equal_a_numpy_qdq_computation(tmp_path, scheme):
     model = nn.Linear(6, 3).eval()
     fp32 = E.export_onnx(model, torch.rand(2, 6), tmp_path / "g.onnx", E.ExportConfig())
     x = np.random.default_rng(1).standard_normal((50, 6)).astype(np.float32)
-    q = I.Quantizer(E.preprocess(fp32, tmp_path / "p.onnx"), x)
-    s = I.scheme_for(I.QuantConfig(), False) if scheme == "ours" else I.ORT_DEFAULT
+    q = Q.Quantizer(E.preprocess(fp32, tmp_path / "p.onnx"), x)
+    s = I.scheme_for(I.QuantConfig(), False) if scheme == "ours" else Q.ORT_DEFAULT
     qdq = q.build(s)
-    assert [n.name for n in I.int8_compute_nodes(qdq.graph)] == q.nodes
-    got = I.outputs(I.session(qdq.SerializeToString(), optimized=False), x)
+    assert [n.name for n in Q.int8_compute_nodes(qdq.graph)] == q.nodes
+    got = C.outputs(C.session(qdq.SerializeToString(), optimized=False), x)
     np.testing.assert_allclose(got, _numpy_qdq(qdq, x), rtol=1e-5, atol=1e-5)
 
 
@@ -286,14 +291,14 @@ def test_bias_correction_removes_the_mean_shift(tmp_path, bias):
     model = nn.Linear(16, 4, bias=bias).eval()
     fp32 = E.export_onnx(model, torch.rand(2, 16), tmp_path / "g.onnx", E.ExportConfig())
     x = (np.random.default_rng(1).standard_normal((128, 16)) + 2.0).astype(np.float32)
-    q = I.Quantizer(E.preprocess(fp32, tmp_path / "p.onnx"), x)
-    qdq = q.build(I.ORT_DEFAULT)  # per-tensor: a visible shift per channel
-    fixed, n = I.correct_bias(qdq, fp32.read_bytes(), x, optimized=False)
+    q = Q.Quantizer(E.preprocess(fp32, tmp_path / "p.onnx"), x)
+    qdq = q.build(Q.ORT_DEFAULT)  # per-tensor: a visible shift per channel
+    fixed, n = B.correct_bias(qdq, fp32.read_bytes(), x, optimized=False)
     assert n == (1 if bias else 0)
     # The Gemm's own output (before the output Q/DQ, whose rounding is not the bias's).
     gemm = next(n.output[0] for n in qdq.graph.node if n.op_type == "Gemm")
-    ref = I._run_with(onnx.load(str(fp32)), [onnx.load(str(fp32)).graph.output[0].name], x, False)
-    shift = [np.abs((I._run_with(m, [gemm], x, False)[0] - ref[0]).mean(0)) for m in (qdq, fixed)]
+    ref = B._run_with(onnx.load(str(fp32)), [onnx.load(str(fp32)).graph.output[0].name], x, False)
+    shift = [np.abs((B._run_with(m, [gemm], x, False)[0] - ref[0]).mean(0)) for m in (qdq, fixed)]
     if not bias:  # nothing to correct: the model comes back unchanged
         assert fixed.SerializeToString() == qdq.SerializeToString()
         return
@@ -329,14 +334,14 @@ def _fake_search(n: int, needed: set[str] | int):
 def test_fallback_bisects_to_the_fewest_nodes_in_log_builds():
     cfg = I.QuantConfig()
     order, candidate, reference, calls = _fake_search(74, 21)  # a 12-block ViT's 74 nodes
-    model, out, _, back = I._fall_back(order, candidate, reference, cfg, before=0.5)
+    model, out, _, back = F.fall_back(order, candidate, reference, cfg, before=0.5)
     assert back == order[:21] and model == "model-21"
-    assert I.agreement(out, reference) >= cfg.min_agreement
+    assert C.agreement(out, reference) >= cfg.min_agreement
     # 1, 2, 4, ..., 32, then bisection in (16, 32], then the shrink's budget: not 74 builds
-    assert len(calls) <= 2 * 7 + I._budget(74)
+    assert len(calls) <= 2 * 7 + F._budget(74)
     # Every node needed: the whole list, the all-FP32 graph, holds.
     order, candidate, reference, calls = _fake_search(5, 5)
-    assert I._fall_back(order, candidate, reference, cfg, before=0.5)[3] == order
+    assert F.fall_back(order, candidate, reference, cfg, before=0.5)[3] == order
 
 
 def test_fallback_finds_one_culprit_the_order_puts_last():
@@ -344,22 +349,22 @@ def test_fallback_finds_one_culprit_the_order_puts_last():
     # whose INT8 error flips a check sample. The prefix search needs all 26; the shrink finds it.
     cfg = I.QuantConfig()
     order, candidate, reference, calls = _fake_search(26, {"n25"})
-    model, out, _, back = I._fall_back(order, candidate, reference, cfg, before=0.5)
+    model, out, _, back = F.fall_back(order, candidate, reference, cfg, before=0.5)
     assert back == ["n25"] and model == "model-1"
-    assert I.agreement(out, reference) >= cfg.min_agreement
+    assert C.agreement(out, reference) >= cfg.min_agreement
     # prefixes 1, 2, 4, 8, 16 fail and 26 holds, bisection tries 21, 23, 24, 25 (fail); then
     # the shrink, tail chunk first, holds at every halving: 13, 6, 3, 1 nodes
     assert calls == [1, 2, 4, 8, 16, 26, 21, 23, 24, 25, 13, 6, 3, 1]
     # Two culprits far apart in the order: the prefix that holds is n0..n20; within its budget
     # the shrink drops part of it and keeps both culprits.
     order, candidate, reference, _ = _fake_search(26, {"n3", "n20"})
-    back = I._fall_back(order, candidate, reference, cfg, before=0.5)[3]
+    back = F.fall_back(order, candidate, reference, cfg, before=0.5)[3]
     assert {"n3", "n20"} <= set(back) and len(back) < 21
 
 
 def test_shrink_set_stays_within_its_budget():
     order, candidate, reference, calls = _fake_search(64, 40)  # no subset of 40 holds
-    back, found = I._shrink_set(order[:40], candidate, reference, I.QuantConfig(), budget=5)
+    back, found = F._shrink_set(order[:40], candidate, reference, I.QuantConfig(), budget=5)
     assert back == order[:40] and found is None and len(calls) == 5
 
 
@@ -368,13 +373,13 @@ def test_agreement_counts_fp32_ties_as_agreeing_and_nothing_else():
     # 1e-3); sample 1: 0.5 apart. Picking the runner-up agrees on the tie only.
     reference = np.array([[10.0, 9.99999, 0.0], [10.0, 9.5, 0.0], [0.0, 1.0, 2.0]])
     got = np.array([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-    assert I.tie_tolerance(reference) == pytest.approx(1e-3)
-    assert I.disagrees(got, reference, I.tie_tolerance(reference)).tolist() == [False, True, False]
-    assert I.agreement(got, reference) == pytest.approx(2 / 3)
-    assert I.ties(reference) == 1
+    assert C.tie_tolerance(reference) == pytest.approx(1e-3)
+    assert C.disagrees(got, reference, C.tie_tolerance(reference)).tolist() == [False, True, False]
+    assert C.agreement(got, reference) == pytest.approx(2 / 3)
+    assert C.ties(reference) == 1
     # Exact argmax agreement where nothing ties; the third class of a tie still disagrees.
-    assert I.agreement(reference, reference) == 1.0
-    assert I.agreement(np.array([[0.0, 0.0, 1.0]]), reference[:1]) == 0.0
+    assert C.agreement(reference, reference) == 1.0
+    assert C.agreement(np.array([[0.0, 0.0, 1.0]]), reference[:1]) == 0.0
 
     # The early-stopping run counts the same disagreements as `agreement`.
     class Sess:
@@ -385,8 +390,8 @@ def test_agreement_counts_fp32_ties_as_agreeing_and_nothing_else():
             return [got[feed["x"]]]
 
     idx = np.arange(3)
-    assert I._outputs_above(Sess(), idx, reference, floor=0.6, batch=1) is not None
-    assert I._outputs_above(Sess(), idx, reference, floor=0.7, batch=1) is None
+    assert F.outputs_above(Sess(), idx, reference, floor=0.6, batch=1) is not None
+    assert F.outputs_above(Sess(), idx, reference, floor=0.7, batch=1) is None
 
 
 def test_expected_agreement_pairs_every_gap_with_every_change_by_hand():
@@ -396,14 +401,14 @@ def test_expected_agreement_pairs_every_gap_with_every_change_by_hand():
     # 1 flip in 3 x 3 pairs.
     reference = np.array([[4.0, 3.0, 0.0], [2.0, 0.0, 1.0], [0.0, 5.0, 0.0]])
     got = np.array([[4.0, 3.0, 0.0], [2.0, 0.0, 1.6], [0.0, 5.0, 0.0]])
-    assert I.agreement(got, reference) == 1.0
-    estimate, low = I.expected_agreement(got, reference)
+    assert C.agreement(got, reference) == 1.0
+    estimate, low = C.expected_agreement(got, reference)
     assert estimate == pytest.approx(8 / 9)
     # The bound: a_i (share of changes that flip margin i) = 1/3, 0, 0; b_j (share of margins
     # change j flips) = 0, 1/3, 0; var(a + b) = 1/27 (n - 1 in the denominator); se =
     # sqrt(1/27 / 3) = 1/9.
-    assert low == pytest.approx(8 / 9 - I.Z95 / 9)
-    assert not I.meets(got, reference, 0.71) and I.meets(got, reference, 0.70)
+    assert low == pytest.approx(8 / 9 - C.Z95 / 9)
+    assert not C.meets(got, reference, 0.71) and C.meets(got, reference, 0.70)
     # against the pairs counted one by one, on random logits
     rng = np.random.default_rng(0)
     ref = rng.standard_normal((50, 4))
@@ -414,27 +419,27 @@ def test_expected_agreement_pairs_every_gap_with_every_change_by_hand():
     gap = (ref[rows, first] - ref[rows, second]) / scale
     margin = [out[i, first[i]] - np.delete(out[i], first[i]).max() for i in rows]
     change = margin / scale - gap
-    assert sum(change + gap < 0) == round(50 * (1 - I.agreement(out, ref))) > 0  # own flips
+    assert sum(change + gap < 0) == round(50 * (1 - C.agreement(out, ref))) > 0  # own flips
     flips = sum(g + c < 0 for g in gap for c in change)
-    estimate, low = I.expected_agreement(out, ref)
+    estimate, low = C.expected_agreement(out, ref)
     assert estimate == pytest.approx(1 - flips / 2500)
     # the standard error against a bootstrap over the 50 samples
-    draws = [I.expected_agreement(out[i], ref[i])[0] for i in rng.integers(0, 50, (400, 50))]
-    assert (estimate - low) / I.Z95 == pytest.approx(np.std(draws), rel=0.2)
-    assert I.expected_agreement(ref, ref) == (1.0, 1.0)  # no change, no flip
+    draws = [C.expected_agreement(out[i], ref[i])[0] for i in rng.integers(0, 50, (400, 50))]
+    assert (estimate - low) / C.Z95 == pytest.approx(np.std(draws), rel=0.2)
+    assert C.expected_agreement(ref, ref) == (1.0, 1.0)  # no change, no flip
     # FP32 ties agree whatever the change; a flip to the third class counts (sample 1's margin
     # falls from 1 to -1: paired with its own gap it flips, with the tie's change of 0 not);
     # one class cannot flip; no outputs: NaN
     tied = np.array([[1.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
-    assert I.expected_agreement(tied[:, [1, 0, 2]], tied)[0] == pytest.approx(1 - 1 / 4)
-    assert I.expected_agreement(np.ones((3, 1)), np.zeros((3, 1))) == (1.0, 1.0)
-    assert np.isnan(I.expected_agreement(np.zeros((0, 3)), np.zeros((0, 3)))).all()
+    assert C.expected_agreement(tied[:, [1, 0, 2]], tied)[0] == pytest.approx(1 - 1 / 4)
+    assert C.expected_agreement(np.ones((3, 1)), np.zeros((3, 1))) == (1.0, 1.0)
+    assert np.isnan(C.expected_agreement(np.zeros((0, 3)), np.zeros((0, 3)))).all()
 
 
 def test_fallback_that_cannot_reach_the_floor_is_a_stage_error():
     order, candidate, reference, _ = _fake_search(6, {"nowhere"})
-    with pytest.raises(I.StageError, match=r"min_agreement 0.995: best 0.5000, even with all 6"):
-        I._fall_back(order, candidate, reference, I.QuantConfig(), before=0.5)
+    with pytest.raises(StageError, match=r"min_agreement 0.995: best 0.5000, even with all 6"):
+        F.fall_back(order, candidate, reference, I.QuantConfig(), before=0.5)
 
 
 def _onnx(tmp: Path, name: str, nodes, inits: dict[str, np.ndarray], x_shape) -> tuple:
@@ -485,8 +490,8 @@ def test_floor_holds_with_the_harmful_node_back_in_fp32_few_builds_silently(
     x[:4, 0] = 3000.0  # in the calibration inputs only
     cfg = I.QuantConfig(min_agreement=0.97)  # logits near ties: INT8 elsewhere flips a few
     builds = []
-    real = I.Quantizer.build
-    monkeypatch.setattr(I.Quantizer, "build", lambda *a, **k: builds.append(1) or real(*a, **k))
+    real = Q.Quantizer.build
+    monkeypatch.setattr(Q.Quantizer, "build", lambda *a, **k: builds.append(1) or real(*a, **k))
     capfd.readouterr()
     with caplog.at_level(logging.DEBUG):
         choice = I.choose(prep, fp32.read_bytes(), x[:100], x[100:], cfg, {"avx2"})
@@ -515,14 +520,14 @@ def test_floor_holds_with_the_harmful_node_back_in_fp32_few_builds_silently(
     assert other["searched"] == 0 and "stands closer to it" in other["not_searched"]
     assert "not_searched" not in record
     assert all(
-        c["builds"] <= 2 and c["searched"] <= 2 * 3 + I._budget(6) for c in choice.candidates
+        c["builds"] <= 2 and c["searched"] <= 2 * 3 + F._budget(6) for c in choice.candidates
     )
     assert record["min_agreement"] == 0.97 and record["fallen_back"] == 2
     assert record["agreement_before_fallback"] < 0.97 and record["check_samples"] == 300
     assert record["expected_agreement"] == sel.expected
-    got = I.outputs(I.session(choice.model.SerializeToString(), optimized=False), x[100:])
-    ref = I.outputs(I.session(fp32.read_bytes(), optimized=False), x[100:])
-    assert I.meets(got, ref, 0.97)  # the file as shipped holds the floor, both ways
+    got = C.outputs(C.session(choice.model.SerializeToString(), optimized=False), x[100:])
+    ref = C.outputs(C.session(fp32.read_bytes(), optimized=False), x[100:])
+    assert C.meets(got, ref, 0.97)  # the file as shipped holds the floor, both ways
 
 
 def test_fp32_readers_get_back_the_relu_the_quantizer_folded_into_a_q(tmp_path):
@@ -530,15 +535,15 @@ def test_fp32_readers_get_back_the_relu_the_quantizer_folded_into_a_q(tmp_path):
     a node back in FP32 reading that tensor must get the Relu back, or it reads negatives."""
     fp32, prep = _outlier_mlp(tmp_path)
     x = np.random.default_rng(0).standard_normal((64, 12)).astype(np.float32)
-    q = I.Quantizer(prep, x)
+    q = Q.Quantizer(prep, x)
     scheme = I.scheme_for(I.QuantConfig(), False)
     assert "Relu" not in _ops(q.build(scheme))  # all INT8: every Relu folded into a Q
     only_first = q.build(scheme, q.nodes[1:])
-    assert [n.name for n in I.int8_compute_nodes(only_first.graph)] == ["fc0"]
+    assert [n.name for n in Q.int8_compute_nodes(only_first.graph)] == ["fc0"]
     assert _ops(only_first).count("Relu") == 5
     onnx.checker.check_model(only_first, full_check=True)  # each Relu after its producer
-    ref = I.outputs(I.session(fp32.read_bytes(), optimized=False), x)
-    got = I.outputs(I.session(only_first.SerializeToString(), optimized=False), x)
+    ref = C.outputs(C.session(fp32.read_bytes(), optimized=False), x)
+    got = C.outputs(C.session(only_first.SerializeToString(), optimized=False), x)
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
 
 
@@ -548,14 +553,14 @@ def test_a_second_rewrite_names_its_activation_copies_apart(tmp_path):
     graph with two nodes of one name; ResNet-18 under target host failed that way."""
     _, prep = _outlier_mlp(tmp_path)
     x = np.random.default_rng(0).standard_normal((64, 12)).astype(np.float32)
-    q = I.Quantizer(prep, x)
+    q = Q.Quantizer(prep, x)
     model = q.build(I.scheme_for(I.QuantConfig(), False), q.nodes[1:])
     copies = [n for n in model.graph.node if n.op_type == "Relu" and n.name.endswith("_fp32")]
     assert copies  # the first rewrite put Relus back under "<relu>_fp32"
     original = onnx.load(str(prep))
     relu_out = {n.name: n.output[0] for n in original.graph.node if n.op_type == "Relu"}
     # A later rewrite asked for the same FP32 tensors (as if its readers had changed again).
-    reads = I._Fp32Reads(model.graph, original)
+    reads = Q._Fp32Reads(model.graph, original)
     reads.producer = {o: n for n in q.build(I.scheme_for(I.QuantConfig(), False)).graph.node
                       for o in n.output}  # fmt: skip
     for relu in copies:
@@ -582,13 +587,13 @@ def test_the_quantizer_warns_through_logging_and_quiet_hides_it(tmp_path, caplog
     shapes = {"w1": (16, 8), "b1": (16,), "g": (16,), "w2": (4, 16), "b2": (4,)}
     inits = {k: rng.standard_normal(v) for k, v in shapes.items()}
     _, prep = _onnx(tmp_path, "norm", nodes, inits, [8])
-    q = I.Quantizer(prep, rng.standard_normal((16, 8)).astype(np.float32))
+    q = Q.Quantizer(prep, rng.standard_normal((16, 8)).astype(np.float32))
     scheme = I.scheme_for(I.QuantConfig(), False)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         q.build(scheme)
     assert not [r for r in caplog.records if "onnxruntime" in r.pathname]
-    monkeypatch.setattr(I, "quiet", lambda stdout=False: contextlib.nullcontext())
+    monkeypatch.setattr(Q, "quiet", lambda stdout=False: contextlib.nullcontext())
     with caplog.at_level(logging.WARNING):
         q.build(scheme)
     assert any("out-of-range" in r.getMessage() for r in caplog.records)  # what quiet hides
@@ -596,7 +601,7 @@ def test_the_quantizer_warns_through_logging_and_quiet_hides_it(tmp_path, caplog
     # FP32 the FP32 bias comes back under another name, and the file loads.
     fp32 = q.build(scheme, q.nodes)
     assert not {"QuantizeLinear", "DequantizeLinear"} & set(_ops(fp32))
-    I.session(fp32.SerializeToString(), optimized=False)
+    C.session(fp32.SerializeToString(), optimized=False)
 
 
 # --- (N, L, D) tensors and int64 token inputs ------------------------------------------------
@@ -640,20 +645,20 @@ def test_every_node_excluded_is_the_fp32_graph_even_after_quantized_glue(tokens)
     """The attention MatMul reads a scaling Mul's output: ORT's quantizer quantizes that Mul
     even when the MatMul is excluded, which left the MatMul reading Q/DQ (INT8 after all)."""
     _, prep, x = tokens
-    q = I.Quantizer(prep, x[:32])
+    q = Q.Quantizer(prep, x[:32])
     model = q.build(I.scheme_for(I.QuantConfig(), False), q.nodes)
-    assert not I.int8_compute_nodes(model.graph)
+    assert not Q.int8_compute_nodes(model.graph)
     assert not {"QuantizeLinear", "DequantizeLinear"} & set(_ops(model))
 
 
 def test_bias_correction_of_a_matmul_on_n_l_d_tensors_uses_the_last_axis(tokens, tmp_path):
     _, prep, ids = tokens
-    q = I.Quantizer(prep, ids[:128])
-    qdq = q.build(I.ORT_DEFAULT)
-    errors = I.node_errors(qdq, q.model, ids[:128], optimized=False)
+    q = Q.Quantizer(prep, ids[:128])
+    qdq = q.build(Q.ORT_DEFAULT)
+    errors = B.node_errors(qdq, q.model, ids[:128], optimized=False)
     linear = next(n for n in q.model.graph.node if n.op_type == "MatMul")  # (N, L, 8) x (8, 16)
     assert errors[linear.name].shift.shape == (16,)  # one per output feature, not per token
-    fixed, n = I.correct_bias(qdq, q.model, ids[:128], optimized=False)
+    fixed, n = B.correct_bias(qdq, q.model, ids[:128], optimized=False)
     assert n == 2  # the Linear's MatMul + Add and the head's Gemm; not the activation MatMuls
     onnx.checker.check_model(fixed, full_check=True)
 
@@ -668,14 +673,14 @@ def test_bias_correction_of_a_matmul_on_n_l_d_tensors_uses_the_last_axis(tokens,
     inits = {"w": rng.standard_normal((16, 4)) / 4, "b": rng.standard_normal(4) / 4}
     _, prep = _onnx(tmp_path, "linear3d", nodes, inits, [5, 16])
     x = (rng.standard_normal((128, 5, 16)) + 2.0).astype(np.float32)
-    q = I.Quantizer(prep, x)
+    q = Q.Quantizer(prep, x)
     assert [n.op_type for n in q.model.graph.node] == ["MatMul", "Add"]
-    qdq = q.build(I.ORT_DEFAULT)  # per-tensor: a visible shift per channel
-    fixed, n = I.correct_bias(qdq, q.model, x, optimized=False)
+    qdq = q.build(Q.ORT_DEFAULT)  # per-tensor: a visible shift per channel
+    fixed, n = B.correct_bias(qdq, q.model, x, optimized=False)
     assert n == 1
     add = q.model.graph.node[1].output[0]
-    ref = I._run_with(q.model, [add], x, False)[0]
-    shift = [np.abs((I._run_with(m, [add], x, False)[0] - ref).mean((0, 1))) for m in (qdq, fixed)]
+    ref = B._run_with(q.model, [add], x, False)[0]
+    shift = [np.abs((B._run_with(m, [add], x, False)[0] - ref).mean((0, 1))) for m in (qdq, fixed)]
     assert shift[1].sum() < 0.5 * shift[0].sum(), shift
 
 
@@ -683,13 +688,13 @@ def test_outputs_do_not_depend_on_the_thread_count(prepared, tmp_path):
     """`session` runs checks on every core: it relies on ORT's CPU kernels giving the same bits
     whatever the thread count (they split work by output, never a sum), as written and fused."""
     fp32, prep, calib = prepared
-    q = I.Quantizer(prep, calib)
+    q = Q.Quantizer(prep, calib)
     qdq = q.build(I.scheme_for(I.QuantConfig(), False)).SerializeToString()
     x = np.random.default_rng(1).random((96, 1, 8, 8), dtype=np.float32)
     for model in (fp32.read_bytes(), qdq):
         for optimized in (False, True):
-            one = I.outputs(I.session(model, optimized, threads=1), x)
-            two = I.outputs(I.session(model, optimized, threads=2), x)
+            one = C.outputs(C.session(model, optimized, threads=1), x)
+            two = C.outputs(C.session(model, optimized, threads=2), x)
             assert np.array_equal(one, two)
 
 
@@ -697,11 +702,11 @@ def test_node_errors_are_the_same_whatever_the_batch(prepared):
     """node_errors reduces in the graph, 64 samples a run, twins placed after their originals:
     the sums must not depend on how the samples were cut."""
     _, prep, calib = prepared
-    q = I.Quantizer(prep, calib)
+    q = Q.Quantizer(prep, calib)
     m = q.build(I.scheme_for(I.QuantConfig(), False))
     x = np.random.default_rng(2).random((130, 1, 8, 8), dtype=np.float32)
-    whole = I.node_errors(m, q.model, x, optimized=False)
-    parts = [I.node_errors(m, q.model, x[i : i + 10], optimized=False) for i in range(0, 130, 10)]
+    whole = B.node_errors(m, q.model, x, optimized=False)
+    parts = [B.node_errors(m, q.model, x[i : i + 10], optimized=False) for i in range(0, 130, 10)]
     assert whole and set(whole) == set(parts[0])
     for name, e in whole.items():
         assert e.nmse > 0
@@ -717,7 +722,7 @@ def test_surgery_candidates_equal_the_quantizers_own_files(prepared):
     quantizer folded (put back for its FP32 reader) once left a Q/DQ pair beside its renamed
     producer: "Duplicate definition of name"."""
     _, prep, calib = prepared
-    q = I.Quantizer(prep, calib)
+    q = Q.Quantizer(prep, calib)
     scheme = I.scheme_for(I.QuantConfig(), False)
     full = q.build(scheme)
     x = np.random.default_rng(3).random((64, 1, 8, 8), dtype=np.float32)
@@ -725,15 +730,15 @@ def test_surgery_candidates_equal_the_quantizers_own_files(prepared):
         for ex in itertools.combinations(q.nodes, k):
             a, b = q.build(scheme, ex), q.without(full, ex)
             onnx.checker.check_model(b)
-            assert len(I.int8_compute_nodes(b.graph)) == len(I.int8_compute_nodes(a.graph))
-            got = I.outputs(I.session(b.SerializeToString(), optimized=False), x)
-            want = I.outputs(I.session(a.SerializeToString(), optimized=False), x)
+            assert len(Q.int8_compute_nodes(b.graph)) == len(Q.int8_compute_nodes(a.graph))
+            got = C.outputs(C.session(b.SerializeToString(), optimized=False), x)
+            want = C.outputs(C.session(a.SerializeToString(), optimized=False), x)
             np.testing.assert_array_equal(got, want)
 
 
 def test_only_a_scheme_that_can_still_win_is_searched():
     def st(name, floor, holds):
-        return I._Started(I.Scheme(name, "QInt8", "QInt8", False), floor, holds, lambda why: None)
+        return I._Started(Q.Scheme(name, "QInt8", "QInt8", False), floor, holds, lambda why: None)
 
     ours, ort = "u8s8 per-channel", "ort-default"
     # both hold: neither needs a search
@@ -762,31 +767,31 @@ def test_activation_batch_sums_every_tensor_per_sample():
     )
     model = onnx.shape_inference.infer_shapes(helper.make_model(graph))
     assert [v.name for v in model.graph.value_info] == ["h"]
-    assert I.activation_batch(model, cap=64, budget=160_000) == 10
-    assert I.activation_batch(model, cap=64, budget=1 << 30) == 64
-    assert I.activation_batch(model, cap=64, budget=1) == 4  # never below `least`
-    assert I.activation_batch(model, cap=2, budget=1) == 2  # nor above `cap`
+    assert C.activation_batch(model, cap=64, budget=160_000) == 10
+    assert C.activation_batch(model, cap=64, budget=1 << 30) == 64
+    assert C.activation_batch(model, cap=64, budget=1) == 4  # never below `least`
+    assert C.activation_batch(model, cap=2, budget=1) == 2  # nor above `cap`
     # A size shape inference left open is unknown: the cap (the fixed batch used before).
     model.graph.value_info[0].type.tensor_type.shape.dim[1].dim_param = "hidden"
-    assert I.activation_batch(model, cap=64, budget=1) == 64
+    assert C.activation_batch(model, cap=64, budget=1) == 64
     model.graph.value_info[0].type.tensor_type.ClearField("shape")
-    assert I.activation_batch(model, cap=64, budget=1) == 64
-    assert I.activation_batch(model) == 32  # the default cap: calibration's old batch
+    assert C.activation_batch(model, cap=64, budget=1) == 64
+    assert C.activation_batch(model) == 32  # the default cap: calibration's old batch
 
 
 def test_quantizer_calibrates_in_activation_sized_batches(prepared, monkeypatch):
     _, prep, calib = prepared
     seen = []
-    reader = I._reader
-    monkeypatch.setattr(I, "_reader", lambda x, name, b: seen.append(b) or reader(x, name, b))
-    assert I.activation_batch(onnx.load(str(prep))) == 32  # a tiny model: the cap
-    sized = I.activation_batch
-    monkeypatch.setattr(I, "activation_batch", lambda model: sized(model, budget=1))
-    q = I.Quantizer(prep, calib)
+    reader = Q._reader
+    monkeypatch.setattr(Q, "_reader", lambda x, name, b: seen.append(b) or reader(x, name, b))
+    assert C.activation_batch(onnx.load(str(prep))) == 32  # a tiny model: the cap
+    sized = C.activation_batch
+    monkeypatch.setattr(Q, "activation_batch", lambda model: sized(model, budget=1))
+    q = Q.Quantizer(prep, calib)
     assert seen == [q.batch] == [4]
     # The same ranges whatever the batch: min and max over the same samples.
-    monkeypatch.setattr(I, "activation_batch", lambda model: len(calib))
-    whole = I.Quantizer(prep, calib)
+    monkeypatch.setattr(Q, "activation_batch", lambda model: len(calib))
+    whole = Q.Quantizer(prep, calib)
     assert seen[-1] == len(calib)
     assert whole.ranges.keys() == q.ranges.keys()
     for name in q.ranges:
@@ -841,7 +846,7 @@ def test_the_error_graphs_fp32_weights_go_beside_it_unchanged(tmp_path, prepared
     from onnx import numpy_helper
 
     _, prep, calib = prepared
-    ref = I.Quantizer(prep, calib).model
+    ref = Q.Quantizer(prep, calib).model
     shell = protos.shell(ref)
     assert not shell.graph.initializer and shell.graph.node
     monkeypatch.setattr(protos, "_SMALL", 16)  # this model's weights are small: most go external
@@ -869,9 +874,9 @@ def test_a_search_that_kept_under_half_in_int8_searches_again_by_effect(tmp_path
     x[:4, 0] = 3000.0
     cfg = I.QuantConfig(min_agreement=0.97)
     monkeypatch.setattr(I, "fallback_order", lambda errors, *a: sorted(errors, reverse=True))
-    monkeypatch.setattr(I, "_budget", lambda n: 0)
+    monkeypatch.setattr(F, "_budget", lambda n: 0)
     orders = []
-    real = I.effect_order
+    real = F.effect_order
     monkeypatch.setattr(I, "effect_order", lambda *a: orders.append(real(*a)) or orders[-1])
     choice = I.choose(prep, fp32.read_bytes(), x[:100], x[100:], cfg, {"avx2"})
     sel = choice.selection
@@ -885,7 +890,7 @@ def test_a_search_that_kept_under_half_in_int8_searches_again_by_effect(tmp_path
 
 def test_effect_order_puts_the_largest_effect_first_ties_in_graph_order():
     effects = {"c": 0.5, "a": 0.1, "b": 0.5, "d": 0.0}
-    assert I.effect_order(effects, ["a", "b", "c", "d"]) == ["b", "c", "a", "d"]
+    assert F.effect_order(effects, ["a", "b", "c", "d"]) == ["b", "c", "a", "d"]
 
 
 def test_keep_only_deletes_in_place_in_order(prepared):
@@ -893,7 +898,7 @@ def test_keep_only_deletes_in_place_in_order(prepared):
     and writes the bytes the copy-and-extend it replaced wrote (it deletes by index, so the
     arena holds no second copy of the kept weights)."""
     _, prep, calib = prepared
-    a = I.Quantizer(prep, calib).model
+    a = Q.Quantizer(prep, calib).model
     b = copy.deepcopy(a)
     names = [t.name for t in a.graph.initializer]
     drop = set(names[::2])
@@ -910,13 +915,13 @@ def test_bias_shifts_in_place_match_the_copy(prepared):
     """`apply_bias_shifts_` (the fallback search's, in place) makes the file the copying
     `apply_bias_shifts` makes, and leaves the copy's source untouched."""
     _, prep, calib = prepared
-    q = I.Quantizer(prep, calib)
+    q = Q.Quantizer(prep, calib)
     built = q.build(I.scheme_for(I.QuantConfig(), False))
-    errors = I.node_errors(built, q.model, calib, False, q.batch)
+    errors = B.node_errors(built, q.model, calib, False, q.batch)
     before = built.SerializeToString()
-    copied, n = I.apply_bias_shifts(built, errors)
+    copied, n = B.apply_bias_shifts(built, errors)
     assert n > 0 and built.SerializeToString() == before
-    assert I.apply_bias_shifts_(built, errors) == n
+    assert B.apply_bias_shifts_(built, errors) == n
     assert built.SerializeToString() == copied.SerializeToString()
 
 
@@ -990,10 +995,10 @@ def test_a_build_marks_tensors_as_orts_own_reload_did(prepared):
     from onnxruntime.quantization.quant_utils import save_and_reload_model_with_shape_infer
 
     _, prep, calib = prepared
-    q = I.Quantizer(prep, calib)
+    q = Q.Quantizer(prep, calib)
     reloaded = save_and_reload_model_with_shape_infer(copy.deepcopy(q.model))
     mine = copy.deepcopy(q.model)
-    I._as_reloaded(mine)
+    Q._as_reloaded(mine)
     marked = [t.name for t in mine.graph.initializer if t.HasField("data_location")]
     assert marked  # the head's 3 x 256 weight at least
     assert [t.SerializeToString() for t in mine.graph.initializer] == [

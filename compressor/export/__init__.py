@@ -2,6 +2,10 @@
 
     onnxfile   PyTorch -> one ONNX file at exactly the opset/IR asked for; parity, invariants
     int8       which nodes run in INT8 for a target (mobile: reproducible; host: timed)
+    qdq        ORT's quantizer calibrated once, and the Q/DQ graph surgery around it
+    checks     ORT sessions and top-1 agreement with FP32 (ties, the bound on new inputs)
+    biascorr   each INT8 node's own error; empirical bias correction (Nagel et al. 2019)
+    fallback   the INT8 fallback search: prefixes, bisection, delta debugging
     compat     versions read back from a file; the oldest ONNX Runtime that loads it
     mobile     .ort conversion, NNAPI/CoreML verdicts, fixed-batch copies
     protos     ModelProto plumbing that keeps memory near one copy of the weights

@@ -35,13 +35,13 @@ from torch import nn
 
 from compresskit import _datapass, _mem
 from compresskit.compressor import prune
-from compresskit.compressor.export import compat, int8, protos
+from compresskit.compressor.export import checks, compat, int8, protos, qdq
 from compresskit.models.errors import InputError, StageError
 from compresskit.models.fileio import atomic_path
 
-QUANTIZABLE = int8.QUANTIZABLE
+QUANTIZABLE = qdq.QUANTIZABLE
 QuantConfig = int8.QuantConfig
-agreement = int8.agreement
+agreement = checks.agreement
 
 
 @dataclass(frozen=True)
@@ -151,10 +151,10 @@ def load_calibration(path: Path, flag: str = "--calibration", tokens: bool = Fal
 
 def _session(path: Path | str, threads: int = 1):
     """ORT CPU session with this host's default optimizations."""
-    return int8.session(path, optimized=True, threads=threads)
+    return checks.session(path, optimized=True, threads=threads)
 
 
-run = int8.outputs
+run = checks.outputs
 
 
 def predict(path: Path, x: np.ndarray) -> np.ndarray:
@@ -331,7 +331,7 @@ def check(path: Path) -> None:
 def check_calibration(path: Path, calib: np.ndarray) -> str:
     # Only the input is read: a session without graph optimizations holds the weights once
     # (ResNet-18: ~56 MiB, against ~150 MiB with this host's fused and prepacked kernels).
-    session = int8.session(path, optimized=False, threads=1)
+    session = checks.session(path, optimized=False, threads=1)
     inp = session.get_inputs()[0]
     want = [d if isinstance(d, int) else None for d in inp.shape[1:]]
     if len(calib) == 0:
@@ -459,7 +459,7 @@ def quantize_int8(
 
     check_calibration(prepared, calib)
     with errors_only():
-        q = int8.Quantizer(prepared, calib, cfg.method)
+        q = qdq.Quantizer(prepared, calib, cfg.method)
         model = q.build(int8.scheme_for(cfg, cfg.reduce_range is True), list(exclude), ir_version)
     with atomic_path(out) as dst:
         onnx.save(model, str(dst))
@@ -496,7 +496,7 @@ def parity(
     model's logits for `x` (`torch_logits`), when the caller already has them; `outputs`: the
     file's own outputs for `x` with `optimized`, likewise."""
     ref = torch_logits(model, x) if reference is None else reference
-    got = int8.outputs(int8.session(path, optimized), x.numpy()) if outputs is None else outputs
+    got = checks.outputs(checks.session(path, optimized), x.numpy()) if outputs is None else outputs
     return {
         "test_accuracy": float(np.mean(got.argmax(1) == y.numpy())),
         "top1_agreement": agreement(got, ref),
@@ -617,5 +617,5 @@ def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
         prepared = preprocess(fp32, Path(tmp) / "prepared.onnx")
         with _quiet_stdio():
             quantize_dynamic(str(prepared), str(dynamic), weight_type=QuantType.QInt8)
-            quantize_static(str(prepared), str(static), int8._reader(calib, name))
+            quantize_static(str(prepared), str(static), qdq._reader(calib, name))
     return [dynamic, static]

@@ -24,7 +24,7 @@ from torch import nn
 
 from compresskit import _datapass
 from compresskit.compressor import export
-from compresskit.compressor.export import int8
+from compresskit.compressor.export import int8, qdq
 from compresskit.compressor.measure import envinfo, latency
 from compresskit.models.errors import one_line
 
@@ -49,9 +49,9 @@ def all_int8(
     try:
         export.preprocess(fp32, prepared)
         with export.errors_only():
-            q = int8.Quantizer(prepared, calib, quant.method)
+            q = qdq.Quantizer(prepared, calib, quant.method)
             ours = int8.scheme_for(quant, int8.resolve_reduce_range(quant, envinfo.cpu_flags()))
-            model = q.build(int8.ORT_DEFAULT if ort_default else ours, ir_version=ir_version)
+            model = q.build(qdq.ORT_DEFAULT if ort_default else ours, ir_version=ir_version)
     finally:
         prepared.unlink(missing_ok=True)
     onnx.save(model, str(out))
@@ -86,7 +86,7 @@ def compare(
         if int8_file is not None and scheme is not None:
             path = tmp / ".unthinned.int8.onnx"
             made.append(path)
-            all_int8(before, path, calib, quant, scheme == int8.ORT_DEFAULT.name, ir_version)
+            all_int8(before, path, calib, quant, scheme == qdq.ORT_DEFAULT.name, ir_version)
             files["int8"] = [path, int8_file]
         rows = []
         for b in BATCHES:

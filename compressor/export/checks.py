@@ -1,0 +1,177 @@
+"""How an INT8 file is judged against FP32: ONNX Runtime sessions in the file's reference
+semantics or this host's kernels, and top-1 agreement with FP32 that ties do not count against
+and that must hold on new inputs too (`expected_agreement`'s one-sided bound).
+
+Part of the INT8 step (`int8` chooses; this module measures). Pure numpy but for `session`
+and `outputs`, which run ORT.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from compresskit import _datapass
+
+# Two classes whose reference logits are closer than TIE x the largest |logit| are a tie:
+# the FP32 ONNX file's own tolerance against PyTorch (1e-4 of the logit scale).
+TIE = 1e-4
+Z95 = 1.6449  # one-sided 95%: the expected agreement's lower bound (`expected_agreement`)
+# Activation bytes one ORT run over calibration or check inputs may hold (`activation_batch`).
+ORT_BUDGET = 32 << 20
+
+
+def session(model: bytes | str | Path, optimized: bool, threads: int = 0, lean: bool = False):
+    """ORT CPU session. optimized=False runs the graph as written (no fusion into integer
+    kernels): the reference semantics; True is what this host's ORT does by default.
+    `threads` 0 is ORT's default, one per physical core: outputs are bit-identical whatever
+    the count (ORT's CPU kernels split work by output element, never a sum;
+    tests/test_int8.py checks it), so only timing pins one thread (`paired_rounds`). `lean`:
+    ORT's priority-based node order, which runs a node as soon as its inputs are ready and so
+    frees them early (for graphs with many side branches, as `node_errors` builds)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if lean:
+        opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    if not optimized:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    src = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+
+
+def activation_batch(model, cap: int = 32, budget: int = ORT_BUDGET, least: int = 4) -> int:
+    """Samples per ORT run over `model` (a shape-inferred ModelProto: `quant_pre_process`'s
+    output) for its activations to stay within `budget`: twice the bytes per sample of every
+    tensor the graph computes, `least` to `cap`. Why the sum and not the largest tensor: the
+    calibration session (optimizations off, every tensor reduced) keeps them all. Measured on
+    a 0.13M-weight residual CNN at 3x32x32 (5.0 MB of tensors per sample), calibration at 32
+    samples a run peaked 338 MB over its start, at 8 samples 88 MB, and took no longer; on
+    ViT-tiny (2 cores) 32 samples peaked 962 MB over in 2.6 s, 4 samples 205 MB in 2.4 s, and
+    1 sample 176 MB in 3.1 s: below a few samples ORT's per-run cost shows, hence `least`.
+    Where shape inference left a tensor's shape or a non-batch dimension open, the size is
+    unknown: `cap`, the fixed batch used before (32 samples a calibration run)."""
+    from onnx import helper
+
+    per_sample = 0
+    for v in [*model.graph.value_info, *model.graph.output]:
+        t = v.type.tensor_type
+        if not t.HasField("shape"):
+            return cap
+        size = 1
+        for d in t.shape.dim[1:]:  # the first is the batch
+            if d.dim_value <= 0:
+                return cap
+            size *= d.dim_value
+        per_sample += size * helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
+    if per_sample == 0:
+        return cap
+    return max(min(least, cap), min(cap, budget // (2 * per_sample)))
+
+
+@_datapass.counted
+def outputs(sess, x: np.ndarray, batch: int = 64) -> np.ndarray:
+    """The first output of `sess` for inputs `x`, run `batch` samples at a time."""
+    name = sess.get_inputs()[0].name
+    parts = [sess.run(None, {name: x[i : i + batch]})[0] for i in range(0, len(x), batch)]
+    return np.concatenate(parts) if parts else np.zeros((0,))
+
+
+def tie_tolerance(reference: np.ndarray) -> float:
+    """The logit gap below which the reference's top two classes are a tie: TIE x the
+    reference's largest |logit|, the FP32 export's own parity tolerance (0 for no logits)."""
+    return TIE * float(np.abs(reference).max()) if reference.size else 0.0
+
+
+def disagrees(got: np.ndarray, reference: np.ndarray, tol: float) -> np.ndarray:
+    """Per sample (class axis last): True where `got`'s top class is not the reference's.
+
+    A class the reference scores within `tol` of its own top counts as the reference's top:
+    such a sample is a tie that FP32 itself does not break (the FP32 file may differ from
+    PyTorch by that much), so whichever of the tied classes INT8 picks says nothing about
+    INT8. Why: a 90%-accurate ViT's check set held one sample with its top two logits 1.9e-4
+    apart (the median gap was 4.3); 14 of its 26 nodes alone in INT8 flipped it, and with a
+    160-sample check (a 0.995 floor allows no flip) no INT8 file could ship."""
+    top = np.take_along_axis(reference, got.argmax(-1)[..., None], -1)[..., 0]
+    return top < reference.max(-1) - tol
+
+
+def agreement(got: np.ndarray, reference: np.ndarray) -> float:
+    """Top-1 agreement of `got` with `reference` (class axis last), FP32 ties excepted
+    (`disagrees`, with the tolerance `tie_tolerance(reference)`)."""
+    if got.size == 0:
+        return float("nan")
+    return 1.0 - float(np.mean(disagrees(got, reference, tie_tolerance(reference))))
+
+
+def expected_agreement(got: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """Top-1 agreement of `got` with `reference` expected on new inputs, and its one-sided 95%
+    lower bound. Every sample's FP32 top-two gap is paired with every sample's change of its
+    margin under `got` (FP32's top class over the closest other class), both relative to the
+    sample's largest |logit|: the flip rate if the error did not depend on the margin.
+
+    Why: a check of n samples counts the flips that happened to land on it, and the fallback
+    search, which stops at the first node set whose count fits the floor, fits that count. On
+    MobileNetV2 the file chosen held 1.0 on its 160 validation samples and 0.9875 on the 400
+    test images; this estimate, n x n pairs instead of n samples, gave 0.9908 on the same 160
+    (ViT-tiny 0.9930 vs 0.9925 on test, EfficientNet-B0 0.9963 vs 0.9975). Why the bound: the
+    160 samples' few small margins are themselves a draw. An EfficientNet-B0 whose estimate was
+    0.9959 agreed on 0.985 of the test set, whose margins under 0.05 were twice as frequent.
+    The bound is the estimate less Z95 standard errors, from its first-order (Hoeffding)
+    expansion: the variance of (a_i + b_i) / n, a_i the share of changes that flip margin i and
+    b_i the share of margins change i flips; it matched a 400-draw bootstrap within 15% on seven
+    shipped files. FP32 ties (`disagrees`) agree, as in `agreement`."""
+    if got.size == 0:
+        return float("nan"), float("nan")
+    classes = reference.shape[-1]
+    if classes < 2:
+        return 1.0, 1.0
+    ref, out = reference.reshape(-1, classes), got.reshape(-1, classes)
+    n, rows = len(ref), np.arange(len(ref))
+    second, first = np.argsort(ref, axis=1, kind="stable")[:, -2:].T
+    scale = np.abs(ref).max(axis=1)
+    scale = np.where(scale > 0, scale, 1.0)
+    gap = (ref[rows, first] - ref[rows, second]) / scale
+    # the margin of FP32's top class over its closest rival under `got` (any class, not only
+    # FP32's runner-up): negative exactly where this sample flipped
+    rival = out.copy()
+    rival[rows, first] = -np.inf
+    change = (out[rows, first] - rival.max(axis=1)) / scale - gap
+    tie = gap * scale <= tie_tolerance(reference)  # ties agree whatever INT8 picks
+    # pair (i, j) flips when gap_i + change_j < 0
+    a = np.where(tie, 0.0, np.searchsorted(np.sort(change), -gap, side="left") / n)
+    b = np.searchsorted(np.sort(gap[~tie]), -change, side="left") / n
+    estimate = 1.0 - float(a.mean())
+    se = float(np.sqrt(np.var(a + b, ddof=1) / n)) if n > 1 else 0.0
+    return estimate, estimate - Z95 * se
+
+
+def floor_agreement(got: np.ndarray, reference: np.ndarray) -> float:
+    """The agreement the floor is judged on: the lower of the agreement counted on these
+    samples and the 95% lower bound of the one expected on new inputs (`expected_agreement`)."""
+    return min(agreement(got, reference), expected_agreement(got, reference)[1])
+
+
+def meets(got: np.ndarray, reference: np.ndarray, floor: float) -> bool:
+    """Whether `got` holds top-1 agreement `floor` with `reference` (`floor_agreement`)."""
+    return floor_agreement(got, reference) >= floor
+
+
+def ties(reference: np.ndarray) -> int:
+    """How many samples of `reference` have their top two classes tied (`disagrees`)."""
+    if reference.size == 0 or reference.shape[-1] < 2:  # one class: nothing to tie with
+        return 0
+    return int(np.sum(top2_gap(reference) <= tie_tolerance(reference)))
+
+
+def top2_gap(logits: np.ndarray) -> np.ndarray:
+    """Per sample, the largest logit minus the second largest (0 with a single class)."""
+    flat = logits.reshape(len(logits), -1)
+    if flat.shape[1] < 2:
+        return np.zeros(len(flat))
+    top = np.partition(flat, -2, axis=1)[:, -2:]
+    return top[:, 1] - top[:, 0]
