@@ -60,6 +60,39 @@ def test_user_class_with_batchnorm_and_residual(tmp_path):
     np.testing.assert_allclose(got, model(x).detach().numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_the_file_holds_no_source_location_of_the_exporting_machine(tmp_path):
+    """The exporter writes each node's Python stack (this file's absolute path, its source
+    lines) and FX node into the file; an app ships it, and two checkouts gave two files. The
+    module path of each node stays: per-layer timing maps nodes to layers through it."""
+    import onnx
+
+    path = _export(Residual().eval(), tmp_path)
+    raw = path.read_bytes()
+    assert str(Path(__file__).resolve().parent).encode() not in raw
+    assert b"def forward" not in raw and b"self.head" not in raw
+    keys = {p.key for n in onnx.load(str(path)).graph.node for p in n.metadata_props}
+    assert not keys & set(E.SOURCE_LOCATIONS)
+    assert "pkg.torch.onnx.name_scopes" in keys
+    # the function itself, on a graph with the entries and a subgraph (If branches)
+    from onnx import helper
+
+    def node(name):
+        n = helper.make_node("Identity", ["x"], [name], name=name)
+        for key in [*E.SOURCE_LOCATIONS, "namespace"]:
+            prop = n.metadata_props.add()
+            prop.key, prop.value = key, "/home/me/src/net.py"
+        return n
+
+    branch = helper.make_graph([node("b")], "b", [], [])
+    top = helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)
+    model = helper.make_model(helper.make_graph([node("a"), top], "g", [], []))
+    assert E.drop_source_locations(model) == 6
+    assert [p.key for p in model.graph.node[0].metadata_props] == ["namespace"]
+    assert [p.key for p in model.graph.node[1].attribute[0].g.node[0].metadata_props] == [
+        "namespace"
+    ]
+
+
 def test_ir9_for_older_runtimes(tmp_path):
     import onnx
 
