@@ -218,7 +218,12 @@ def shrink(
     # validated as a whole, and its errors name the file and the flags.
     conv_bits, fc_bits = _bits(bits)
     flags = {
-        **{(section, key, "--epochs"): epochs for section, key in EPOCH_KEYS},
+        # --epochs 0 leaves distillation's epochs alone: it trains a new model and needs one
+        # or more (a recipe with a student and --epochs 0 is refused below)
+        **{
+            (section, key, "--epochs"): None if epochs == 0 and section == "distill" else epochs
+            for section, key in EPOCH_KEYS
+        },
         ("prune", "sparsity", "--sparsity"): _sparsity(sparsity),
         ("quantize", "conv_bits", "--bits"): conv_bits,
         ("quantize", "fc_bits", "--bits"): fc_bits,
@@ -249,9 +254,19 @@ def shrink(
     source = str(recipe_path) if recipe_path else "recipe"
     given = list(dict.fromkeys(given))
     recipe = recipe_mod.resolve(raw, source=source + (f" with {', '.join(given)}" if given else ""))
+    if epochs == 0 and recipe.distill.student:
+        raise click.BadParameter(
+            f"0 with a student to distil ({recipe.distill.student}): distillation trains it; "
+            "give 1 or more",
+            param_hint="--epochs",
+        )
     if dry_run:
         # With the checkpoint at hand, also what the recipe does to each of its layers.
-        layers = _plan(model_path, data, recipe, model, model_kwargs)
+        layers = _plan(model_path, data, recipe, model, model_kwargs, trust_model)
+        if layers is None and not model_path.is_file():
+            click.echo(
+                f"note: {model_path} does not exist yet: the recipe only, no layer plan", err=True
+            )
         if as_json:
             emit_json(
                 {"recipe": recipe.to_dict(), **({"plan": layers} if layers is not None else {})}
@@ -332,11 +347,14 @@ def _plan(
     recipe: recipe_mod.Recipe,
     model: str | None,
     kwargs: str | None,
+    trust_model: bool = False,
 ) -> list[dict] | None:
     """The per-layer plan for --dry-run, or None without a checkpoint to read it from."""
     if not model_path.is_file():
         return None
     ck = checkpoint.load(model_path, train_state=False)
+    if trust_model and model is None and ck.spec is not None and ck.spec.is_import_path:
+        model = ck.spec.name  # the checkpoint's own code, imported with the user's consent
     if recipe.distill.student or recipe.channels.enabled:
         return None  # the layers Deep Compression sees do not exist yet
     named = model or (ck.spec.name if ck.spec is not None else None)

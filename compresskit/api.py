@@ -214,7 +214,9 @@ def shrink(
     """
     recipe = _recipe(recipe)
     out = Path(out)
-    pipeline.check_out_dir(out, force)
+    given = getattr(model, "checkpoint", model)  # the input file, when one is given
+    inputs = [Path(given)] if isinstance(given, str | Path) else []
+    pipeline.check_out_dir(out, force, inputs)
     # Building the model draws from torch's generator (its initial weights, replaced by the
     # checkpoint's): on a forked one, so the caller's is left as it was (the pipeline seeds
     # its own draws from the recipe).

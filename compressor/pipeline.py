@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +121,11 @@ class _Clock:
         }
 
 
-def check_out_dir(out: Path, force: bool = False) -> Path:
+def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -> Path:
     """--out must be a folder we can create or fill; fail before any work. A folder that
-    already holds outputs of an earlier run is refused unless `force` (they would be replaced)."""
+    already holds outputs of an earlier run is refused unless `force` (they would be replaced).
+    A file there that is one of the run's `inputs` (the user's checkpoint saved as model.pt) is
+    refused even with `force`: replacing it would lose the user's weights."""
     refuse_link(out, "--out")
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder; give a folder path")
@@ -136,6 +139,12 @@ def check_out_dir(out: Path, force: bool = False) -> Path:
             if (out / name).exists() and not (out / name).is_file():
                 raise InputError(f"--out {out}: {name} there is not a regular file; remove it")
         held = [name for name in OUTPUTS if (out / name).is_file()]
+        for name in held:
+            if any(_same_file(out / name, p) for p in inputs):
+                raise InputError(
+                    f"--out {out}: {name} there is this run's input, and the run writes its "
+                    f"own {name}; give another --out folder (or move the input)"
+                )
         if held and not force:
             raise InputError(
                 f"--out {out}: already holds an earlier run's outputs ({', '.join(held[:3])}"
@@ -143,6 +152,13 @@ def check_out_dir(out: Path, force: bool = False) -> Path:
                 "another folder"
             )
     return out
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _seeded(fn):
@@ -806,6 +822,11 @@ def decode_to_checkpoint(
     def expect(header_spec: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
         nonlocal rebuilt
         spec = ModelSpec.from_dict(header_spec)
+        if allow_import is not None and allow_import != spec.name:
+            raise InputError(
+                f"{path}: the archive holds model {spec.name}, not {allow_import}; pass "
+                f"--model {spec.name}, or leave --model out to decode its tensors"
+            )
         if spec.is_import_path and allow_import != spec.name:
             rebuilt = False
             return None

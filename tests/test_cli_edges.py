@@ -242,6 +242,10 @@ def test_decode_of_a_user_model_archive_needs_no_model_and_imports_nothing(run, 
         )
     with pytest.raises(InputError, match="pass --model odd_models:Net"):
         decoded.build_model()  # loading it is where consent is asked, as for any checkpoint
+    for wrong in ("odd_models:Other", "lenet5"):  # another model than the archive's: refused
+        result = run("decode", dcz, "--out", tmp_path / "w.pt", "--model", wrong)
+        _one_line(result, 2, f"holds model odd_models:Net, not {wrong}")
+        assert not (tmp_path / "w.pt").exists()
     result = run("decode", dcz, "--out", tmp_path / "e.pt", "--model", "odd_models:Net", "--json")
     assert result.exit_code == 0, result.stderr
     assert result.json()["rebuilt"] is True and marker.exists()
@@ -261,6 +265,11 @@ def test_trust_model_consents_to_the_code_a_checkpoint_names(run, tmp_path, user
     _one_line(result, 2, "pass --model odd_models:Net to allow importing it")
     result = run(*args, "--out", tmp_path / "b", "--trust-model")
     assert result.exit_code == 0, result.stderr
+    # --dry-run takes the same consent (it ignored it: "pass --model ...", exit 2)
+    _one_line(run(*args, "--dry-run"), 2, "pass --model odd_models:Net to allow importing it")
+    result = run(*args, "--dry-run", "--trust-model")
+    assert result.exit_code == 0, result.stderr
+    assert "fc" in result.stdout  # the layer plan, read from the user's model
     bench = ["bench", ck, "--batch", "1", "--min-runs", "2", "--min-seconds", "0", "--json", "-q"]
     _one_line(run(*bench), 2, "pass --model odd_models:Net")
     result = run(*bench, "--trust-model")

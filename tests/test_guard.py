@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -205,6 +206,16 @@ def test_an_existing_out_is_refused_without_force(run, teacher, tmp_path):
     assert (out / "model.pt").read_bytes() == before
     result = run("shrink", ck, "--recipe", recipe_path, "--out", out, "--force", "-q")
     assert result.exit_code == 0, result.stderr
+    # the user's own checkpoint saved as model.pt in --out: never replaced, even with --force
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.pt").write_bytes(Path(ck).read_bytes())
+    for force in ([], ["--force"]):
+        result = run("shrink", mine / "model.pt", "--recipe", recipe_path, "--out", mine, *force)
+        assert result.exit_code == 2
+        assert "model.pt there is this run's input" in result.stderr, result.stderr
+        assert (mine / "model.pt").read_bytes() == Path(ck).read_bytes()
+        assert sorted(p.name for p in mine.iterdir()) == ["model.pt"]
     # an empty folder the user made is no earlier run
     (tmp_path / "empty").mkdir()
     result = run("shrink", ck, "--recipe", recipe_path, "--out", tmp_path / "empty", "-q")

@@ -253,6 +253,19 @@ def test_dry_run_prints_the_default_recipe(run):
     assert result.exit_code == 0
     assert result.stdout == (GOLDEN / "default_recipe.toml").read_text()
     assert recipe.resolve(tomllib.loads(result.stdout)) == recipe.resolve({})
+    assert "nothing.pt does not exist yet" in result.stderr  # why there is no layer plan
+
+
+def test_epochs_0_skips_training_and_is_refused_only_with_a_student(run):
+    # --epochs 0 set distill.epochs = 0 too, which the recipe refuses, with no student at all
+    result = run("shrink", "nothing.pt", "--epochs", "0", "--dry-run", "--json")
+    assert result.exit_code == 0, result.stderr
+    r = result.json()["recipe"]
+    assert r["prune"]["retrain_epochs"] == r["quantize"]["finetune_epochs"] == 0
+    assert r["distill"]["epochs"] == recipe.DEFAULTS["distill"]["epochs"]
+    result = run("shrink", "nothing.pt", "--epochs", "0", "--student", "lenet5", "--dry-run")
+    assert result.exit_code == 2
+    assert "--epochs" in result.stderr and "distillation trains it" in result.stderr
 
 
 def test_dry_run_resolves_a_recipe_file(run, tmp_path):

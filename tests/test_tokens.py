@@ -178,6 +178,13 @@ def test_npz_named_after_the_forward_argument_reaches_shrink_and_bench(shrunk, r
     rows = result.json()["results"]
     assert [r["precision"] for r in rows][:1] == ["fp32"] and len(rows) <= 2
     assert all(r["test_accuracy"] > 0.25 for r in rows)
+    # the ONNX file alone: its input is named `ids` too, and that names the array
+    result = run(
+        "bench", out / "model.fp32.onnx", "--data", f"npz:{npz}", "--batch", "2",
+        "--min-runs", "2", "--min-seconds", "0", "--json", "-q",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert all(r["test_accuracy"] > 0.25 for r in result.json()["results"])
 
 
 # --- refusals: one line each ------------------------------------------------------------------

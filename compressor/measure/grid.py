@@ -135,7 +135,7 @@ def bench(
     paths = variants.expand(_paths(models))
     named = _model_name(paths, model)
     consent = named if trust_model else model  # may the model's code be imported
-    ds = _data(data, named, consent)
+    ds = _data(data, named, consent, paths)
     info = progress or (lambda message: None)
     with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
         for p in paths:  # before onnx or ONNX Runtime reads any external data
@@ -203,9 +203,12 @@ def _paths(models: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path
     return [Path(m) for m in items]
 
 
-def _data(data: str | Dataset | None, named: str | None, consent: str | None) -> Dataset | None:
-    """The data set, read for the model being measured (an npz array named after its forward
-    argument is its input)."""
+def _data(
+    data: str | Dataset | None, named: str | None, consent: str | None, paths: list[Path] = ()
+) -> Dataset | None:
+    """The data set, read for the model being measured: an npz array named after its forward
+    argument is its input, or, with no checkpoint to read that from, after the ONNX files'
+    input (`ids` for a model whose forward takes `ids`)."""
     if isinstance(data, Dataset):
         return data
     if data is not None and not isinstance(data, str):
@@ -213,7 +216,31 @@ def _data(data: str | Dataset | None, named: str | None, consent: str | None) ->
             f"data must be a data spec ({SPECS_HELP}), a compresskit.models.data.Dataset or "
             f"None, got {type(data).__name__}"
         )
-    return data_mod.load(data, data_mod.input_name(named, consent)) if data else None
+    if not data:
+        return None
+    return data_mod.load(data, data_mod.input_name(named, consent) or _graph_input(paths))
+
+
+def _graph_input(paths: list[Path]) -> str | None:
+    """The input name the ONNX and .ort files among `paths` share (None if they differ or
+    there are none). Read without external data: nothing outside the file is opened here."""
+    names = set()
+    for p in paths:
+        try:
+            if p.suffix == ".onnx":
+                import onnx
+
+                names.add(onnx.load(str(p), load_external_data=False).graph.input[0].name)
+            elif p.suffix == ".ort":
+                import onnxruntime as ort
+
+                opts = ort.SessionOptions()
+                opts.log_severity_level = 3
+                sess = ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"])
+                names.add(sess.get_inputs()[0].name)
+        except Exception:  # not readable: loading it next says why, naming the file
+            continue
+    return names.pop() if len(names) == 1 else None
 
 
 def _kwargs(model_kwargs: dict[str, Any] | str | None) -> dict[str, Any]:
