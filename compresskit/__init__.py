@@ -9,7 +9,7 @@ line naming the problem and the fix:
     run = ck.train("lenet300", "digits", ck.TrainConfig(epochs=2), out="lenet300.pt")
     report = ck.shrink(run, "digits", ck.Recipe(), out="lenet300-shrunk")
     print(report.ratio, report.test_accuracy, report.ship)
-    result = ck.bench(report.files, "digits")
+    result = ck.bench([run.checkpoint, report.out / report.ship], "digits")
 
 `train` is `compresskit.distrib.train` (data-parallel strategies on torch.distributed),
 `bench` is `compresskit.compressor.bench` (module `compressor.measure.grid`); `shrink` joins
@@ -36,6 +36,16 @@ _LAZY = {
     "bench": "compresskit.compressor",
     "BenchResult": "compresskit.compressor",
     "Recipe": "compresskit.compressor",
+    # the recipe's sections, for Recipe(prune=ck.PruneSection(sparsity=0.9))
+    "TrainSection": "compresskit.compressor",
+    "BudgetSection": "compresskit.compressor",
+    "DistillSection": "compresskit.compressor",
+    "ChannelsSection": "compresskit.compressor",
+    "PruneSection": "compresskit.compressor",
+    "QuantizeSection": "compresskit.compressor",
+    "HuffmanSection": "compresskit.compressor",
+    "ExportSection": "compresskit.compressor",
+    "GuardSection": "compresskit.compressor",
     "load_data": "compresskit.models",
     "Dataset": "compresskit.models",
     "ModelSpec": "compresskit.models",

@@ -159,6 +159,12 @@ def _load(
         data_mod.check_fits(net, ds, resolved.name)
         return net, resolved, ds, {"data": ds.spec, "source": f"<{type(model).__name__}>"}
     path = getattr(model, "checkpoint", model)  # a TrainResult names the file it wrote
+    if path is None and hasattr(model, "checkpoint"):
+        raise InputError(
+            f"this {type(model).__name__} wrote no checkpoint (trained without out=); pass its "
+            "model with spec= naming how to build it, shrink(run.model, data, spec=...), or "
+            "train with out="
+        )
     if not isinstance(path, str | Path):
         raise InputError(
             f"model {model!r}: give a checkpoint path, a TrainResult from compresskit.train, "

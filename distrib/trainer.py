@@ -810,8 +810,9 @@ def check_finite(loss: float, epoch: int, step: int) -> None:
     """Stop a run whose loss diverged, before its step reaches the weights."""
     if not math.isfinite(loss):
         raise StageError(
-            f"training diverged at epoch {epoch + 1} step {step + 1} (loss {loss}); "
-            "lower --lr or use --optimizer adam"
+            f"training diverged at epoch {epoch + 1} step {step + 1} (loss {loss}); lower the "
+            "learning rate (compress train --lr; under compress shrink, the recipe's lr of the "
+            "stage that trains: prune.lr, quantize.lr, distill.lr or channels.lr)"
         )
 
 

@@ -689,6 +689,20 @@ def _forward_params(model: torch.nn.Module | type) -> list[inspect.Parameter]:
     return params
 
 
+def _vocab_argument(model: torch.nn.Module) -> str:
+    """The constructor argument that sets the vocabulary size, as the model's class names it
+    (`vocab_size` for the zoo's and Hugging Face's, `vocab` or `n_tokens` in a user's), or
+    "a vocabulary size" when no argument's name says so."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(type(model).__init__).parameters)
+    except (TypeError, ValueError):
+        params = []
+    named = [p for p in params if "vocab" in p.lower() or p.lower() in ("n_tokens", "num_tokens")]
+    return named[0] if named else "a vocabulary size"
+
+
 def input_name(name: str | None, consent: str | None) -> str | None:
     """The forward argument of model `name` (e.g. `ids` for textcls): an npz array of that name
     is the model's input, under every command alike. Code named by import path is imported
@@ -781,8 +795,9 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
     if data.is_tokens and rows is not None and data.vocab > rows:
         raise InputError(
             f"--data {data.spec!r}: token ids reach {data.vocab - 1} but model {model_name} "
-            f"embeds {rows} ids (0..{rows - 1}); build it with vocab_size >= {data.vocab} "
-            "(--model-kwargs), or give data of a smaller vocabulary"
+            f"embeds {rows} ids (0..{rows - 1}); build it with "
+            f"{_vocab_argument(model)} >= {data.vocab} (--model-kwargs), or give data of a "
+            "smaller vocabulary"
         )
     was_training = model.training
     model.eval()

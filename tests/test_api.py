@@ -112,6 +112,14 @@ def test_a_module_instance_is_copied_never_changed(tmp_path):
             ),
             "returned int, not a torch.nn.Module",
         ),
+        (
+            lambda d: ck.shrink(
+                ck.train(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), "digits"),
+                "digits",
+                out=d / "o",
+            ),
+            "wrote no checkpoint (trained without out=)",
+        ),
         (lambda d: ck.load_data(3), "give a data spec string"),
         (lambda d: ck.Recipe(prune={"sparsity": 0.9}), "not a PruneSection"),
     ],
@@ -124,6 +132,12 @@ def test_bad_input_is_one_input_error(tmp_path, monkeypatch, call, message):
     with pytest.raises(ck.InputError, match=re.escape(message)):
         call(tmp_path)
     assert not (tmp_path / "o").exists()
+
+
+def test_the_recipe_sections_are_documented_names():
+    recipe = ck.Recipe(prune=ck.PruneSection(sparsity=0.9), quantize=ck.QuantizeSection(fc_bits=4))
+    assert recipe.prune.sparsity == 0.9 and recipe.quantize.fc_bits == 4
+    assert ck.PruneSection is PruneSection and "GuardSection" in ck.__all__
 
 
 def test_documented_names_resolve():

@@ -245,6 +245,20 @@ def test_token_ids_beyond_the_models_vocabulary():
     small = build(ModelSpec("textcls", {"in_shape": [16], "num_classes": 4, "vocab_size": 32}))
     with pytest.raises(InputError, match="token ids reach 63 but model textcls embeds 32 ids"):
         check_fits(small, data, "textcls")
+    with pytest.raises(InputError, match="build it with vocab_size >= 64"):
+        check_fits(small, data, "textcls")
+
+    class Mine(torch.nn.Module):  # a user's model names its argument its own way
+        def __init__(self, vocab=32):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, 4)
+            self.head = torch.nn.Linear(4, 4)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    with pytest.raises(InputError, match="build it with vocab >= 64"):
+        check_fits(Mine(), data, "mine:Mine")
     images = build(ModelSpec("mlp", {"in_shape": [1, 1, 16], "num_classes": 4}))
     with pytest.raises(InputError, match="no nn.Embedding"):
         check_fits(images, data, "mlp")

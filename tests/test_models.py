@@ -100,6 +100,11 @@ def user_module(tmp_path, monkeypatch):
             def forward(self, x):
                 return self.fc(x.flatten(1))
 
+        class Picky(nn.Module):
+            def __init__(self, width=16):
+                super().__init__()
+                self.fc = nn.Linear(64, int("%d" % width))  # TypeError for a string width
+
         NOT_A_MODULE = 3
     """)
     )
@@ -128,6 +133,8 @@ def test_user_model_without_shape_arguments_is_built_as_given(user_module):
         ("usernets:Missing", {}, "has no attribute 'Missing'"),
         ("usernets:NOT_A_MODULE", {}, "not a torch.nn.Module"),
         ("usernets:Net", {"depth": 3}, "does not take these kwargs"),
+        # a TypeError inside the constructor is its failure, not a signature mismatch
+        ("usernets:Picky", {"width": "abc"}, r"could not be built with .*TypeError: %d format"),
         ("usernets:Net", {"num_classes": 3}, "num_classes=3 but the data gives 4"),
         ("usernets:", {}, "pkg.module:Class"),
     ],
