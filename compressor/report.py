@@ -122,6 +122,7 @@ def markdown(
         "layer is stored dense where that record is smaller (both priced; the dense one "
         "estimated, marked ≈, where it is plainly the larger).",
         "",
+        *_sensitivity_lines(report),
         *_plot_lines(report, plots),
         "## Recipe",
         "",
@@ -131,6 +132,49 @@ def markdown(
         "",
     ]
     return "\n".join(lines)
+
+
+def sensitivity_note(report: dict[str, Any]) -> str:
+    """One line on what `--sparsity auto` proposed ("" without the analysis): how many layers
+    it prunes and at what sparsities, and what to change when it prunes none."""
+    sens = report.get("sensitivity")
+    if not sens or not sens.get("proposal"):
+        return ""
+    proposal = sens["proposal"]
+    cut = {n: s for n, s in proposal.items() if s > 0}
+    budget = report["recipe"]["prune"]["budget"]
+    head = (
+        f"--sparsity auto (sensitivity analysis, prune.budget {budget:g} of validation "
+        f"accuracy per layer cut alone): "
+    )
+    if not cut:
+        return head + (
+            f"no layer of {len(proposal)} could lose even the grid's smallest cut within the "
+            "budget, so nothing is pruned; raise prune.budget, or give --sparsity"
+        )
+    lo, hi = min(cut.values()), max(cut.values())
+    span = f"{lo:.2f}" if lo == hi else f"{lo:.2f}-{hi:.2f}"
+    whole = len(proposal) - len(cut)
+    return (
+        head
+        + f"{len(cut)} of {len(proposal)} layers pruned at {span}"
+        + (f", {whole} kept whole" if whole else "")
+    )
+
+
+def _sensitivity_lines(report: dict[str, Any]) -> list[str]:
+    note = sensitivity_note(report)
+    if not note:
+        return []
+    proposal = report["sensitivity"]["proposal"]
+    return [
+        note + ".",
+        "",
+        "| layer | proposed sparsity |",
+        "|---|---|",
+        *(f"| {n} | {s:.2f} |" for n, s in proposal.items()),
+        "",
+    ]
 
 
 def budget_summary(b: dict[str, Any]) -> tuple[str, str]:

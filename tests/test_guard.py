@@ -312,3 +312,28 @@ def test_shell_completion_script_and_answers():
     )
     assert answer.returncode == 0, answer.stderr
     assert "plain,shrink" in answer.stdout.split()
+
+
+def test_sparsity_auto_says_what_it_proposed(run, teacher, tmp_path):
+    """The proposal was only in report.json; a run that pruned nothing said nothing."""
+    folder, ck = teacher
+    args = ["shrink", ck, "--recipe", folder / "fast.toml", "--sparsity", "auto"]
+    result = run(*args, "--out", tmp_path / "a", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert "--sparsity auto (sensitivity analysis, prune.budget 0.02" in result.stdout
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    proposal = report["sensitivity"]["proposal"]
+    md = (tmp_path / "a" / "report.md").read_text()
+    assert all(f"| {n} | {s:.2f} |" in md for n, s in proposal.items())
+    # a budget no cut fits: nothing pruned, and the note says what to change
+    from compresskit.compressor import report as report_mod
+
+    none = {
+        **report,
+        "sensitivity": {**report["sensitivity"], "proposal": dict.fromkeys(proposal, 0.0)},
+    }
+    assert report_mod.sensitivity_note(none).endswith(
+        f"no layer of {len(proposal)} could lose even the grid's smallest cut within the "
+        "budget, so nothing is pruned; raise prune.budget, or give --sparsity"
+    )
+    assert report_mod.sensitivity_note({**report, "sensitivity": None}) == ""
