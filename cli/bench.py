@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from compresskit.cli import render
-from compresskit.cli.main import emit_json, json_option, log_option
+from compresskit.cli.main import OutPath, emit_json, json_option, log_option
 from compresskit.compressor import bench as run_bench
 from compresskit.compressor.measure import benchreport, latency, variants
 from compresskit.compressor.measure.variants import DEFAULT_PROVIDERS
@@ -75,12 +75,16 @@ Examples:
 @click.option(
     "--report",
     "report_path",
-    type=click.Path(path_type=Path),
+    type=OutPath(dir_okay=False, path_type=Path),
     default=None,
     help="Write a Markdown report.",
 )
 @click.option(
-    "--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG figure."
+    "--plot",
+    "plot_path",
+    type=OutPath(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG figure.",
 )
 @click.option(
     "--wide", is_flag=True, help="Every column, however wide; else those the terminal fits."

@@ -41,7 +41,36 @@ class OutPath(click.Path):
         problem = link_problem(os.fsdecode(value))
         if problem:
             self.fail(f"{os.fsdecode(value)} {problem}", param, ctx)
+        given = _also_given(os.fsdecode(value), param.opts if param is not None else [])
+        if given is not None:
+            # decode --out the archive, bench --report the checkpoint, --log-file an input:
+            # each replaced (or truncated) the very file the command was about to read
+            self.fail(
+                f"{os.fsdecode(value)} is also given as {given!r}, an input of this command; "
+                "write to another path",
+                param,
+                ctx,
+            )
         return super().convert(value, param, ctx)
+
+
+def _also_given(out: str, opts: list[str]) -> str | None:
+    """The command-line token, other than this option's own value, that names the existing
+    file `out` (a path, or the path in a data spec such as npz:FILE), or None."""
+    target = Path(out)
+    if not target.is_file():
+        return None
+    argv = _State.argv
+    for i, token in enumerate(argv):
+        if (i > 0 and argv[i - 1] in opts) or any(token.startswith(f"{o}=") for o in opts):
+            continue  # this option's own value
+        for candidate in (token, token.split("=", 1)[-1], token.split(":", 1)[-1]):
+            try:
+                if candidate and Path(candidate).is_file() and target.samefile(candidate):
+                    return token
+            except OSError:
+                continue
+    return None
 
 
 class _State:

@@ -275,3 +275,58 @@ def test_trust_model_consents_to_the_code_a_checkpoint_names(run, tmp_path, user
     result = run(*bench, "--trust-model")
     assert result.exit_code == 0, result.stderr
     assert {r["model"] for r in result.json()["results"]} == {"u.pt"}
+
+
+def test_a_recipe_file_never_picks_the_students_code_on_its_own(run, tmp_path, usermod):
+    """distill.student = "pkg.module:callable" in a recipe file imported and called that code
+    (a crafted recipe ran "os:system" with its student_kwargs): now only with --student naming
+    it too, or --trust-model, as for the code a checkpoint names."""
+    import sys
+
+    ck = tmp_path / "t.pt"
+    assert run("train", "--model", "lenet300", "--epochs", "1", "--out", ck, "-q").exit_code == 0
+    usermod.unlink(missing_ok=True)
+    sys.modules.pop("odd_models", None)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        '[distill]\nstudent = "odd_models:Net"\nepochs = 1\n[prune]\nenabled = false\n'
+        "[quantize]\nenabled = false\n[huffman]\nenabled = false\n[export]\nenabled = false\n"
+    )
+    args = ["shrink", ck, "--recipe", recipe, "-q"]
+    result = run(*args, "--out", tmp_path / "a")
+    _one_line(result, 2, "distill.student = 'odd_models:Net' names code to import")
+    assert "--student odd_models:Net" in result.stderr
+    assert not usermod.exists() and not (tmp_path / "a").exists()  # nothing imported, no output
+    assert run(*args, "--dry-run").exit_code == 0 and not usermod.exists()  # prints, imports not
+    for consent in (["--student", "odd_models:Net"], ["--trust-model"]):
+        result = run(*args, *consent, "--out", tmp_path / consent[0].strip("-"))
+        assert result.exit_code == 0, result.stderr
+        assert usermod.exists()
+
+
+def test_an_output_flag_naming_an_input_file_is_refused(run, tmp_path, npz_file):
+    """decode --out the archive, bench --report or --plot the checkpoint, train --out its npz,
+    --log-file an input: each replaced or truncated the file the command was about to read."""
+    ck = tmp_path / "t.pt"
+    assert run("train", "--model", "lenet300", "--epochs", "1", "--out", ck, "-q").exit_code == 0
+    data = npz_file.read_bytes()
+    before = ck.read_bytes()
+    dcz = tmp_path / "a.dcz"
+    dcz.write_bytes(b"an archive")  # refused before it is read
+    cases = [
+        ("decode", dcz, "--out", dcz),
+        ("train", "--model", "lenet300", "--data", f"npz:{npz_file}", "--out", npz_file),
+        ("bench", ck, "--report", ck),
+        ("bench", ck, "--plot", ck),
+        ("bench", ck, "--log-file", ck),
+        ("bench", f"--log-file={ck}", ck),
+    ]
+    for args in cases:
+        result = run(*args)
+        assert result.exit_code == 2, (args, result.stderr)
+        assert "an input of this command" in result.stderr, (args, result.stderr)
+        assert ck.read_bytes() == before and npz_file.read_bytes() == data
+        assert dcz.read_bytes() == b"an archive"
+    # --resume reads and writes its own --out: one file, one flag, still fine
+    result = run("train", "--model", "lenet300", "--epochs", "2", "--out", ck, "--resume", "-q")
+    assert result.exit_code == 0, result.stderr
