@@ -1,4 +1,5 @@
-"""The `compress` console script: Ctrl-C at any moment, imports included, is exit 130.
+"""The `compress` console script: Ctrl-C at any moment, imports included, is exit 130 (and so
+is SIGTERM once the command runs).
 
 `cli.main` imports click, torch and the whole library, which takes seconds; a Ctrl-C in that
 window used to print a multi-line traceback from deep inside an import, or worse: a library
@@ -34,6 +35,7 @@ def interrupted(message: str | None = "interrupted") -> None:
     (models.fileio.atomic_path), so nothing half-written is left to clean up.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         if message:
             sys.stderr.write(f"error: {message}\n")
@@ -65,6 +67,11 @@ def main() -> None:
         interrupted()
     if ours:
         signal.signal(signal.SIGINT, _while_running)
+    # SIGTERM (timeout, a job scheduler, `kill`) as Ctrl-C while the command runs: its
+    # `finally` blocks remove the temporary output folder it was filling. Killed outright,
+    # `shrink` left `.OUT.xxxx/` with half its files beside --out.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _while_running)
     try:
         run()
     except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported

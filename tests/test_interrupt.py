@@ -25,7 +25,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def _interrupt(
-    args: list[str], cwd: Path, *, after: float = 0.0, when: str | None = None, group=False
+    args: list[str],
+    cwd: Path,
+    *,
+    after: float = 0.0,
+    when: str | None = None,
+    group=False,
+    sig: int = signal.SIGINT,
 ):
     """Start `compress ARGS`, send SIGINT `after` seconds (or once stderr shows `when`); with
     `group`, to the whole process group, as a terminal's Ctrl-C does."""
@@ -53,9 +59,9 @@ def _interrupt(
         assert when.encode() in seen, seen.decode()[-2000:]
     time.sleep(after)
     if group:
-        os.killpg(p.pid, signal.SIGINT)
+        os.killpg(p.pid, sig)
     else:
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
     sent = time.monotonic()
     _, err = p.communicate(timeout=60)
     return p.returncode, (seen + err).decode(), time.monotonic() - sent
@@ -120,6 +126,18 @@ def test_ctrl_c_while_shrinking_writes_no_output_folder(tmp_path):
     checkpoint.save(tmp_path / "t.pt", build(spec, seed=0), spec)
     code, err, seconds = _interrupt(
         ["shrink", "t.pt", "--out", "out"], tmp_path, after=0.5, when="epoch"
+    )
+    _assert_interrupted(code, err, seconds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt"]
+
+
+def test_sigterm_while_shrinking_leaves_no_temporary_folder(tmp_path):
+    """Killed by SIGTERM (timeout, a scheduler), shrink left `.out.xxxx/` with half its files
+    beside --out; now it cleans up as on Ctrl-C."""
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [32]})
+    checkpoint.save(tmp_path / "t.pt", build(spec, seed=0), spec)
+    code, err, seconds = _interrupt(
+        ["shrink", "t.pt", "--out", "out"], tmp_path, after=0.5, when="epoch", sig=signal.SIGTERM
     )
     _assert_interrupted(code, err, seconds)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt"]
