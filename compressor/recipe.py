@@ -617,7 +617,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise _bad(source, "prune.quality", q, "a positive number (threshold = quality x std)")
     if p["scope"] == "global" and not _number(s):
         raise InputError(f"{source}: prune.scope = 'global' needs one sparsity number")
-    _int(r, source, "prune", "rounds", 1)
+    _int(r, source, "prune", "rounds", 1, 100)
     _int(r, source, "prune", "retrain_epochs", 0)
     _positive(r, source, "prune", "lr")
     if not (_number(p["budget"]) and 0 <= p["budget"] < 1):
@@ -701,7 +701,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise _bad(
             source, "export.calibration_data", r["export"]["calibration_data"], "a .npy path"
         )
-    _int(r, source, "export", "fixed_batch", 0)
+    _int(r, source, "export", "fixed_batch", 0, 1 << 20)
     if not (_number(r["export"]["min_agreement"]) and 0 <= r["export"]["min_agreement"] <= 1):
         raise _bad(
             source, "export.min_agreement", r["export"]["min_agreement"], "a fraction in [0, 1]"

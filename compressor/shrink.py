@@ -366,6 +366,11 @@ def _quantize(
     with torch.no_grad():
         w = _baked_value(model, found[largest].key).flatten()
         w = w[w != 0].numpy()
+    if w.size == 0:  # every weight of the largest layer is zero: nothing to share
+        raise InputError(
+            f"layer {largest}: every weight is zero, nothing to cluster; is the checkpoint "
+            "trained? (or leave the layer out: quantize.enabled = false)"
+        )
     if q.method == "soft":
         soft = softshare.SoftShareConfig(
             conv_bits=q.conv_bits,

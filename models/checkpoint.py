@@ -424,6 +424,8 @@ def _interpret(path: Path, obj: Any) -> Checkpoint:
         state = obj.get("state_dict")
         if not _is_state_dict(state):
             raise InputError(f"{path}: checkpoint has no valid state_dict")
+        if not isinstance(obj.get("metadata") or {}, dict):
+            raise InputError(f"{path}: checkpoint's metadata is not a table; the file is damaged")
         return Checkpoint(
             spec=ModelSpec.from_dict(obj.get("model")),
             state_dict=state,

@@ -272,10 +272,21 @@ def _tokens(spec: str, length: int, vocab: int) -> Dataset:
 
 def read_idx(path: Path, rank: int) -> np.ndarray:
     """Read one IDX file (gzip detected by its magic bytes) as a uint8 array."""
+    from compresskit.models import limits
+
+    cap = limits.max_elements()
     try:
         raw = path.read_bytes()
         if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
+            # inflated at most to the element cap plus the largest header: a few kB of gzip
+            # can inflate to gigabytes of zeros
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+                raw = f.read(cap + 4 + 4 * 3 + 1)
+            if len(raw) > cap + 4 + 4 * rank:
+                raise InputError(
+                    f"{path}: inflates to more than {cap:,} values; if the data really is this "
+                    f"large, raise the cap (${limits.ENV_MAX_ELEMENTS})"
+                )
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise InputError(f"{path}: cannot read ({e}); is it a complete IDX(.gz) file?") from None
     if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08 or raw[3] != rank:
@@ -287,6 +298,11 @@ def read_idx(path: Path, rank: int) -> np.ndarray:
     if len(raw) < header:
         raise InputError(f"{path}: truncated IDX header")
     dims = struct.unpack(f">{rank}I", raw[4:header])
+    if math.prod(dims) > cap:
+        raise InputError(
+            f"{path}: header declares {math.prod(dims):,} values, above the cap of {cap:,}; "
+            f"if the data really is this large, raise the cap (${limits.ENV_MAX_ELEMENTS})"
+        )
     expected = header + math.prod(dims)
     if len(raw) != expected:
         raise InputError(

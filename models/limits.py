@@ -34,7 +34,9 @@ def max_elements() -> int:
     except ValueError:
         value = 0
     if value <= 0:
-        raise InputError(f"{ENV_MAX_ELEMENTS}={raw!r}: give a positive whole number, e.g. 2**33")
+        raise InputError(
+            f"{ENV_MAX_ELEMENTS}={raw!r}: give a positive whole number, e.g. 8589934592 (2^33)"
+        )
     return value
 
 

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from compresskit.models import checkpoint
+from compresskit.models import ModelSpec, build, checkpoint
 from compresskit.models.errors import InputError
 from compresskit.models.fileio import umask
 
@@ -330,3 +330,18 @@ def test_an_output_flag_naming_an_input_file_is_refused(run, tmp_path, npz_file)
     # --resume reads and writes its own --out: one file, one flag, still fine
     result = run("train", "--model", "lenet300", "--epochs", "2", "--out", ck, "--resume", "-q")
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_checkpoint_of_zeros_is_one_line(run, tmp_path):
+    """Every weight zero: k-means had no value to start from (ValueError, "unexpected")."""
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [16]})
+    model = build(spec, seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    checkpoint.save(tmp_path / "zeros.pt", model, spec)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[prune]\nretrain_epochs = 0\n[quantize]\nfinetune_epochs = 0\n")
+    result = run("shrink", tmp_path / "zeros.pt", "--recipe", recipe, "--out", tmp_path / "o", "-q")
+    _one_line(result, 2, "every weight is zero, nothing to cluster")
+    assert not (tmp_path / "o").exists()

@@ -560,3 +560,44 @@ def _one_line(result, start: str, fix: str) -> None:
     assert result.exit_code == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(start) and fix in lines[0], result.stderr
+
+
+def test_a_gzip_bomb_in_an_idx_file_is_refused_at_the_cap(tmp_path, monkeypatch):
+    """A valid IDX header then a long run of zeros, gzipped: it inflated whole (6 GB from
+    26 MB) before any check. Now at most the element cap is inflated, and the header's
+    dimensions are checked against it too."""
+    import gzip
+
+    monkeypatch.setenv(limits.ENV_MAX_ELEMENTS, str(1 << 20))
+    header = b"\0\0\x08\x03" + struct.pack(">3I", 64, 512, 512)  # 16.8M values
+    bomb = tmp_path / "t10k-images-idx3-ubyte.gz"
+    with gzip.open(bomb, "wb") as f:
+        f.write(header)
+        for _ in range(16):
+            f.write(bytes(1 << 20))
+    assert bomb.stat().st_size < 100_000
+    with pytest.raises(InputError, match="inflates to more than 1,048,576 values"):
+        data_mod.read_idx(bomb, 3)
+    plain = tmp_path / "plain-idx3-ubyte"
+    plain.write_bytes(header)  # no data at all: the header alone is over the cap
+    with pytest.raises(InputError, match="header declares 16,777,216 values, above the cap"):
+        data_mod.read_idx(plain, 3)
+
+
+def test_checkpoint_metadata_that_is_not_a_table_is_refused(tmp_path):
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [8]})
+    path = tmp_path / "m.pt"
+    checkpoint.save(path, tiny("mlp", in_shape=(1, 8, 8)), spec)
+    obj = torch.load(path, weights_only=True)
+    for bad in (5, "x", [1, 2]):
+        torch.save({**obj, "metadata": bad}, path)
+        with pytest.raises(InputError, match="metadata is not a table"):
+            checkpoint.load(path)
+
+
+@pytest.mark.parametrize(("key", "value"), [("rounds", 101), ("rounds", 10**40)])
+def test_prune_rounds_are_bounded(key, value):
+    with pytest.raises(InputError, match=f"prune.{key} = {value} is impossible"):
+        recipe.resolve({"prune": {key: value}})
+    with pytest.raises(InputError, match="export.fixed_batch"):
+        recipe.resolve({"export": {"fixed_batch": 10**23}})
