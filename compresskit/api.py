@@ -228,9 +228,26 @@ def shrink(
     # its own draws from the recipe).
     with torch.random.fork_rng(devices=[]):
         net, resolved, ds, meta = _load(model, data, spec, model_kwargs, trust_model)
+    _check_finite(net, meta["source"])
     hooks = _hooks(ds, recipe, progress)
     report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
     return ShrinkReport.from_report(report, out)
+
+
+def _check_finite(net: nn.Module, source: str) -> None:
+    """Weights that hold NaN or inf: refused before any work (they made the first retraining
+    step stop as 'training diverged', whose fix, a lower learning rate, is not this one)."""
+    bad = [
+        name
+        for name, t in net.state_dict().items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise InputError(
+            f"{source}: {bad[0]}{more} hold NaN or inf; the run that wrote these weights "
+            "diverged: retrain it (or shrink an earlier checkpoint)"
+        )
 
 
 def _hooks(ds: Dataset, recipe: Recipe, events: Events | None) -> Hooks:

@@ -26,6 +26,7 @@ from compresskit.distrib.trainer import (
     Events,
     TrainConfig,
     TrainResult,
+    check_train_state,
     fit,
     optimizer_for,
 )
@@ -594,10 +595,14 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
     if not job.resume or not job.out.exists():
         return None
     ck = checkpoint.load(job.out)
-    if ck.spec is None or ck.train_state is None or "config" not in ck.train_state:
+    if ck.spec is None or not isinstance(ck.train_state, dict) or "config" not in ck.train_state:
         raise InputError(
             f"{job.out}: holds no training state to resume from; drop --resume to start over"
         )
+    try:
+        check_train_state(ck.train_state)
+    except InputError as e:
+        raise InputError(f"{job.out}: {e}") from None
     stored_cfg = TrainConfig.from_dict(ck.train_state["config"])
     stored = {
         "model": ck.spec.name,

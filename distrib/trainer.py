@@ -865,6 +865,37 @@ def _restore_rng(resume: dict[str, Any], device: str | torch.device) -> None:
         torch.cuda.set_rng_state(resume["cuda_rng"], device)
 
 
+def check_train_state(resume: Any) -> None:
+    """A checkpoint's training state, as `--resume` reads it: InputError unless it has the
+    fields a run writes, of their types (a crafted or damaged file: ZeroDivisionError,
+    TypeError or AttributeError deep in the loop otherwise)."""
+    if not isinstance(resume, dict):
+        raise InputError("checkpoint's training state is damaged; drop --resume to start over")
+    missing = [k for k in ("epoch", "step", "optimizer", "rng") if k not in resume]
+    if missing:
+        raise InputError(f"checkpoint's train_state lacks {missing}; drop --resume to start over")
+    counts = ("epoch", "step", "global_step", "correct", "seen")
+    bad = [
+        k
+        for k in counts
+        if k in resume
+        and (not isinstance(resume[k], int) or isinstance(resume[k], bool) or resume[k] < 0)
+    ]
+    if not isinstance(resume.get("config", {}), dict):
+        bad.append("config")
+    if not isinstance(resume.get("history", []), list):
+        bad.append("history")
+    if not isinstance(resume["optimizer"], dict):
+        bad.append("optimizer")
+    if not (isinstance(resume["rng"], torch.Tensor) and resume["rng"].dtype == torch.uint8):
+        bad.append("rng")
+    if bad:
+        raise InputError(
+            f"checkpoint's training state is damaged ({', '.join(bad)}); drop --resume to "
+            "start over"
+        )
+
+
 def _initial_state(
     resume: dict[str, Any] | None,
     optimizer: torch.optim.Optimizer,
@@ -883,11 +914,15 @@ def _initial_state(
     }
     if resume is None:
         return fresh
-    missing = [k for k in ("epoch", "step", "optimizer", "rng") if k not in resume]
-    if missing:
-        raise InputError(f"checkpoint's train_state lacks {missing}; drop --resume to start over")
-    optimizer.load_state_dict(resume["optimizer"])
-    _restore_rng(resume, device)
+    check_train_state(resume)
+    try:
+        optimizer.load_state_dict(resume["optimizer"])
+        _restore_rng(resume, device)
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise InputError(
+            f"checkpoint's training state is damaged ({why}); drop --resume to start over"
+        ) from None
     kept = {k: v for k, v in resume.items() if k not in ("optimizer", "rng", "cuda_rng")}
     state = {**fresh, **kept}
     state["config"] = cfg.to_dict()

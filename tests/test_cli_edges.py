@@ -345,3 +345,37 @@ def test_a_checkpoint_of_zeros_is_one_line(run, tmp_path):
     result = run("shrink", tmp_path / "zeros.pt", "--recipe", recipe, "--out", tmp_path / "o", "-q")
     _one_line(result, 2, "every weight is zero, nothing to cluster")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("epoch", "x"),
+        ("epoch", -5),
+        ("rng", torch.zeros(3)),
+        ("optimizer", {"param_groups": "x"}),
+        ("config", "x"),
+        ("history", 3),
+    ],
+)
+def test_a_damaged_training_state_is_one_line_on_resume(run, tmp_path, field, value):
+    """Each of these crashed --resume deep in the loop (TypeError, ZeroDivisionError,
+    AttributeError: exit 1, "unexpected")."""
+    ck = tmp_path / "t.pt"
+    assert run("train", "--model", "lenet300", "--epochs", "1", "--out", ck, "-q").exit_code == 0
+    obj = torch.load(ck, weights_only=True)
+    obj["train_state"][field] = value
+    torch.save(obj, ck)
+    result = run("train", "--model", "lenet300", "--epochs", "2", "--out", ck, "--resume", "-q")
+    _one_line(result, 2, "training state")
+
+
+def test_weights_holding_nan_are_refused_before_any_work(run, tmp_path):
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [16]})
+    model = build(spec, seed=0)
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = float("nan")
+    checkpoint.save(tmp_path / "nan.pt", model, spec)
+    result = run("shrink", tmp_path / "nan.pt", "--out", tmp_path / "o", "-q")
+    _one_line(result, 2, "fc1.weight hold NaN or inf")
+    assert not (tmp_path / "o").exists()
