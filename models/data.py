@@ -173,9 +173,9 @@ def load(spec: str, input_name: str | None = None) -> Dataset:
             f"--data {spec!r}: {kind} needs a path, e.g. {kind}:{'DIR' if kind == 'mnist' else 'FILE.npz'}"
         )
     if kind == "mnist":
-        return _mnist(spec, Path(arg).expanduser())
+        return _mnist(spec, _expanded(spec, arg))
     if kind == "npz":
-        return _npz(spec, Path(arg).expanduser(), input_name)
+        return _npz(spec, _expanded(spec, arg), input_name)
     raise InputError(f"--data {spec!r}: unknown data spec; use {SPECS_HELP}")
 
 
@@ -372,6 +372,14 @@ ONE_INPUT = (
     "features, input_ids for int token ids) and let the model derive its attention mask from "
     "a padding id, as zoo model textcls does with id 0"
 )
+
+
+def _expanded(spec: str, arg: str) -> Path:
+    """`arg` with a leading ~ or ~user expanded; one line when the user is unknown."""
+    try:
+        return Path(arg).expanduser()
+    except RuntimeError:  # "Could not determine home directory"
+        raise InputError(f"--data {spec!r}: cannot expand {arg!r}: no such user") from None
 
 
 def _npz(spec: str, path: Path, input_name: str | None = None) -> Dataset:

@@ -75,6 +75,7 @@ def _npz(tmp_path, **arrays):
     ("make", "message"),
     [
         (lambda t: "mnist:" + str(t / "nowhere"), "does not exist"),
+        (lambda t: "mnist:~nosuchuser-compress/x", "no such user"),
         (lambda t: "npz:" + str(t / "nothing.npz"), "does not exist"),
         (lambda t: "imagenet", "unknown data spec"),
         (lambda t: "digits:3", "side length"),
