@@ -710,6 +710,12 @@ def _decode_v3(
         except InputError:
             raise
         except Exception as e:  # the range decoder on damaged words, a mask that miscounts
+            if isinstance(e, MemoryError) or "allocate" in str(e):  # no damage: too big here
+                raise InputError(
+                    f"{r.path}: tensor {name} of shape {list(shape)} ({numel:,} values) does "
+                    "not fit in this machine's memory; decode it on a larger one, or lower "
+                    f"the element cap (${limits.ENV_MAX_ELEMENTS}) to refuse such files sooner"
+                ) from None
             raise InputError(f"{r.path}: tensor {name}: damaged stream ({e})") from None
         state[name] = value
         entries.append(entry)

@@ -165,3 +165,17 @@ def test_record_size_is_the_bytes_encode_writes():
         assert archive.record_size(e) == pytest.approx(alone, abs=1), e.name
     assert archive.stored_dtype(entries[2]) == torch.float16  # exact in float16
     assert archive.stored_dtype(entries[3]) == torch.float32  # 1e-8 is not
+
+
+def test_a_tensor_too_big_for_this_machine_is_not_called_damaged(monkeypatch):
+    """A decode that runs out of memory said 'damaged stream ([enforce fail at
+    alloc_cpu.cpp] ... tried to allocate ...)': the file was fine, the machine too small."""
+    entries, _ = _entries()
+    data, _ = archive.encode(entries, SPEC, {})
+
+    def no_memory(self):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB")
+
+    monkeypatch.setattr(archive.Shared, "weight", no_memory)
+    with pytest.raises(InputError, match=r"fc.weight of shape \[20, 30\] \(600 values\) does not "):
+        archive.decode(data, "big.dcz")
