@@ -68,11 +68,12 @@ Examples:
 )
 @click.option(
     "--max-drop",
-    type=float,
+    type=str,
     default=None,
-    metavar="POINTS",
+    metavar="POINTS|off",
     help="Search each layer's sparsity and bits for the smallest archive whose validation "
-    "accuracy stays within POINTS of the dense model's [recipe budget.max_drop].",
+    "accuracy stays within POINTS of the dense model's; 'off' turns a recipe's budget off "
+    "[recipe budget.max_drop].",
 )
 @click.option("--dry-run", is_flag=True, help="Print the resolved recipe (TOML) and exit.")
 @click.option(
@@ -186,7 +187,7 @@ def shrink(
     data: str | None,
     out: Path | None,
     recipe_path: Path | None,
-    max_drop: float | None,
+    max_drop: str | None,
     dry_run: bool,
     fixed_batch: int | None,
     student: str | None,
@@ -231,7 +232,7 @@ def shrink(
         ("quantize", "fc_bits", "--bits"): fc_bits,
         ("guard", "strict", "--strict"): strict,
         ("train", "microbatches", "--microbatches"): microbatches,
-        ("budget", "max_drop", "--max-drop"): max_drop,
+        ("budget", "max_drop", "--max-drop"): _max_drop(max_drop),
         ("export", "fixed_batch", "--fixed-batch"): fixed_batch,
         ("distill", "student", "--student"): student,
         ("distill", "student_kwargs", "--student-kwargs"): zoo.parse_kwargs(
@@ -339,6 +340,17 @@ def _sparsity(text: str | None) -> str | float | None:
     except ValueError:
         raise click.BadParameter(
             f"{text!r}: give a fraction such as 0.9, 'default' or 'auto'", param_hint="--sparsity"
+        ) from None
+
+
+def _max_drop(text: str | None) -> str | float | None:
+    if text is None or text == "off":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: give points such as 0.5, or 'off'", param_hint="--max-drop"
         ) from None
 
 

@@ -371,6 +371,7 @@ def test_shrink_max_drop_end_to_end(run, tmp_path, search):
         (["--max-drop", "100"], "budget.max_drop = 100.0 is impossible"),
         (["--max-drop", "0.2"], "it needs 500 validation samples"),
         (["--max-drop", "1", "--data", "npz"], "at least 100 validation samples; npz:"),
+        (["--max-drop", "lots"], "give points such as 0.5, or 'off'"),
     ],
 )
 def test_shrink_max_drop_bad_input(run, tmp_path, npz_file, args, message):
@@ -573,3 +574,15 @@ def test_scale_search_scales_one_global_sparsity_as_one_number(tmp_path):
         ["0", "2", "4"], won["sparsity"]
     )
     assert b["scale_step"] == budget.SCALE_STEP
+
+
+def test_max_drop_off_turns_a_recipes_budget_off(run, tmp_path):
+    (tmp_path / "b.toml").write_text("[budget]\nmax_drop = 0.5\n")
+    result = run("shrink", "nothing.pt", "--recipe", tmp_path / "b.toml", "--dry-run", "--json")
+    assert result.json()["recipe"]["budget"]["max_drop"] == 0.5
+    result = run(
+        "shrink", "nothing.pt", "--recipe", tmp_path / "b.toml", "--max-drop", "off",
+        "--dry-run", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["recipe"]["budget"]["max_drop"] == "off"
