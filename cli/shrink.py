@@ -332,26 +332,25 @@ def _in_pipeline_order(raw: dict, mine: list[str]) -> dict:
     return out
 
 
-def _sparsity(text: str | None) -> str | float | None:
-    if text is None or text in ("default", "auto"):
+def _number_or(text: str | None, words: tuple[str, ...], flag: str, example: str):
+    """`text` as a float, or one of `words` as it is (None passes through); else a usage
+    error naming `flag` with `example`."""
+    if text is None or text in words:
         return text
     try:
         return float(text)
     except ValueError:
-        raise click.BadParameter(
-            f"{text!r}: give a fraction such as 0.9, 'default' or 'auto'", param_hint="--sparsity"
-        ) from None
+        raise click.BadParameter(f"{text!r}: give {example}", param_hint=flag) from None
+
+
+def _sparsity(text: str | None) -> str | float | None:
+    return _number_or(
+        text, ("default", "auto"), "--sparsity", "a fraction such as 0.9, 'default' or 'auto'"
+    )
 
 
 def _max_drop(text: str | None) -> str | float | None:
-    if text is None or text == "off":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise click.BadParameter(
-            f"{text!r}: give points such as 0.5, or 'off'", param_hint="--max-drop"
-        ) from None
+    return _number_or(text, ("off",), "--max-drop", "points such as 0.5, or 'off'")
 
 
 def _bits(text: str | None) -> tuple[int | None, int | None]:
