@@ -70,7 +70,12 @@ def main() -> None:
     # SIGTERM (timeout, a job scheduler, `kill`) as Ctrl-C while the command runs: its
     # `finally` blocks remove the temporary output folder it was filling. Killed outright,
     # `shrink` left `.OUT.xxxx/` with half its files beside --out.
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    # Not under torchrun: it stops the surviving ranks with SIGTERM when one fails, and
+    # each would report that as its own interrupt.
+    if (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        and "TORCHELASTIC_RUN_ID" not in os.environ
+    ):
         signal.signal(signal.SIGTERM, _while_running)
     try:
         run()
@@ -79,6 +84,7 @@ def main() -> None:
     except SystemExit as e:
         if e.code == EXIT_INTERRUPTED:  # reported by cli.main: no second Ctrl-C in shutdown,
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # whose cleanup (queues, temp
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise  # folders of worker pools) still runs
 
 

@@ -46,8 +46,8 @@ class OutPath(click.Path):
             # decode --out the archive, bench --report the checkpoint, --log-file an input:
             # each replaced (or truncated) the very file the command was about to read
             self.fail(
-                f"{os.fsdecode(value)} is also given as {given!r}, an input of this command; "
-                "write to another path",
+                f"{os.fsdecode(value)} is also given as {given!r} on this command line (an "
+                "input, or another output); write to another path",
                 param,
                 ctx,
             )
@@ -64,9 +64,13 @@ def _also_given(out: str, opts: list[str]) -> str | None:
     for i, token in enumerate(argv):
         if (i > 0 and argv[i - 1] in opts) or any(token.startswith(f"{o}=") for o in opts):
             continue  # this option's own value
-        for candidate in (token, token.split("=", 1)[-1], token.split(":", 1)[-1]):
+        value = token.split("=", 1)[-1] if token.startswith("--") else token
+        spec = value.split(":", 1)  # npz:FILE, mnist:DIR (expanded as data specs are)
+        candidates = {token, value, *([spec[1]] if spec[0] in ("npz", "mnist") else [])}
+        for candidate in candidates:
             try:
-                if candidate and Path(candidate).is_file() and target.samefile(candidate):
+                path = Path(candidate).expanduser()
+                if candidate and path.is_file() and target.samefile(path):
                     return token
             except OSError:
                 continue

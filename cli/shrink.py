@@ -281,7 +281,7 @@ def shrink(
         return
     out = out or model_path.with_name(model_path.stem + "-shrunk")
     report = run_shrink(
-        model_path, data, out, recipe, model, model_kwargs, quiet, force, trust_model
+        model_path, data, out, recipe, model, model_kwargs, quiet, force, trust_model, student
     )
     render.int8_warning(report)
     render.guard_warnings(report)
@@ -430,9 +430,11 @@ def run_shrink(
     quiet: bool = False,
     force: bool = False,
     trust_model: bool = False,
+    student: str | None = None,
 ) -> dict:
     """`compresskit.shrink` with progress on stderr; return the report. `trust_model`: import
-    the code the checkpoint names, as if the user had typed it as `model`."""
+    the code the checkpoint (and the recipe's student) names, as if the user had typed it as
+    `model`; `student`: the --student the user typed (consent to import it)."""
     progress = render.TrainProgress(quiet=quiet)
     try:
         result = api.shrink(
@@ -445,6 +447,7 @@ def run_shrink(
             force=force,
             trust_model=trust_model,
             progress=progress,
+            student_code=student,
         )
     finally:
         progress.close()

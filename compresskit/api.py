@@ -199,6 +199,7 @@ def shrink(
     force: bool = False,
     trust_model: bool = False,
     progress: Events | None = None,
+    student_code: str | None = None,
 ) -> ShrinkReport:
     """Compress one model as `recipe` says and write every output into the folder `out`.
 
@@ -213,15 +214,25 @@ def shrink(
                 report.json/.md and plots; it must be new or empty unless `force`
     spec        for a checkpoint, the model code to import (as `--model`); the checkpoint's
                 own import path is imported only with this or `trust_model`
+    student_code  the recipe's `distill.student` when it is an import path
+                ("pkg.module:callable"): that code is imported only when named here too (as
+                `--student`) or with `trust_model`, since a recipe may come from a file
     progress    a `compresskit.distrib.Events` told about each epoch and step (default: silent)
 
     Returns a `ShrinkReport`. Raises `InputError` for bad input (before any work) and
     `StageError` when a stage fails its own check (then nothing is left in `out`).
     """
     recipe = _recipe(recipe)
+    student = recipe.distill.student
+    if ":" in student and not trust_model and student_code != student:
+        raise InputError(
+            f"recipe distill.student = {student!r} names code to import; pass "
+            f"student_code={student!r} (or trust_model=True) to allow it"
+        )
     out = Path(out)
     given = getattr(model, "checkpoint", model)  # the input file, when one is given
     inputs = [Path(given)] if isinstance(given, str | Path) else []
+    inputs += [Path(t) for t in recipe.distill.teachers]  # replaced or removed under force
     pipeline.check_out_dir(out, force, inputs)
     # Building the model draws from torch's generator (its initial weights, replaced by the
     # checkpoint's): on a forked one, so the caller's is left as it was (the pipeline seeds

@@ -883,7 +883,8 @@ def check_train_state(resume: Any) -> None:
     ]
     if not isinstance(resume.get("config", {}), dict):
         bad.append("config")
-    if not isinstance(resume.get("history", []), list):
+    history = resume.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
         bad.append("history")
     if not isinstance(resume["optimizer"], dict):
         bad.append("optimizer")

@@ -120,6 +120,16 @@ def test_a_module_instance_is_copied_never_changed(tmp_path):
             ),
             "wrote no checkpoint (trained without out=)",
         ),
+        (
+            # a recipe (perhaps from a file) never picks the student's code on its own
+            lambda d: ck.shrink(
+                d / "t.pt",
+                "digits",
+                ck.Recipe.from_dict({"distill": {"student": "mynets:build_net"}}),
+                out=d / "o",
+            ),
+            "distill.student = 'mynets:build_net' names code to import; pass student_code=",
+        ),
         (lambda d: ck.load_data(3), "give a data spec string"),
         (lambda d: ck.Recipe(prune={"sparsity": 0.9}), "not a PruneSection"),
     ],

@@ -216,6 +216,13 @@ def test_an_existing_out_is_refused_without_force(run, teacher, tmp_path):
         assert "model.pt there is this run's input" in result.stderr, result.stderr
         assert (mine / "model.pt").read_bytes() == Path(ck).read_bytes()
         assert sorted(p.name for p in mine.iterdir()) == ["model.pt"]
+    # nor a teacher kept there (--force removed the outputs a run does not write again)
+    result = run(
+        "shrink", ck, "--student", "lenet5", "--teacher", mine / "model.pt", "--out", mine,
+        "--force", "-q",
+    )  # fmt: skip
+    assert result.exit_code == 2 and "model.pt there is this run's input" in result.stderr
+    assert (mine / "model.pt").read_bytes() == Path(ck).read_bytes()
     # an empty folder the user made is no earlier run
     (tmp_path / "empty").mkdir()
     result = run("shrink", ck, "--recipe", recipe_path, "--out", tmp_path / "empty", "-q")

@@ -146,7 +146,7 @@ def test_strip_is_needed_the_quantizer_alone_leaves_orphans(prepared):
     quantize_static(
         str(prep),
         str(out),
-        Q._reader(calib, "x"),
+        Q.reader(calib, "x"),
         quant_format=QuantFormat.QDQ,
         nodes_to_exclude=E.quantizable_nodes(prep),
     )
@@ -315,7 +315,7 @@ def test_bias_correction_removes_the_mean_shift(tmp_path, bias):
 
 
 def _fake_search(n: int, needed: set[str] | int):
-    """A `candidate` for `_fall_back` over nodes n0..n{n-1}: it holds when the nodes back in
+    """A `candidate` for `fallback.fall_back` over nodes n0..n{n-1}: it holds when the nodes back in
     FP32 include `needed` (a set) or number at least `needed` (an int); calls are counted."""
     reference = np.eye(4)[np.arange(100) % 4]
     calls = []
@@ -782,8 +782,8 @@ def test_activation_batch_sums_every_tensor_per_sample():
 def test_quantizer_calibrates_in_activation_sized_batches(prepared, monkeypatch):
     _, prep, calib = prepared
     seen = []
-    reader = Q._reader
-    monkeypatch.setattr(Q, "_reader", lambda x, name, b: seen.append(b) or reader(x, name, b))
+    reader = Q.reader
+    monkeypatch.setattr(Q, "reader", lambda x, name, b: seen.append(b) or reader(x, name, b))
     assert C.activation_batch(onnx.load(str(prep))) == 32  # a tiny model: the cap
     sized = C.activation_batch
     monkeypatch.setattr(Q, "activation_batch", lambda model: sized(model, budget=1))

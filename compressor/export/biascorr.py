@@ -267,7 +267,7 @@ def _error_graph(model, ref):
     # are fresh and frees them: appended at the end, every FP32 activation a twin reads stayed
     # alive to the end of the graph. With ORT's priority-based order (it honours this
     # placement; its default order did not) and 64 samples a run, ViT-tiny's peak went from
-    # 4.0 GB to 0.56 GB, and the pass from 14.5 s to 10.7 s per 256 samples. `choose` now
+    # 4.0 GB to 0.56 GB, and the pass from 14.5 s to 10.7 s per 256 samples. `int8.choose` now
     # passes the calibration's activation-sized batch (`activation_batch`).
     nodes = list(g.node)
     del g.node[:]

@@ -27,9 +27,9 @@ def session(model: bytes | str | Path, optimized: bool, threads: int = 0, lean: 
     kernels): the reference semantics; True is what this host's ORT does by default.
     `threads` 0 is ORT's default, one per physical core: outputs are bit-identical whatever
     the count (ORT's CPU kernels split work by output element, never a sum;
-    tests/test_int8.py checks it), so only timing pins one thread (`paired_rounds`). `lean`:
+    tests/test_int8.py checks it), so only timing pins one thread (`int8.paired_rounds`). `lean`:
     ORT's priority-based node order, which runs a node as soon as its inputs are ready and so
-    frees them early (for graphs with many side branches, as `node_errors` builds)."""
+    frees them early (for graphs with many side branches, as `biascorr.node_errors` builds)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()

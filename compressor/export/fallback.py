@@ -29,7 +29,7 @@ def outputs_above(sess, x: np.ndarray, reference: np.ndarray, floor: float, batc
     agreement `floor` allows on the whole of `x`: a candidate that fails stops early (most of
     the fallback search's candidates fail, and the runs over the check inputs are its cost).
 
-    Batches grow 8, 16, 32, ... up to `batch`: `choose` sorts the check inputs most fragile
+    Batches grow 8, 16, 32, ... up to `batch`: `int8.choose` sorts the check inputs most fragile
     first, so a failing candidate usually fails within the first few, and a first batch of 64
     made each failure cost 64 samples' inference (ViT-tiny: 0.35 s a batch, 112 batches)."""
     allowed = int(np.floor(len(x) * (1.0 - floor) + 1e-9))
@@ -101,7 +101,7 @@ def fall_back(order: list[str], candidate, reference, cfg, before: float):
 
     `candidate(nodes, floor)` builds the file with `nodes` back in FP32 and returns (model,
     outputs on the check inputs or None once they cannot hold `floor`, bias-corrected); the
-    model is passed through untouched (`_select`'s candidates return None there, to hold no
+    model is passed through untouched (`int8._select`'s candidates return None there, to hold no
     model between candidates)."""
     # The shortest prefix that held so far, and only it: every prefix that holds later is
     # shorter, and each candidate is a whole model (all of them were kept alive before).

@@ -32,7 +32,7 @@ What the step does, and why:
   every INT8 node's own error (`node_errors`: a quantized twin of each node beside its FP32
   original, fed FP32 inputs); nodes return to FP32 in that order, largest error first, in
   prefixes of 1, 2, 4, ... until the floor holds, then bisection to the shortest prefix that
-  holds, then delta debugging within that prefix (`_shrink_set`, about 2 log2 N more
+  holds, then delta debugging within that prefix (`fallback._shrink_set`, about 2 log2 N more
   candidates) for the few nodes that matter when the order missed them: own error is not the
   error that reaches the logits. Each candidate is made from the all-INT8 file by graph
   surgery (`Quantizer.without`, ~0.05 s; the quantizer's rewrite took 2 s on EfficientNet-B0)

@@ -7,7 +7,7 @@ say the files still answer like the model.
   Runtime 1.16-1.17), and only the opset imports its nodes use. Every file passes
   `onnx.checker.check_model(full_check=True)` and loads in ORT.
 * `quantize_int8`: static QDQ quantization of a `preprocess`ed model through
-  `compressor.int8` (which also chooses the nodes that stay FP32 for a target).
+  `compressor.export.int8` (which also chooses the nodes that stay FP32 for a target).
 * `parity`: accuracy, top-1 agreement and max |delta logit| of a file against the model, as
   written (reference semantics) or on this host's optimized kernels.
 * `weight_invariants`: pruned zeros stay zero and shared layers keep <= 2^bits values, read
@@ -218,6 +218,8 @@ def drop_source_locations(proto) -> int:
                 clean(g)
 
     clean(proto.graph)
+    for function in proto.functions:  # model-local functions hold nodes too
+        clean(function)
     return removed
 
 
@@ -645,5 +647,5 @@ def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
         prepared = preprocess(fp32, Path(tmp) / "prepared.onnx")
         with _quiet_stdio():
             quantize_dynamic(str(prepared), str(dynamic), weight_type=QuantType.QInt8)
-            quantize_static(str(prepared), str(static), qdq._reader(calib, name))
+            quantize_static(str(prepared), str(static), qdq.reader(calib, name))
     return [dynamic, static]

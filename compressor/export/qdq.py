@@ -76,7 +76,7 @@ def quiet(stdout: bool = False) -> Iterator[None]:
         named.setLevel(level)
 
 
-def _reader(x: np.ndarray, input_name: str, batch: int = 32):
+def reader(x: np.ndarray, input_name: str, batch: int = 32):
     from onnxruntime.quantization import CalibrationDataReader
 
     class Reader(CalibrationDataReader):
@@ -171,7 +171,7 @@ class Quantizer:
                 }[method],
             )
             with _datapass.data_pass():
-                calibrator.collect_data(_reader(calib, name, self.batch))
+                calibrator.collect_data(reader(calib, name, self.batch))
             self.ranges = calibrator.compute_data()
             del calibrator  # and its session, before the file it maps goes
         self.model = _shape_inferred(prepared)
@@ -223,7 +223,7 @@ class Quantizer:
         2 s (EfficientNet-B0). On the real-models matrix its outputs equal `build(exclude)`'s
         bit for bit but for a ViT candidate where the quantizer leaves glue around excluded
         nodes unquantized (max |dlogit| 0.008): the fallback search runs on these, and the file
-        shipped is then built by the quantizer and checked again (`_select`)."""
+        shipped is then built by the quantizer and checked again (`int8._select`)."""
         out = copy.deepcopy(built)
         g = out.graph
         read_fp32(g, exclude, self.model)

@@ -218,7 +218,10 @@ def _data(
         )
     if not data:
         return None
-    return data_mod.load(data, data_mod.input_name(named, consent) or _graph_input(paths))
+    name = data_mod.input_name(named, consent)
+    if name is None and data.startswith("npz:"):  # only an npz names arrays after inputs
+        name = _graph_input(paths)
+    return data_mod.load(data, name)
 
 
 def _graph_input(paths: list[Path]) -> str | None:
