@@ -448,11 +448,12 @@ def read(path: str | Path) -> dict[str, Any]:
             "(a few hundred bytes); is it the right file?"
         )
     try:
-        text = data.decode()
+        text = data.decode("utf-8-sig")  # a byte-order mark, as Windows editors write, is no key
         if kind == "JSON":
-            raw = json.loads(text)
+            raw = json.loads(text, object_pairs_hook=_unique_keys)
         elif kind == "YAML":
             raw = _yaml(text, path)
+            raw = {} if raw is None else raw  # an empty file, as an empty TOML or JSON {}
         else:
             raw = tomllib.loads(text)
     except InputError:
@@ -467,6 +468,17 @@ def read(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise InputError(f"--recipe {path}: a recipe is a table of sections")
     return raw
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json keeps the last of a repeated key
+    silently, as TOML refuses and archives refuse): ValueError naming the repeated key."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} given twice in one table")
+        out[k] = v
+    return out
 
 
 def _yaml(text: str, path: Path) -> Any:
@@ -500,7 +512,31 @@ def _yaml(text: str, path: Path) -> Any:
         if "nesting depth" in str(e):
             raise _too_deep(path) from None
         raise
+    _yaml_unique_keys(yaml.compose(text, Loader=loader), path)
     return yaml.load(text, Loader=loader)  # a SafeLoader: plain data only
+
+
+def _yaml_unique_keys(node: Any, path: Path) -> None:
+    """Refuse a YAML mapping that repeats a key (PyYAML keeps the last one silently)."""
+    import yaml
+
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, yaml.MappingNode):
+            seen: set[str] = set()
+            for key, value in n.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in seen:
+                        line = key.start_mark.line + 1 if key.start_mark else "?"
+                        raise InputError(
+                            f"--recipe {path}: not valid YAML: key {key.value!r} given twice in "
+                            f"one table (line {line})"
+                        )
+                    seen.add(key.value)
+                todo.append(value)
+        elif isinstance(n, yaml.SequenceNode):
+            todo.extend(n.value)
 
 
 def _too_deep(path: Path) -> InputError:

@@ -401,6 +401,8 @@ def _diagnose(path: Path) -> str:
         return "pickle data that is corrupt or holds more than tensors and plain containers"
     if not head:
         return "the file is empty"
+    if head == b"\x89DCZ" or path.suffix == ".dcz":  # compressor.archive.MAGIC's first bytes
+        return "a compress archive (.dcz), not a checkpoint; rebuild one with `compress decode`"
     return "not a torch.save file (wrong format); pass a .pt written by torch.save"
 
 

@@ -382,3 +382,12 @@ def test_weights_holding_nan_are_refused_before_any_work(run, tmp_path):
     result = run("shrink", tmp_path / "nan.pt", "--out", tmp_path / "o", "-q")
     _one_line(result, 2, "fc1.weight hold NaN or inf")
     assert not (tmp_path / "o").exists()
+
+
+def test_an_archive_given_as_a_checkpoint_points_to_decode(run, tmp_path):
+    from compresskit.compressor import archive
+
+    for name in ("model.dcz", "renamed.bin"):
+        (tmp_path / name).write_bytes(archive.MAGIC + bytes(32))
+        result = run("shrink", tmp_path / name, "--out", tmp_path / "o", "-q")
+        _one_line(result, 2, "a compress archive (.dcz), not a checkpoint; rebuild one with")

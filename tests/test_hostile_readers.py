@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import pickle
+import re
 import resource
 import struct
 import time
@@ -601,3 +602,31 @@ def test_prune_rounds_are_bounded(key, value):
         recipe.resolve({"prune": {key: value}})
     with pytest.raises(InputError, match="export.fixed_batch"):
         recipe.resolve({"export": {"fixed_batch": 10**23}})
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("r.json", '{"prune": {"sparsity": 0.5, "sparsity": 0.9}}', "key 'sparsity' given twice"),
+        ("r.yaml", "prune:\n  sparsity: 0.5\n  sparsity: 0.9\n", "key 'sparsity' given twice"),
+        ("r.yaml", "prune: {}\nprune: {}\n", "key 'prune' given twice in one table (line 2)"),
+    ],
+)
+def test_a_key_given_twice_is_refused_in_every_recipe_format(tmp_path, name, text, message):
+    """JSON and YAML kept the last of a repeated key silently (TOML refuses it)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(InputError, match=re.escape(message)):
+        recipe.read(path)
+
+
+def test_a_byte_order_mark_and_an_empty_yaml_file_are_read(tmp_path):
+    for name, text in (
+        ("r.toml", "[prune]\nsparsity = 0.5\n"),
+        ("r.json", '{"prune": {"sparsity": 0.5}}'),
+    ):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())  # as Windows editors save
+        assert recipe.read(path) == {"prune": {"sparsity": 0.5}}
+    (tmp_path / "empty.yaml").write_text("")
+    assert recipe.read(tmp_path / "empty.yaml") == {}  # as an empty TOML file
