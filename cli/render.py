@@ -285,8 +285,8 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
                 "whose mean probability of the right class dropped least. Raise budget.trials, "
                 "or the budget."
             )
-    if report_mod.sensitivity_note(report):
-        out.print(report_mod.sensitivity_note(report))
+    if note := report_mod.sensitivity_note(report):
+        out.print(note)
     base = report["baseline"]
     table = Table(title="compress shrink", **_LIGHT)
     for col in ("stage", "bytes", "ratio", "test acc", "Δ points", "95% CI (paired)"):

@@ -215,8 +215,6 @@ def shrink(
     --strict), 2 bad usage or input.
     """
     raw = recipe_mod.read(recipe_path) if recipe_path else {}
-    if not dry_run:  # a dry run imports nothing
-        _consented_student(raw, recipe_path, student, trust_model)
     # Flags override the recipe file (--teacher replaces its teachers list); the result is
     # validated as a whole, and its errors name the file and the flags.
     conv_bits, fc_bits = _bits(bits)
@@ -289,21 +287,6 @@ def shrink(
         emit_json(json_view(report))
     else:
         render.shrink_summary(report)
-
-
-def _consented_student(raw: dict, recipe_path: Path | None, flag: str | None, trust: bool) -> None:
-    """A recipe file that names the student by import path picks code to run, which a file
-    never does on its own (checkpoints and teachers ask the same): it is imported only when
-    --student names it too, or with --trust-model."""
-    d = raw.get("distill")
-    named = d.get("student") if isinstance(d, dict) else None
-    if not isinstance(named, str) or ":" not in named or flag is not None or trust:
-        return
-    raise click.UsageError(
-        f"{recipe_path}: distill.student = {named!r} names code to import; pass --student "
-        f"{named} to allow it (or --trust-model to trust the code the recipe and checkpoint "
-        "name)"
-    )
 
 
 # What --epochs sets: the epochs of every stage that trains.

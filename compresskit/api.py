@@ -223,11 +223,13 @@ def shrink(
     `StageError` when a stage fails its own check (then nothing is left in `out`).
     """
     recipe = _recipe(recipe)
+    # A recipe may come from a file, and a file never picks the code that runs.
     student = recipe.distill.student
     if ":" in student and not trust_model and student_code != student:
         raise InputError(
             f"recipe distill.student = {student!r} names code to import; pass "
-            f"student_code={student!r} (or trust_model=True) to allow it"
+            f"student_code={student!r} (--student {student}) or trust_model=True "
+            "(--trust-model) to allow it"
         )
     out = Path(out)
     given = getattr(model, "checkpoint", model)  # the input file, when one is given

@@ -276,17 +276,15 @@ def build(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
         model = _call(ctor, spec)
     except InputError:
         raise
-    except TypeError as e:
-        # no signature to bind the kwargs against, or a **kwargs factory passing them on to a
-        # class that refuses them (torchvision's resnet18): the kwargs are the problem
-        if _signature(ctor) is None or "unexpected keyword argument" in str(e):
-            raise InputError(f"model {spec.name!r} does not take these kwargs: {e}") from None
-        # the kwargs bound (`_call`): the constructor itself failed on their values
-        raise InputError(
-            f"model {spec.name!r} could not be built with {_jsonable(spec.kwargs)}: "
-            f"TypeError: {(str(e).strip().splitlines() or [''])[0]}"
-        ) from None
     except Exception as e:  # bad kwargs values surface as anything from the constructor
+        # A TypeError with no signature to bind the kwargs against, or from a **kwargs factory
+        # passing them on to a class that refuses them (torchvision's resnet18): the kwargs
+        # are the problem. Any other failure is the constructor's own, on their values.
+        kwargs_refused = isinstance(e, TypeError) and (
+            _signature(ctor) is None or "unexpected keyword argument" in str(e)
+        )
+        if kwargs_refused:
+            raise InputError(f"model {spec.name!r} does not take these kwargs: {e}") from None
         detail = (str(e).strip().splitlines() or [""])[0]
         raise InputError(
             f"model {spec.name!r} could not be built with {_jsonable(spec.kwargs)}: "
