@@ -287,6 +287,8 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
             )
     if note := report_mod.sensitivity_note(report):
         out.print(note)
+    if note := report_mod.tied_note(report):
+        out.print(f"note: {note}")
     base = report["baseline"]
     table = Table(title="compress shrink", **_LIGHT)
     for col in ("stage", "bytes", "ratio", "test acc", "Δ points", "95% CI (paired)"):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from compresskit import _datapass, _mem
-from compresskit.compressor import archive, budget, channels, distill, export, guard
+from compresskit.compressor import archive, budget, channels, distill, export, guard, prune
 from compresskit.compressor import report as report_mod
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.export import checks, compat, int8, mobile
@@ -237,6 +237,8 @@ def shrink_to_folder(
                     model, spec.to_dict(), recipe, hooks, tmp, metadata, archive_name=f"{name}.dcz"
                 )
         _explain_archive(report)
+        if tied := prune.tied_weights(model):  # left dense: see prune.tied_weights
+            report["tied"] = tied
         if data is not None:
             report["data"] = {
                 "spec": data.spec,

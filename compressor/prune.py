@@ -106,12 +106,32 @@ def _walk(model: nn.Module):
 
 
 def weight_layers(model: nn.Module, embeddings: bool = False) -> dict[str, Layer]:
-    """The layers pruning and weight sharing apply to, by layer name, in model order."""
+    """The layers pruning and weight sharing apply to, by layer name, in model order.
+
+    A weight tied to another parameter (`tied_weights`) is not one of them."""
+    tied = {key for group in tied_weights(model) for key in group}
     return {
         layer.name: layer
         for name, module, parent in _walk(model)
         for layer in _layers_of(name, module, parent, embeddings)
+        if layer.key not in tied
     }
+
+
+def tied_weights(model: nn.Module) -> list[list[str]]:
+    """Groups of state_dict keys that name one parameter (an output projection tied to the
+    input embedding, `b.weight = a.weight`), in model order.
+
+    Pruning and weight sharing leave these dense: each layer gets its own mask and codebook,
+    so compressing them would untie them, and the shipped model would compute something the
+    user's (still tied) model cannot load. A module used twice (`self.fc2 = self.fc1`) is one
+    module with one key, not a tie."""
+    keys: dict[int, list[str]] = {}
+    for mname, module in model.named_modules():  # a module reachable twice is listed once
+        for pname, p in module._parameters.items():
+            if p is not None:
+                keys.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+    return [group for group in keys.values() if len(group) > 1]
 
 
 # --- pure maths -----------------------------------------------------------------------------
@@ -253,6 +273,7 @@ def prunable(model: nn.Module, cfg: PruneConfig | None = None) -> dict[str, torc
     """Parameters pruning may touch, by state_dict key ("fc1.weight", "attn.in_proj_weight"),
     in model order."""
     cfg = cfg or PruneConfig(sparsity=0.0)
+    tied = {key for group in tied_weights(model) for key in group}
     out: dict[str, torch.Tensor] = {}
     for name, module, parent in _walk(model):
         pnames = [layer.param for layer in _layers_of(name, module, parent, cfg.embeddings)]
@@ -262,8 +283,9 @@ def prunable(model: nn.Module, cfg: PruneConfig | None = None) -> dict[str, torc
             is_mha = isinstance(module, nn.MultiheadAttention)
             pnames.append("in_proj_bias" if is_mha else "bias")
         for pname in pnames:
-            if getattr(module, pname, None) is not None:
-                out[f"{name}.{pname}" if name else pname] = _current(module, pname)
+            key = f"{name}.{pname}" if name else pname
+            if getattr(module, pname, None) is not None and key not in tied:
+                out[key] = _current(module, pname)
     return out
 
 

@@ -5,8 +5,8 @@ so `report.json` alone can reproduce the figures."""
 
 from __future__ import annotations
 
-import os
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -122,6 +122,7 @@ def markdown(
         "layer is stored dense where that record is smaller (both priced; the dense one "
         "estimated, marked ≈, where it is plainly the larger).",
         "",
+        *([tied_note(report) + ".", ""] if report.get("tied") else []),
         *_sensitivity_lines(report),
         *_plot_lines(report, plots),
         "## Recipe",
@@ -159,6 +160,18 @@ def sensitivity_note(report: dict[str, Any]) -> str:
         head
         + f"{len(cut)} of {len(proposal)} layers pruned at {span}"
         + (f", {whole} kept whole" if whole else "")
+    )
+
+
+def tied_note(report: dict[str, Any]) -> str:
+    """One line naming the weights left dense because they are tied ("" when none)."""
+    groups = report.get("tied")
+    if not groups:
+        return ""
+    names = "; ".join(" = ".join(g) for g in groups)
+    return (
+        f"kept dense, tied (one tensor under several names, which pruning or sharing each "
+        f"layer on its own would untie): {names}"
     )
 
 
@@ -596,12 +609,10 @@ def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def new_figure(figsize: tuple[float, float]) -> Any:
-    """A matplotlib Figure on the Agg backend. Not pyplot's: nothing global to close or leak.
-    matplotlib is imported here, on first use, so `import compressor` stays light."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """A matplotlib Figure, not pyplot's: nothing global to close or leak, and the caller's
+    backend untouched (a notebook's inline plots keep working; `savefig` renders a PNG with
+    Agg whatever the backend). matplotlib is imported here, on first use, so
+    `import compressor` stays light."""
     from matplotlib.figure import Figure
 
     return Figure(figsize=figsize)
@@ -670,7 +681,9 @@ def _kept_figure(rows: list[dict[str, Any]]) -> Any:
 
 
 def save_figure(fig, path: Path) -> Path:
-    fig.tight_layout()
+    with warnings.catch_warnings():  # a one-layer model's plot cannot be tightened: harmless
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     return path

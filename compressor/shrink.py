@@ -253,9 +253,11 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
     p, q = recipe.prune, recipe.quantize
     every = kmeans.layers(model, embeddings=True)
     if (p.enabled or q.enabled) and not kmeans.layers(model, p.embeddings or q.embeddings):
+        tied = prune.tied_weights(model)
         raise InputError(
-            "the model has no prunable layers (Linear, Conv or MultiheadAttention): "
-            "nothing to compress"
+            "the model has no prunable layers (Linear, Conv or MultiheadAttention"
+            + (f"; tied weights are kept dense: {', '.join(g[0] for g in tied)}" if tied else "")
+            + "): nothing to compress"
         )
     named = []
     if isinstance(p.sparsity, dict):

@@ -2,6 +2,7 @@
 the README's "From Python" example run as written."""
 
 import dataclasses
+import json
 import re
 import textwrap
 from pathlib import Path
@@ -92,6 +93,52 @@ def test_a_module_instance_is_copied_never_changed(tmp_path):
     # and the archive it wrote decodes to the compressed model's tensors
     decoded = ck.decode(report.out / "model.dcz", tmp_path / "back.pt")
     assert decoded["parameters"] == sum(p.numel() for p in net.parameters())
+
+
+TIED = """\
+from torch import nn
+
+
+class Tied(nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+        self.b.weight = self.a.weight  # one tensor under two names
+        self.out = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        return self.out(self.b(self.a(x.flatten(1)).relu()).relu())
+"""
+
+
+def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(
+    tmp_path, monkeypatch
+):
+    # Each layer used to get its own mask and codebook, so a and b came back different: the
+    # archive, model.pt and the ONNX file computed something the user's model cannot load.
+    (tmp_path / "tiednets.py").write_text(TIED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tiednets
+
+    torch.manual_seed(0)
+    net = tiednets.Tied()
+    ck.train(net, "digits", ck.TrainConfig(epochs=3))
+    report = ck.shrink(net, "digits", FAST, out=tmp_path / "o", spec="tiednets:Tied")
+    ck.decode(report.out / "model.dcz", tmp_path / "back.pt")
+    state = torch.load(tmp_path / "back.pt", weights_only=True)["state_dict"]
+    assert torch.equal(state["a.weight"], state["b.weight"])
+    assert bool((state["a.weight"] != 0).all())  # left dense
+    assert float((state["out.weight"] == 0).float().mean()) == pytest.approx(0.6, abs=0.01)
+    user = tiednets.Tied()
+    user.load_state_dict(state)
+    data = ck.load_data("digits")
+    with torch.no_grad():
+        acc = (user.eval()(data.x_test).argmax(1) == data.y_test).float().mean().item()
+    assert acc == pytest.approx(report.test_accuracy, abs=1e-6)
+    saved = json.loads((report.out / "report.json").read_text())
+    assert saved["tied"] == [["a.weight", "b.weight"]]
+    assert "kept dense, tied" in (report.out / "report.md").read_text()
 
 
 @pytest.mark.parametrize(

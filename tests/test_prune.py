@@ -409,3 +409,21 @@ def test_zeroed_training_leaves_frozen_tied_and_copied_masks_to_the_masked_forwa
     with swapped, prune.zeroed_training(m):
         plist = m.fc1.parametrizations.weight
         plist.original = nn.Parameter(plist.original.detach().clone())
+
+
+def test_tied_weights_are_found_and_left_out_of_the_layers():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+            self.proj = nn.Linear(8, 50, bias=False)
+            self.proj.weight = self.emb.weight  # output projection tied to the embedding
+            self.fc1 = nn.Linear(8, 8)
+            self.fc2 = self.fc1  # one module used twice: one key, no tie
+            self.head = nn.Linear(8, 3)
+
+    net = Net()
+    assert prune.tied_weights(net) == [["emb.weight", "proj.weight"]]
+    assert list(prune.weight_layers(net, embeddings=True)) == ["fc1", "head"]
+    assert list(prune.prunable(net)) == ["fc1.weight", "head.weight"]
+    assert prune.tied_weights(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))) == []
