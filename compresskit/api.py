@@ -34,7 +34,7 @@ from compresskit.models import checkpoint, zoo
 from compresskit.models import data as data_mod
 from compresskit.models.base import BN_STALE, batchnorm_memory
 from compresskit.models.data import Dataset
-from compresskit.models.errors import InputError
+from compresskit.models.errors import InputError, brief
 from compresskit.models.zoo import ModelSpec
 
 __all__ = ["ShrinkReport", "decode", "shrink"]
@@ -99,7 +99,7 @@ def _dataset(data: str | Dataset | None, default: str, input_name: str | None) -
         data = default
     if not isinstance(data, str):
         raise InputError(
-            f"data {data!r}: give a data spec such as 'digits', 'npz:FILE' or 'mnist:DIR', "
+            f"data {brief(data)}: give a data spec such as 'digits', 'npz:FILE' or 'mnist:DIR', "
             "or a Dataset from compresskit.load_data"
         )
     return data_mod.load(data, input_name)
@@ -167,7 +167,7 @@ def _load(
         )
     if not isinstance(path, str | Path):
         raise InputError(
-            f"model {model!r}: give a checkpoint path, a TrainResult from compresskit.train, "
+            f"model {brief(model)}: give a checkpoint path, a TrainResult from compresskit.train, "
             "or an nn.Module with spec="
         )
     path = Path(path)

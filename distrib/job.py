@@ -31,8 +31,8 @@ from compresskit.distrib.trainer import (
     optimizer_for,
 )
 from compresskit.models import checkpoint, data, zoo
-from compresskit.models.data import SPECS_HELP, Dataset
-from compresskit.models.errors import InputError
+from compresskit.models.data import SPECS_HELP, Dataset, spec_files
+from compresskit.models.errors import InputError, brief
 from compresskit.models.fileio import check_writable
 
 # Settings a resumed run may change: the rest must match the checkpoint's.
@@ -239,7 +239,7 @@ def _strategy(
         return (strategy.stages if workers is None else workers), None, strategy
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise InputError(
-            f"strategy {strategy!r}: give one of {', '.join(STRATEGIES)}, a "
+            f"strategy {brief(strategy)}: give one of {', '.join(STRATEGIES)}, a "
             "compresskit.distrib.paramserver.PSConfig or a compresskit.distrib.pipeline."
             "PipelineConfig"
         )
@@ -313,7 +313,7 @@ def run(
     processes) and writes the checkpoint."""
     if job.workers < 1:
         raise InputError(f"--workers {job.workers}: give 1 or more")
-    check_writable(job.out)
+    check_writable(job.out, inputs=spec_files(job.data))
     gpu = job.config.device.startswith("cuda")
     if gpu:
         import torch
@@ -461,7 +461,7 @@ def run_ensemble(
         for k in range(members)
     ]
     for j in jobs:
-        check_writable(j.out)
+        check_writable(j.out, inputs=spec_files(j.data))
     results = launch.run_independent(functools.partial(_member, jobs, events_factory), members)
     return [(j.out, r) for j, r in zip(jobs, results, strict=True)]
 

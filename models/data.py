@@ -179,6 +179,24 @@ def load(spec: str, input_name: str | None = None) -> Dataset:
     raise InputError(f"--data {spec!r}: unknown data spec; use {SPECS_HELP}")
 
 
+def spec_files(spec: object) -> list[Path]:
+    """The files a data spec reads (npz:FILE, the files of mnist:DIR); [] for built-in data
+    or anything that is not a spec string. For refusing an output path that would replace
+    them."""
+    if not isinstance(spec, str):
+        return []
+    kind, _, arg = spec.partition(":")
+    try:
+        path = Path(arg).expanduser() if arg else None
+    except RuntimeError:  # an unknown ~user: `load` says so
+        return []
+    if kind == "npz" and path is not None:
+        return [path]
+    if kind == "mnist" and path is not None and path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file())
+    return []
+
+
 def _parse_side(spec: str, arg: str) -> int:
     if not arg.isdigit() or not 8 <= int(arg) <= 256:
         raise InputError(f"--data {spec!r}: digits takes a side length 8..256, e.g. digits:28")

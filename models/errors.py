@@ -31,7 +31,22 @@ class StageError(CompressError):
     exit_code = 1
 
 
-def one_line(e: BaseException, limit: int = 200) -> str:
-    """A foreign exception's text (torch, ORT, torch-pruning: often many lines) as the first
-    `limit` characters of one line, to quote inside our own one-line messages."""
-    return " ".join(str(e).split())[:limit]
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """A foreign exception's text (torch, ORT, torch-pruning: often many lines) as one line of
+    at most about `limit` characters, to quote inside our own one-line messages. A longer text
+    keeps its start and its end: ONNX Runtime puts the reason after a long C++ signature or
+    path ("... Unsupported model IR version: 99, max supported IR version: 14")."""
+    text = " ".join(str(e).split())
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]} ... {text[-half:]}"
+
+
+def brief(value: object, limit: int = 80) -> str:
+    """`value` for an error message: its repr when short, else its type ("a Tensor"): a
+    tensor's or a module's repr runs to pages."""
+    text = repr(value)
+    if len(text) <= limit and "\n" not in text:
+        return text
+    return f"a {type(value).__name__}"

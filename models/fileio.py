@@ -15,20 +15,29 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from compresskit.models.errors import InputError
 
 
-def check_writable(path: str | os.PathLike, flag: str = "--out") -> Path:
-    """Fail early, before any long work, when `path` cannot be written.
+def check_writable(
+    path: str | os.PathLike, flag: str = "--out", inputs: Iterable[str | os.PathLike] = ()
+) -> Path:
+    """Fail early, before any long work, when `path` cannot be written, or is one of the
+    files the same call reads (`inputs`: writing there would replace it).
 
     Probes by creating a file rather than with `os.access`, which says yes to root for
     read-only mounts and no for ACL-granted users.
     """
     refuse_link(path, flag)
     path = Path(os.path.abspath(path))
+    for given in inputs:
+        if path.is_file() and os.path.isfile(given) and path.samefile(given):
+            raise InputError(
+                f"{flag} {path}: is the input {os.fspath(given)} this call reads; writing "
+                "there would replace it: give another path"
+            )
     parent = path.parent
     if path.exists() and not path.is_file() and not path.is_dir():
         raise InputError(f"{flag} {path}: exists and is not a regular file; choose another path")

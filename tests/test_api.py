@@ -7,6 +7,7 @@ import re
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -112,9 +113,7 @@ class Tied(nn.Module):
 """
 
 
-def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(
-    tmp_path, monkeypatch
-):
+def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(tmp_path, monkeypatch):
     # Each layer used to get its own mask and codebook, so a and b came back different: the
     # archive, model.pt and the ONNX file computed something the user's model cannot load.
     (tmp_path / "tiednets.py").write_text(TIED)
@@ -178,6 +177,12 @@ def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(
             "distill.student = 'mynets:build_net' names code to import; pass student_code=",
         ),
         (lambda d: ck.load_data(3), "give a data spec string"),
+        # a tensor's repr runs to pages: the message names its type
+        (
+            lambda d: ck.shrink(d / "t.pt", (torch.zeros(99, 1, 8, 8),), out=d / "o"),
+            "data a tuple:",
+        ),
+        (lambda d: ck.bench([nn.Sequential(nn.Linear(64, 10))], "digits"), "models a list:"),
         (lambda d: ck.Recipe(prune={"sparsity": 0.9}), "not a PruneSection"),
     ],
 )
@@ -186,9 +191,20 @@ def test_bad_input_is_one_input_error(tmp_path, monkeypatch, call, message):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     ck.train("lenet300", "digits", ck.TrainConfig(epochs=1), out=tmp_path / "t.pt")
-    with pytest.raises(ck.InputError, match=re.escape(message)):
+    with pytest.raises(ck.InputError, match=re.escape(message)) as e:
         call(tmp_path)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
     assert not (tmp_path / "o").exists()
+
+
+def test_a_long_foreign_message_keeps_its_start_and_its_end():
+    from compresskit.models.errors import one_line
+
+    text = "Load model from m.onnx failed: " + "onnxruntime::Model::Model(...) " * 20
+    quoted = one_line(ValueError(text + "Unsupported model IR version: 99, max supported: 14"))
+    assert quoted.startswith("Load model from m.onnx failed")
+    assert quoted.endswith("Unsupported model IR version: 99, max supported: 14")
+    assert len(quoted) <= 300
 
 
 def test_the_recipe_sections_are_documented_names():
@@ -329,3 +345,21 @@ def test_auto_microbatches_in_the_recipe_slice_a_model_over_its_budget(monkeypat
     # the measuring forwards (8 samples, then 4), then batches of 32 in 4 slices of 8
     assert sizes[:6] == [8, 4, 8, 8, 8, 8] and max(sizes) == 8
     assert hooks.trained() == {"microbatches": [4], "bn_refreshed_runs": 0}  # the report
+
+
+def test_an_output_that_is_the_calls_own_input_is_refused(tmp_path):
+    # The CLI refused these (cli.main._also_given); the Python calls replaced the input.
+    ds = ck.load_data("digits")
+    np.savez(tmp_path / "d.npz", x=ds.x_train.numpy(), y=ds.y_train.numpy())
+    before = (tmp_path / "d.npz").read_bytes()
+    with pytest.raises(ck.InputError, match=r"is the input .*d\.npz this call reads"):
+        ck.train("lenet300", f"npz:{tmp_path / 'd.npz'}", out=tmp_path / "d.npz")
+    assert (tmp_path / "d.npz").read_bytes() == before
+    run = ck.train("lenet300", "digits", ck.TrainConfig(epochs=1), out=tmp_path / "t.pt")
+    report = ck.shrink(run, "digits", FAST, out=tmp_path / "o")
+    dcz = report.out / "model.dcz"
+    kept = dcz.read_bytes()
+    for alias in (dcz, tmp_path / "o" / ".." / "o" / "model.dcz"):
+        with pytest.raises(ck.InputError, match="model.dcz this call reads"):
+            ck.decode(dcz, alias)
+    assert dcz.read_bytes() == kept

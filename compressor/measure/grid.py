@@ -22,7 +22,7 @@ from compresskit.compressor.measure.variants import DEFAULT_PROVIDERS
 from compresskit.models import data as data_mod
 from compresskit.models import safeload, zoo
 from compresskit.models.data import SPECS_HELP, Dataset
-from compresskit.models.errors import InputError
+from compresskit.models.errors import InputError, brief
 from compresskit.models.jsonable import plain
 
 
@@ -174,7 +174,7 @@ def _ints(value: int | Sequence[int], flag: str) -> tuple[int, ...]:
     if isinstance(value, Sequence) and not isinstance(value, str) and all(map(_whole, value)):
         return tuple(int(v) for v in value)
     name = "batches" if flag == "--batch" else "threads"
-    raise InputError(f"{name} {value!r}: give a whole number or a list of them, e.g. (1, 64)")
+    raise InputError(f"{name} {brief(value)}: give a whole number or a list of them, e.g. (1, 64)")
 
 
 def _providers(providers: str | Sequence[str] | None) -> str:
@@ -185,7 +185,7 @@ def _providers(providers: str | Sequence[str] | None) -> str:
     if isinstance(providers, Sequence) and all(isinstance(p, str) for p in providers):
         return ",".join(providers)
     raise InputError(
-        f"providers {providers!r}: give runtime names, e.g. ['torch', 'cpu'] or 'torch,cpu'"
+        f"providers {brief(providers)}: give runtime names, e.g. ['torch', 'cpu'] or 'torch,cpu'"
     )
 
 
@@ -193,7 +193,7 @@ def _paths(models: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path
     items = [models] if isinstance(models, str | os.PathLike) else models
     if not isinstance(items, Sequence) or not all(isinstance(m, str | os.PathLike) for m in items):
         raise InputError(
-            f"models {models!r}: give a path, or a list of paths, to .pt, .onnx or .ort files "
+            f"models {brief(models)}: give a path, or a list of paths, to .pt, .onnx or .ort files "
             "or compress shrink folders"
         )
     if not items:
