@@ -10,6 +10,7 @@ training loop (`trainer.fit`), handed in as hooks, exactly as the CLI does. The 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +135,14 @@ def _load(
             f"model_kwargs) or a ModelSpec, not {type(spec).__name__}"
         )
     if isinstance(model, nn.Module):
+        floats = {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
+        if floats - {"torch.float32"}:
+            # the archive, k-means and the ONNX export work in float32; a float64 model on
+            # float64 data passed every check, then failed inside the first evaluation
+            raise InputError(
+                f"the model has {', '.join(sorted(floats))} weights; compress shrinks float32 "
+                "models: pass model.float()"
+            )
         if spec is None:
             raise InputError(
                 "shrink(model=<nn.Module>) needs spec='zoo name' or 'pkg.module:callable' (and "
@@ -231,6 +240,11 @@ def shrink(
             f"student_code={student!r} (--student {student}) or trust_model=True "
             "(--trust-model) to allow it"
         )
+    if not isinstance(out, str | os.PathLike):
+        raise InputError(f"out {brief(out)}: give the output folder's path (a str or Path)")
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise InputError(f"model_kwargs {brief(model_kwargs)}: give a dict of arguments")
+    _check_events(progress)
     out = Path(out)
     given = getattr(model, "checkpoint", model)  # the input file, when one is given
     inputs = [Path(given)] if isinstance(given, str | Path) else []
@@ -245,6 +259,14 @@ def shrink(
     hooks = _hooks(ds, recipe, progress)
     report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
     return ShrinkReport.from_report(report, out)
+
+
+def _check_events(progress: Any) -> None:
+    if progress is not None and not isinstance(progress, Events):
+        raise InputError(
+            f"progress {brief(progress)}: give a compresskit.distrib.Events (subclass it and "
+            "override the callbacks you want), or None"
+        )
 
 
 def _check_finite(net: nn.Module, source: str) -> None:

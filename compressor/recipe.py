@@ -378,6 +378,13 @@ class Recipe:
     def replace(self, **sections: Any) -> Recipe:
         """A copy with whole sections replaced (`recipe.replace(prune=PruneSection(...))`),
         checked again."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(k for k in sections if k not in names)
+        if unknown:
+            raise InputError(
+                f"Recipe.replace: {unknown[0]!r} is no section; give whole sections by name "
+                f"({', '.join(names)}), e.g. recipe.replace(prune=PruneSection(sparsity=0.8))"
+            )
         return dataclasses.replace(self, **sections)
 
 

@@ -7,14 +7,17 @@ data-parallel launcher calls once per rank; `compress train` calls `train` too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Collection
+import random
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -171,10 +174,16 @@ def train(
         )
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
         raise InputError(f"workers must be a whole number, got {type(workers).__name__}")
-    if isinstance(model, nn.Module):
-        return _train_instance(
-            model, data, config, model_kwargs, out, strategy, workers, resume, progress
+    if progress is not None and not isinstance(progress, Events):
+        raise InputError(
+            f"progress {brief(progress)}: give a compresskit.distrib.Events (subclass it and "
+            "override the callbacks you want), or None"
         )
+    if isinstance(model, nn.Module):
+        with _callers_rng():
+            return _train_instance(
+                model, data, config, model_kwargs, out, strategy, workers, resume, progress
+            )
     if not isinstance(model, str):
         raise InputError(
             "model must be a zoo name (e.g. 'lenet300'), an import path 'pkg.module:callable' "
@@ -206,7 +215,8 @@ def train(
     )
     if progress_factory is None and progress is not None:
         progress_factory = functools.partial(_same, progress)
-    result = run(job, progress, progress_factory)
+    with _callers_rng():
+        result = run(job, progress, progress_factory)
     if (
         return_model
         and result is not None
@@ -216,12 +226,27 @@ def train(
         and Path(result.checkpoint).is_file()
     ):
         # Trained in other processes: rank 0's weights, from the checkpoint it wrote.
-        result.model = checkpoint.load(result.checkpoint, train_state=False).build_model(
-            allow_import=True
-        )
+        with _callers_rng():  # building draws initial weights, replaced by the checkpoint's
+            result.model = checkpoint.load(result.checkpoint, train_state=False).build_model(
+                allow_import=True
+            )
     if not return_model and result is not None:
         result.model = None
     return result
+
+
+@contextlib.contextmanager
+def _callers_rng() -> Iterator[None]:
+    """Training seeds torch's generator from the config (and draws from Python's and
+    NumPy's); the caller's three generators are as they were afterwards, as after
+    `compresskit.shrink`. (A GPU's generators are not restored.)"""
+    py, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
 
 
 def _same(events: Events) -> Events:
@@ -296,6 +321,8 @@ def _train_instance(
                 "(a checkpoint records how to build its model); pass the model by name, or "
                 "save result.model.state_dict() yourself"
             )
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device {config.device!r}: no CUDA device is visible; use cpu")
     ds = _load(spec, data.forward_input(model))
     data.check_fits(model, ds, name)
     result = fit(model, ds, config, events=progress)
@@ -603,7 +630,7 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
         check_train_state(ck.train_state)
     except InputError as e:
         raise InputError(f"{job.out}: {e}") from None
-    stored_cfg = TrainConfig.from_dict(ck.train_state["config"])
+    stored_cfg = TrainConfig.from_dict(ck.train_state["config"], strict=False)
     stored = {
         "model": ck.spec.name,
         "data": ck.metadata.get("data", _spec(job.data)),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -102,6 +103,39 @@ class TrainConfig:
     bn_refresh: int = 0
 
     def __post_init__(self) -> None:
+        # Types first: a float epoch count or a None seed passed here failed deep inside
+        # `fit` with a TypeError, after the data had loaded.
+        for name in ("epochs", "batch_size", "warmup_steps", "seed", "checkpoint_every"):
+            _check(_is_int(getattr(self, name)), name, getattr(self, name), "give a whole number")
+        for name in ("bn_refresh", "eval_batch_size"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), name, value, "give a whole number")
+        for name in ("lr", "momentum", "weight_decay"):
+            value = getattr(self, name)
+            ok = (value is None and name == "lr") or (
+                isinstance(value, int | float) and not isinstance(value, bool)
+            )
+            _check(ok, name, value, "give a number")
+        for name in ("schedule", "optimizer", "precision", "grad_compression", "evaluate"):
+            _check(isinstance(getattr(self, name), str), name, getattr(self, name), "give a word")
+        _check(
+            isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device),
+            "--device",
+            self.device,
+            "give cpu, cuda or cuda:N",
+        )
+        _check(
+            isinstance(self.deterministic, bool),
+            "deterministic",
+            self.deterministic,
+            "True or False",
+        )
+        _check(
+            0 <= self.momentum < 1,
+            "--momentum",
+            self.momentum,
+            "give a number from 0 up to (not including) 1",
+        )
         _check(self.epochs >= 1, "--epochs", self.epochs, "give 1 or more")
         _check(self.batch_size >= 1, "--batch-size", self.batch_size, "give 1 or more")
         _check(self.bn_refresh >= 0, "bn_refresh", self.bn_refresh, "give 0 or more samples")
@@ -128,7 +162,9 @@ class TrainConfig:
         _check(self.schedule in SCHEDULES, "--schedule", self.schedule, f"one of {SCHEDULES}")
         _check(self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, "give 0 or more")
         _check(self.precision in PRECISIONS, "--precision", self.precision, f"one of {PRECISIONS}")
-        _check(self.weight_decay >= 0, "--weight-decay", self.weight_decay, "give 0 or more")
+        _check(
+            0 <= self.weight_decay < math.inf, "--weight-decay", self.weight_decay, "give 0 or more"
+        )
         _check(
             self.eval_batch_size is None or self.eval_batch_size >= 1,
             "eval_batch_size",
@@ -162,9 +198,21 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+    def from_dict(cls, d: dict[str, Any], strict: bool = True) -> TrainConfig:
+        """A config from a dict; a key that is no field is refused (a misspelled "epoch"
+        was dropped, and the run trained for the default), or skipped with `strict=False`
+        (a checkpoint's stored config, perhaps written by another version)."""
         names = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in d if k not in names)
+        if strict and unknown:
+            raise InputError(
+                f"TrainConfig: unknown key {unknown[0]!r}; the fields are {', '.join(sorted(names))}"
+            )
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, flag: str, value: Any, fix: str) -> None:

@@ -841,6 +841,14 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
             f"{_vocab_argument(model)} >= {data.vocab} (--model-kwargs), or give data of a "
             "smaller vocabulary"
         )
+    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not data.is_tokens and floats and data.x_train.dtype not in floats:
+        # "Input type (FloatTensor) and weight type (DoubleTensor)" read as a shape problem
+        raise InputError(
+            f"model {model_name} has {', '.join(sorted(str(d) for d in floats))} weights and "
+            f"--data {data.spec!r} gives {data.x_train.dtype} inputs; compress works in "
+            "float32: pass model.float()"
+        )
     was_training = model.training
     model.eval()
     try:

@@ -363,3 +363,71 @@ def test_an_output_that_is_the_calls_own_input_is_refused(tmp_path):
         with pytest.raises(ck.InputError, match="model.dcz this call reads"):
             ck.decode(dcz, alias)
     assert dcz.read_bytes() == kept
+
+
+def test_train_leaves_the_callers_generators(tmp_path):
+    import random
+
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))  # its initial weights draw too
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(7)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(7)
+    ck.train("lenet300", "digits", ck.TrainConfig(epochs=1), out=tmp_path / "t.pt")
+    ck.train(net, "digits", ck.TrainConfig(epochs=1))
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ck.TrainConfig.from_dict({"epoch": 3}), "TrainConfig: unknown key 'epoch'"),
+        (lambda: ck.TrainConfig(epochs=2.5), "epochs 2.5 is invalid; give a whole number"),
+        (lambda: ck.TrainConfig(batch_size=32.0), "batch_size 32.0 is invalid"),
+        (lambda: ck.TrainConfig(seed=None), "seed None is invalid"),
+        (lambda: ck.TrainConfig(epochs="3"), "epochs '3' is invalid"),
+        (lambda: ck.TrainConfig(device="gpu"), "--device 'gpu' is invalid; give cpu, cuda"),
+        (lambda: ck.TrainConfig(momentum=-1.0), "--momentum -1.0 is invalid"),
+        (lambda: ck.Recipe().replace(sparsity=0.8), "Recipe.replace: 'sparsity' is no section"),
+    ],
+)
+def test_bad_configs_are_one_input_error(make, message):
+    with pytest.raises(ck.InputError, match=re.escape(message)):
+        make()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda d: ck.train("lenet300", "digits", progress=print), "progress <built-in function"),
+        (lambda d: ck.shrink(d / "t.pt", "digits", out=None), "out None: give the output"),
+        (
+            lambda d: ck.shrink(d / "t.pt", "digits", out=d / "o", model_kwargs=[1]),
+            "model_kwargs [1]: give a dict",
+        ),
+        (lambda d: ck.shrink(d / "t.pt", "digits", out=d / "o", progress=print), "progress"),
+        (
+            lambda d: ck.shrink(
+                nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double(),
+                "digits",
+                out=d / "o",
+                spec="nothing:used",
+            ),
+            "the model has torch.float64 weights; compress shrinks float32 models: pass "
+            "model.float()",
+        ),
+        (
+            lambda d: ck.train(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).half(), "digits"),
+            "has torch.float16 weights and --data 'digits' gives torch.float32 inputs",
+        ),
+    ],
+)
+def test_bad_arguments_are_one_input_error(tmp_path, call, message):
+    ck.train("lenet300", "digits", ck.TrainConfig(epochs=1), out=tmp_path / "t.pt")
+    with pytest.raises(ck.InputError, match=re.escape(message)):
+        call(tmp_path)
+    assert not (tmp_path / "o").exists()
