@@ -419,3 +419,77 @@ def benchmark_bf16():
     from compresskit.compressor.measure import envinfo
 
     return envinfo.bf16_supported()
+
+
+def _linear_onnx(path, weight, bias, outputs):
+    """A Flatten + Gemm classifier as a hand-made ONNX file; `outputs` lists (name, kind):
+    "logits" (N, 10), "aux" (N, 3), "column" (N, 1), "4d" (N, 10, 1, 1)."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(weight.astype(np.float32), "w"),
+        numpy_helper.from_array(bias.astype(np.float32), "b"),
+        numpy_helper.from_array(rng.normal(size=(3, 64)).astype(np.float32), "w3"),
+        numpy_helper.from_array(rng.normal(size=(1, 64)).astype(np.float32), "w1"),
+        numpy_helper.from_array(np.array([-1, 10, 1, 1], np.int64), "shape4"),
+    ]
+    nodes = [
+        helper.make_node("Flatten", ["x"], ["f"]),
+        helper.make_node("Gemm", ["f", "w", "b"], ["z"], transB=1),
+    ]
+    outs = []
+    for name, kind in outputs:
+        if kind == "logits":
+            nodes.append(helper.make_node("Identity", ["z"], [name]))
+            outs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", 10]))
+        elif kind == "4d":
+            nodes.append(helper.make_node("Reshape", ["z", "shape4"], [name]))
+            outs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", 10, 1, 1]))
+        else:
+            w, k = ("w3", 3) if kind == "aux" else ("w1", 1)
+            nodes.append(helper.make_node("Gemm", ["f", w], [name], transB=1))
+            outs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", k]))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 8, 8])
+    g = helper.make_graph(nodes, "g", [x], outs, inits)
+    save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9), path)
+    return path
+
+
+def test_accuracy_is_scored_on_the_logits_output_and_non_classifiers_are_refused(run, tmp_path):
+    # The first output was scored whatever it was: an auxiliary output gave 9.7% for a model
+    # whose logits score 95.8%, and an (N, 10, 1, 1) output compared N x N pairs.
+    from compresskit.models.data import load
+
+    torch.manual_seed(0)
+    data = load("digits")
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    opt = torch.optim.Adam(net.parameters(), 1e-2)
+    for _ in range(100):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(data.x_train), data.y_train).backward()
+        opt.step()
+    with torch.no_grad():
+        want = (net(data.x_test).argmax(1) == data.y_test).double().mean().item()
+    assert want > 0.85
+    w, b = net[1].weight.detach().numpy(), net[1].bias.detach().numpy()
+    files = {
+        "two": _linear_onnx(tmp_path / "two.onnx", w, b, [("aux", "aux"), ("logits", "logits")]),
+        "4d": _linear_onnx(tmp_path / "4d.onnx", w, b, [("out", "4d")]),
+    }
+    result = run("bench", *files.values(), "--data", "digits", "--batch", "1", *FAST, "--json")
+    assert result.exit_code == 0, result.stderr
+    accs = [r["test_accuracy"] for r in result.json()["results"]]
+    assert accs == [pytest.approx(want, abs=1e-9)] * 2
+    bad = {
+        "column": ([("y", "column")], "its output has shape ('batch', 1), not (batch, classes)"),
+        "unnamed": (
+            [("aux", "aux"), ("z2", "logits")],
+            "2 outputs (aux, z2) and none named 'logits'",
+        ),
+    }
+    for name, (outputs, message) in bad.items():
+        path = _linear_onnx(tmp_path / f"{name}.onnx", w, b, outputs)
+        result = run("bench", path, "--data", "digits", "--batch", "1", *FAST)
+        assert result.exit_code == 2 and message in result.stderr, result.stderr
+        assert "bench without --data to time it alone" in result.stderr

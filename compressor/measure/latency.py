@@ -216,10 +216,22 @@ def _prepare_torch(variant, x: np.ndarray) -> Prepared:
         run = _timed(lambda: forward(xt))
 
     def predict(a: np.ndarray) -> np.ndarray:
-        chunks = [
-            forward(torch.from_numpy(a[i : i + 256]).to(device)).float().cpu().numpy()
-            for i in range(0, len(a), 256)
-        ]
+        chunks = []
+        for i in range(0, len(a), 256):
+            out = forward(torch.from_numpy(a[i : i + 256]).to(device))
+            if isinstance(out, dict):  # a Hugging Face ModelOutput too
+                named = [(str(k), v) for k, v in out.items()]
+            elif isinstance(out, tuple | list):
+                named = [(f"output {j}", v) for j, v in enumerate(out)]
+            else:
+                named = [("output", out)]
+            out = named[scored_output([n for n, _ in named], variant.model.path)][1]
+            if not isinstance(out, torch.Tensor):
+                raise InputError(
+                    f"{variant.model.path}: its forward returns {type(out).__name__}, not "
+                    "logits; compress bench scores a tensor of shape (batch, classes)"
+                )
+            chunks.append(out.float().cpu().numpy())
         return np.concatenate(chunks)
 
     return Prepared(run, predict, cold)
@@ -273,19 +285,65 @@ def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
         run = _timed(call)
 
     step = variant.model.fixed_batch or 256
+    outputs = [o.name for o in session.get_outputs()]
 
     def predict(a: np.ndarray) -> np.ndarray:
+        scored = [outputs[scored_output(outputs, variant.model.path)]]
         out = []
         for i in range(0, len(a), step):
             chunk = a[i : i + step]
             if len(chunk) < step and variant.model.fixed_batch:  # pad to the file's batch
                 pad = np.zeros((step - len(chunk), *chunk.shape[1:]), chunk.dtype)
-                out.append(session.run(None, {name: np.concatenate([chunk, pad])})[0][: len(chunk)])
+                padded = np.concatenate([chunk, pad])
+                out.append(session.run(scored, {name: padded})[0][: len(chunk)])
             else:
-                out.append(session.run(None, {name: chunk})[0])
+                out.append(session.run(scored, {name: chunk})[0])
         return np.concatenate(out)
 
     return Prepared(run, predict, cold)
+
+
+def scored_output(names: list[str], path) -> int:
+    """Which of a model's outputs accuracy is scored on: its only one, or the one named
+    "logits". Taking the first of several scored an auxiliary output (9.7% for a model
+    whose logits, its second output, score 95.8%)."""
+    if len(names) == 1:
+        return 0
+    for i, n in enumerate(names):
+        if n.lower() == "logits":
+            return i
+    raise InputError(
+        f"{path}: {len(names)} outputs ({', '.join(names)}) and none named 'logits'; "
+        "compress bench scores a model's only output or the one named logits: name it so "
+        f"(ONNX output_names, or a dict key){_alone(path)}"
+    )
+
+
+def _alone(path) -> str:
+    """How to time a file whose outputs cannot be scored: an ONNX file runs without data (a
+    checkpoint needs data for its input shape)."""
+    return (
+        ", or bench without --data to time it alone"
+        if str(path).endswith((".onnx", ".ort"))
+        else ""
+    )
+
+
+def scored_logits(logits: np.ndarray, path, data) -> np.ndarray:
+    """`logits` as (batch, classes), trailing 1-sized dimensions dropped ((N, 10, 1, 1) from
+    a 1x1-conv head); refused when that is not a classifier's output for `data`'s labels
+    (a regression's (N, 1) scored the share of class 0; an (N,) output failed in argmax)."""
+    a = np.asarray(logits)
+    while a.ndim > 2 and a.shape[-1] == 1:
+        a = a.reshape(a.shape[:-1])
+    if a.ndim != 2 or a.shape[1] < max(2, data.num_classes):
+        shape = ("batch", *a.shape[1:])
+        raise InputError(
+            f"{path}: its output has shape {shape}, not (batch, classes) for the "
+            f"{data.num_classes} classes of --data {data.spec!r}; compress bench scores "
+            f"classifiers{_alone(path)}"
+        )
+    return a
 
 
 @dataclass(frozen=True)
@@ -466,7 +524,7 @@ def _accuracy(variants, data, skipped, progress) -> tuple[dict[int, dict[str, fl
         except Skip as e:
             skipped.append(_skip(v, str(e)))
             continue
-        pred = logits.argmax(1)
+        pred = scored_logits(logits, v.model.path, data).argmax(1)
         if reference is None:
             reference, reference_name = pred, v.name
         out[id(v)] = {
