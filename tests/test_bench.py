@@ -493,3 +493,25 @@ def test_accuracy_is_scored_on_the_logits_output_and_non_classifiers_are_refused
         result = run("bench", path, "--data", "digits", "--batch", "1", *FAST)
         assert result.exit_code == 2 and message in result.stderr, result.stderr
         assert "bench without --data to time it alone" in result.stderr
+
+
+def test_an_onnx_files_bytes_include_its_external_data(tmp_path):
+    import onnx
+
+    rng = np.random.default_rng(0)
+    w, b = rng.normal(size=(10, 64)), rng.normal(size=10)
+    inline = _linear_onnx(tmp_path / "inline.onnx", w, b, [("logits", "logits")])
+    (tmp_path / "ext").mkdir()
+    proto = onnx.load(str(inline))
+    onnx.save(
+        proto,
+        str(tmp_path / "ext" / "model.onnx"),
+        save_as_external_data=True,
+        location="model.onnx.data",
+        size_threshold=0,
+    )
+    files = list((tmp_path / "ext").iterdir())
+    assert len(files) == 2
+    m = variants.load(tmp_path / "ext" / "model.onnx")
+    assert m.bytes == sum(f.stat().st_size for f in files)  # was the 700-byte graph alone
+    assert m.bytes > 0.9 * inline.stat().st_size

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compresskit.models import checkpoint
+from compresskit.models import checkpoint, safeload
 from compresskit.models.errors import InputError
 from compresskit.models.zoo import ModelSpec
 
@@ -145,7 +145,7 @@ def load(
     (and `model_kwargs`) name the class or factory of a bare state_dict (with `data`, a
     Dataset, for its shapes); `trust` allows importing the code a checkpoint names."""
     data_shape = tuple(data.in_shape) if data is not None else None
-    size = path.stat().st_size
+    size = safeload.onnx_bytes(path)  # external data included
     label = path.name
     if path.suffix == ".pt":
         ck = checkpoint.load(path, train_state=False)
