@@ -62,6 +62,21 @@ def test_depthwise_groups_by_hand(tmp_path):
     assert F.onnx_macs(path, 3) == 3 * (1296 + 1152 + 2592)
 
 
+def test_symbolic_height_and_width_take_the_samples_not_the_batch(tmp_path):
+    import onnx
+
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 1))
+    path = _export(model, tmp_path / "fcn.onnx", (4, 6, 6))
+    proto = onnx.load(str(path))
+    for i, name in ((2, "H"), (3, "W")):
+        proto.graph.input[0].type.tensor_type.shape.dim[i].dim_param = name
+    onnx.save(proto, str(tmp_path / "dyn.onnx"))
+    per_sample = 8 * 36 * (4 * 9) + 8 * 36 * 8
+    # the batch (64) was taken for H and W too: 64 x 64 images, 114x too many MACs
+    assert F.onnx_macs(tmp_path / "dyn.onnx", 64, (4, 6, 6)) == 64 * per_sample
+    assert F.onnx_macs(tmp_path / "dyn.onnx", 1, (4, 6, 6)) == per_sample
+
+
 class Double(nn.Module):
     def forward(self, w):
         return 2 * w

@@ -568,7 +568,8 @@ def _macs(v, batch: int, data) -> int | None:
             net = m.state
             return flops.torch_macs(net, x)
         if m.format == "onnx":
-            return flops.onnx_macs(m.path, batch)
+            sample = tuple(data.in_shape) if data is not None else m.in_shape
+            return flops.onnx_macs(m.path, batch, sample)
     except Exception:  # counting is informative only; a model it cannot count gets none
         return None
     return None  # .ort files keep no ONNX graph to count
