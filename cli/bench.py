@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -84,7 +85,7 @@ Examples:
     "plot_path",
     type=OutPath(dir_okay=False, path_type=Path),
     default=None,
-    help="Write a PNG figure.",
+    help="Write the figure: PNG, SVG or PDF by the file suffix.",
 )
 @click.option(
     "--wide", is_flag=True, help="Every column, however wide; else those the terminal fits."
@@ -123,6 +124,11 @@ def bench(
             from compresskit.models.fileio import check_writable
 
             check_writable(path, flag)
+    both = report_path is not None and plot_path is not None
+    if both and os.path.abspath(report_path) == os.path.abspath(plot_path):  # new files both
+        raise InputError(f"--report and --plot both name {plot_path}; give two paths")
+    if plot_path is not None:
+        benchreport.check_plot_path(plot_path)
     result = run_bench(
         list(models),
         data,

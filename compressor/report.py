@@ -680,12 +680,12 @@ def _kept_figure(rows: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def save_figure(fig, path: Path) -> Path:
+def save_figure(fig, path: Path, fmt: str = "png") -> Path:
     with warnings.catch_warnings():  # a one-layer model's plot cannot be tightened: harmless
         warnings.simplefilter("ignore", UserWarning)
         fig.tight_layout()
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+        fig.savefig(tmp, format=fmt, dpi=110)
     return path
 
 

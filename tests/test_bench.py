@@ -254,6 +254,9 @@ def _bare_state_dict(tmp_path):
         ("missing file", "no such file or folder"),
         ("folder without models", "a folder without compress shrink outputs"),
         ("plot in a missing folder", "does not exist"),
+        ("seconds inf", "give runs from 1 to 10,000,000 and seconds from 0 to 3600"),
+        ("plot as jpg", "give a .png, .svg or .pdf file name"),
+        ("report is the plot", "--report and --plot both name"),
     ],
 )
 def test_bench_bad_input(run, shrunk, tmp_path, case, message):
@@ -279,6 +282,12 @@ def test_bench_bad_input(run, shrunk, tmp_path, case, message):
         args = [tmp_path / "empty"]
     elif case == "plot in a missing folder":
         extra += ["--plot", tmp_path / "no" / "b.png"]
+    elif case == "seconds inf":
+        extra = ["--batch", "1", "--min-seconds", "inf"]
+    elif case == "plot as jpg":
+        extra += ["--plot", tmp_path / "b.jpg"]
+    elif case == "report is the plot":
+        extra += ["--plot", tmp_path / "b.png", "--report", tmp_path / "b.png"]
     result = run("bench", *args, *extra, "--json")
     assert result.exit_code == 2, result.stderr
     lines = result.stderr.strip().splitlines()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from compresskit.compressor.report import new_figure, save_figure
+from compresskit.models.errors import InputError
 from compresskit.models.fileio import atomic_path, check_writable
 
 ENV_KEYS = (
@@ -305,7 +306,22 @@ def figure(bench: dict[str, Any]) -> Any:
     return fig
 
 
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def check_plot_path(path: str | Path) -> str:
+    """The image format a --plot path names by its suffix (png, svg or pdf); InputError for
+    another (a .jpg or .xyz path received PNG bytes)."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise InputError(
+            f"--plot {path}: give a .png, .svg or .pdf file name (the suffix picks the format)"
+        )
+    return suffix
+
+
 def plot(bench: dict[str, Any], path: Path) -> Path:
-    """Write `figure(bench)` as a PNG at `path`."""
+    """Write `figure(bench)` at `path`, as the PNG, SVG or PDF its suffix names."""
+    fmt = check_plot_path(path)
     check_writable(path, "--plot")
-    return save_figure(figure(bench), path)
+    return save_figure(figure(bench), path, fmt)

@@ -346,6 +346,10 @@ def scored_logits(logits: np.ndarray, path, data) -> np.ndarray:
     return a
 
 
+MAX_RUNS = 10_000_000
+MAX_SECONDS = 3600.0
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     batches: tuple[int, ...] = (1,)
@@ -364,8 +368,12 @@ class BenchConfig:
             raise InputError(
                 f"--threads {','.join(map(str, self.threads))}: give counts >= 0 (0 = all cores)"
             )
-        if self.min_runs < 1 or self.min_seconds < 0:
-            raise InputError("--min-runs must be >= 1 and --min-seconds >= 0")
+        # Bounded: --min-seconds inf (or nan) timed forever, and so did --min-runs 1e11.
+        if not 1 <= self.min_runs <= MAX_RUNS or not 0 <= self.min_seconds <= MAX_SECONDS:
+            raise InputError(
+                f"--min-runs {self.min_runs} / --min-seconds {self.min_seconds}: give runs "
+                f"from 1 to {MAX_RUNS:,} and seconds from 0 to {MAX_SECONDS:g} per cell"
+            )
 
 
 def measure(
