@@ -631,10 +631,18 @@ def _find_weight(
     return None
 
 
-def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
+def ort_baselines(
+    fp32: Path, out_dir: Path, calib: np.ndarray, fixed_batch: int | None = None
+) -> list[Path]:
     """What ONNX Runtime gives without compress: `quantize_dynamic` (int8 weights, activations
     quantized at run time) and `quantize_static` with all its defaults (QDQ, int8 activations
-    and weights, per-tensor, MinMax), calibrated on `calib`, both after `quant_pre_process`."""
+    and weights, per-tensor, MinMax), calibrated on `calib`, both after `quant_pre_process`.
+    A file of a fixed batch is calibrated in batches of that size (batches of 32 failed in
+    ORT on a batch-1 file)."""
+    if fixed_batch:
+        calib = calib[: max(fixed_batch, len(calib) // fixed_batch * fixed_batch)]
+        if len(calib) < fixed_batch:  # fewer samples than one batch: repeat them
+            calib = np.resize(calib, (fixed_batch, *calib.shape[1:]))
     from onnxruntime.quantization import QuantType, quantize_dynamic, quantize_static
 
     stem = Path(fp32).name.removesuffix(".onnx").removesuffix(".fp32")
@@ -647,5 +655,6 @@ def ort_baselines(fp32: Path, out_dir: Path, calib: np.ndarray) -> list[Path]:
         prepared = preprocess(fp32, Path(tmp) / "prepared.onnx")
         with _quiet_stdio():
             quantize_dynamic(str(prepared), str(dynamic), weight_type=QuantType.QInt8)
-            quantize_static(str(prepared), str(static), qdq.reader(calib, name))
+            reader = qdq.reader(calib, name, fixed_batch or 32)
+            quantize_static(str(prepared), str(static), reader)
     return [dynamic, static]

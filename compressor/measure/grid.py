@@ -276,7 +276,7 @@ def _baselines(described, ds, tmp: Path, info) -> list:
         info(f"baselines: ORT quantize_dynamic and default quantize_static of {m.label}")
         folder = tmp / str(len(out))  # one folder per input: equal names never overwrite
         folder.mkdir()
-        for path in export_mod.ort_baselines(m.path, folder, calib):
+        for path in export_mod.ort_baselines(m.path, folder, calib, m.fixed_batch):
             b = variants.load(path)
             b.label = f"{m.label} → {path.name.split('.')[-2]}"
             b.source = m.path  # its INT8 is compared with the FP32 file it came from
