@@ -36,7 +36,7 @@ from torch import nn
 from compresskit import _datapass, _mem
 from compresskit.compressor import prune
 from compresskit.compressor.export import checks, compat, int8, protos, qdq
-from compresskit.models.errors import InputError, StageError
+from compresskit.models.errors import InputError, StageError, one_line
 from compresskit.models.fileio import atomic_path
 
 QUANTIZABLE = qdq.QUANTIZABLE
@@ -349,7 +349,7 @@ def check(path: Path) -> None:
         _session(path)
     except Exception as e:
         raise InputError(
-            f"{path}: ONNX Runtime cannot load it ({' '.join(str(e).split())[:200]}); "
+            f"{path}: ONNX Runtime cannot load it ({one_line(e)}); "
             "choose a lower opset"
         ) from None
 

@@ -251,7 +251,7 @@ def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
     try:
         session = _session(variant.model.path, providers, threads)
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        first = one_line(e)
         if provider == "CPUExecutionProvider":
             raise InputError(
                 f"{variant.model.path}: ONNX Runtime cannot run it ({first})"

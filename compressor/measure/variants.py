@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from compresskit.models import checkpoint, safeload
-from compresskit.models.errors import InputError
+from compresskit.models.errors import InputError, one_line
 from compresskit.models.zoo import ModelSpec
 
 # model.* from a shrink of the checkpoint's own model, student.* from one that distilled
@@ -302,8 +302,7 @@ def _ort_session(path: Path, providers=("CPUExecutionProvider",), threads: int =
     try:
         return ort.InferenceSession(str(path), opts, providers=list(providers))
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise InputError(f"{path}: ONNX Runtime cannot load it ({first})") from None
+        raise InputError(f"{path}: ONNX Runtime cannot load it ({one_line(e)})") from None
 
 
 def variants(models: list[Model], runtimes: list[str]) -> tuple[list[Variant], list[dict]]:
