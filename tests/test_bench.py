@@ -529,3 +529,35 @@ def test_an_onnx_files_bytes_include_its_external_data(tmp_path):
     m = variants.load(tmp_path / "ext" / "model.onnx")
     assert m.bytes == sum(f.stat().st_size for f in files)  # was the 700-byte graph alone
     assert m.bytes > 0.9 * inline.stat().st_size
+
+
+def test_the_precision_is_read_from_the_graph():
+    # Every quantized file was "int8" and every other one "fp32": a 16-bit QDQ file was timed
+    # against the INT8 peak, and float16 or MatMulNBits files against nothing they compute in.
+    from onnx import TensorProto, helper
+
+    def proto(nodes, inits):
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])
+        return helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits))
+
+    def zero(dtype):
+        return helper.make_tensor("zp", dtype, [], [0])
+
+    scale = helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])
+    q = helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"])
+    dq = helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["y"])
+    weights = {
+        dtype: helper.make_tensor("w", dtype, [4, 4], [0.0] * 16)
+        for dtype in (TensorProto.FLOAT, TensorProto.FLOAT16)
+    }
+    mm = helper.make_node("MatMul", ["x", "w"], ["y"])
+    nbits = helper.make_node("MatMulNBits", ["x", "w"], ["y"], domain="com.microsoft", bits=4)
+    cases = {
+        "int8": proto([q, dq], [scale, zero(TensorProto.INT8)]),
+        "int16": proto([q, dq], [scale, zero(TensorProto.UINT16)]),
+        "int4": proto([nbits], [weights[TensorProto.FLOAT]]),
+        "fp16": proto([mm], [weights[TensorProto.FLOAT16]]),
+        "fp32": proto([mm], [weights[TensorProto.FLOAT]]),
+    }
+    assert {k: variants.onnx_precision(p) for k, p in cases.items()} == {k: k for k in cases}

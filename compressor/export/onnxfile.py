@@ -349,8 +349,7 @@ def check(path: Path) -> None:
         _session(path)
     except Exception as e:
         raise InputError(
-            f"{path}: ONNX Runtime cannot load it ({one_line(e)}); "
-            "choose a lower opset"
+            f"{path}: ONNX Runtime cannot load it ({one_line(e)}); choose a lower opset"
         ) from None
 
 

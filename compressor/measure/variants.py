@@ -12,6 +12,7 @@ A runtime that is asked for but missing is returned as a skip with its reason, n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,14 +240,47 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
     import onnx
 
     proto = onnx.load(str(path))
-    ops = {n.op_type for n in proto.graph.node}
-    precision = "int8" if ops & _QUANT_OPS else "fp32"
+    precision = onnx_precision(proto)
     params = onnx_parameters(proto)
     vocab = onnx_vocab(proto) if tokens else None
     return Model(
         path, "onnx", precision, size, params, shape, label, fixed_batch=fixed, source=source,
         tokens=tokens, vocab=vocab,
     )  # fmt: skip
+
+
+def onnx_precision(proto) -> str:
+    """The arithmetic an ONNX file's weights are in, read from the graph: "int4" (ORT's
+    weight-only MatMulNBits, or QDQ with 4-bit zero points), "int16" (16-bit QDQ), "int8"
+    (QDQ or ORT's integer ops), "fp16" (mostly float16 initializers), else "fp32". Only
+    "int8" is timed against the INT8 matmul peak and compared with its FP32 file; the label
+    was "int8" for every quantized file and "fp32" for float16 and MatMulNBits ones."""
+    from onnx import TensorProto
+
+    nodes = list(proto.graph.node)
+    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
+    if nbits:
+        bits = next((a.i for a in nbits[0].attribute if a.name == "bits"), 4)
+        return f"int{bits}"
+    inits = {i.name: i for i in proto.graph.initializer}
+    qdq = [n for n in nodes if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    zero_types = {
+        inits[n.input[2]].data_type for n in qdq if len(n.input) > 2 and n.input[2] in inits
+    }
+    if zero_types & {TensorProto.INT16, TensorProto.UINT16}:
+        return "int16"
+    if zero_types & {TensorProto.INT4, TensorProto.UINT4} and not zero_types - {
+        TensorProto.INT4,
+        TensorProto.UINT4,
+    }:
+        return "int4"
+    if {n.op_type for n in nodes} & _QUANT_OPS:
+        return "int8"
+    sizes = {TensorProto.FLOAT: 0, TensorProto.FLOAT16: 0}
+    for i in proto.graph.initializer:
+        if i.data_type in sizes:
+            sizes[i.data_type] += math.prod(i.dims)
+    return "fp16" if sizes[TensorProto.FLOAT16] > sizes[TensorProto.FLOAT] else "fp32"
 
 
 def onnx_vocab(proto) -> int | None:
