@@ -148,8 +148,8 @@ def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -
         if held and not force:
             raise InputError(
                 f"--out {out}: already holds an earlier run's outputs ({', '.join(held[:3])}"
-                f"{', ...' if len(held) > 3 else ''}); pass --force to replace them, or give "
-                "another folder"
+                f"{', ...' if len(held) > 3 else ''}); pass --force (force=True) to replace them, "
+                "or give another folder"
             )
     return out
 

@@ -70,7 +70,7 @@ class Checkpoint:
             if not model:
                 raise InputError(
                     f"{self.path}: a bare state_dict does not name its model; pass --model NAME "
-                    "(a zoo name, or pkg.module:Class for your own code)"
+                    "(spec= in Python: a zoo name, or pkg.module:Class for your own code)"
                 )
             return resolve_spec(model, dict(model_kwargs or {}), in_shape, num_classes)
         if model and model != self.spec.name:
@@ -99,12 +99,13 @@ class Checkpoint:
         spec = spec or self.spec
         if spec is None:
             raise InputError(
-                f"{self.path}: a bare state_dict does not name its model; pass --model NAME"
+                f"{self.path}: a bare state_dict does not name its model; pass --model NAME "
+                "(spec= in Python)"
             )
         if spec is self.spec and spec.is_import_path and not allow_import:
             raise InputError(
                 f"{self.path}: names model code {spec.name}; pass --model {spec.name} "
-                "to allow importing it"
+                "to allow importing it (in Python: spec= naming it, or trust_model=True)"
             )
         shapes = state_shapes(spec)
         state = self.state_dict if shapes is None else self._fitted(shapes, spec)

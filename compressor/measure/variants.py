@@ -154,7 +154,8 @@ def load(
         if spec is None:
             if not model:
                 raise InputError(
-                    f"{path}: a bare state_dict does not name its model; pass --model NAME"
+                    f"{path}: a bare state_dict does not name its model; pass --model NAME "
+                    "(model= in Python)"
                 )
 
             if data is None:
