@@ -561,3 +561,29 @@ def test_the_precision_is_read_from_the_graph():
         "fp32": proto([mm], [weights[TensorProto.FLOAT]]),
     }
     assert {k: variants.onnx_precision(p) for k, p in cases.items()} == {k: k for k in cases}
+
+
+def test_a_file_that_fails_on_the_datas_inputs_is_one_line_exit_2(run, tmp_path):
+    # Symbolic input dims pass the shape checks; the Reshape fails inside ONNX Runtime, which
+    # was an "unexpected" exit 1 with ORT's own error line on stderr.
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    shape = numpy_helper.from_array(np.array([-1, 64], np.int64), "shape")
+    w = numpy_helper.from_array(np.zeros((64, 10), np.float32), "w")
+    g = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["f"]),
+            helper.make_node("MatMul", ["f", "w"], ["logits"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "C", "H", "W"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+        [shape, w],
+    )
+    path = tmp_path / "sym.onnx"
+    save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9), path)
+    result = run("bench", path, "--data", "digits:28", "--batch", "1", "-q", *FAST)
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot run it on inputs of shape [1, 1, 28, 28]" in lines[0]
+    assert "give --data the file was made for" in lines[0]

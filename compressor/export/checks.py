@@ -37,7 +37,7 @@ def session(model: bytes | str | Path, optimized: bool, threads: int = 0, lean: 
         opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # errors come back as exceptions, not log lines
     if not optimized:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     src = model if isinstance(model, bytes) else str(model)

@@ -452,7 +452,7 @@ def _lean_preprocess(fp32: Path, out: Path) -> None:
             opts = ort.SessionOptions()
             opts.optimized_model_filepath = str(optimized)
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-            opts.log_severity_level = 3
+            opts.log_severity_level = 4  # errors come back as exceptions, not log lines
             ort.InferenceSession(str(graph), opts, providers=["CPUExecutionProvider"])
             onnx.shape_inference.infer_shapes_path(str(optimized), str(inferred))
             model = onnx.load(str(inferred))

@@ -234,7 +234,7 @@ def int8_peak_gops(seconds: float = 0.5, threads: int = 1, n: int = 512) -> floa
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # errors come back as exceptions, not log lines
     session = ort.InferenceSession(
         model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
     )

@@ -238,7 +238,7 @@ def _graph_input(paths: list[Path]) -> str | None:
                 import onnxruntime as ort
 
                 opts = ort.SessionOptions()
-                opts.log_severity_level = 3
+                opts.log_severity_level = 4  # errors come back as exceptions, not log lines
                 sess = ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"])
                 names.add(sess.get_inputs()[0].name)
         except Exception:  # not readable: loading it next says why, naming the file

@@ -79,7 +79,7 @@ def _session(path: Path, providers: list[str], threads: int):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = resolve_threads(threads)
     opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # errors come back as exceptions, not log lines
     if resolve_threads(threads) > 1:
         # Idle ORT workers spin after each run by default, stealing cores from the next
         # variant of an interleaved cell.
@@ -265,7 +265,7 @@ def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
         session.run(None, {name: x})
     except Exception as e:  # a GPU provider failing at run time: that row is a skip
         if provider == "CPUExecutionProvider":
-            raise
+            raise _cannot_run(variant, x, e) from None
         raise Skip(f"{provider} failed running it: {one_line(e, 160)}") from None
     cold = 1000 * (time.perf_counter() - t0)
     if provider == "CPUExecutionProvider":
@@ -294,13 +294,26 @@ def _prepare_ort(variant, threads: int, x: np.ndarray) -> Prepared:
             chunk = a[i : i + step]
             if len(chunk) < step and variant.model.fixed_batch:  # pad to the file's batch
                 pad = np.zeros((step - len(chunk), *chunk.shape[1:]), chunk.dtype)
-                padded = np.concatenate([chunk, pad])
-                out.append(session.run(scored, {name: padded})[0][: len(chunk)])
-            else:
-                out.append(session.run(scored, {name: chunk})[0])
+                chunk = np.concatenate([chunk, pad])
+            try:
+                out.append(session.run(scored, {name: chunk})[0][: len(a[i : i + step])])
+            except Exception as e:  # the data's values (token ids past the vocabulary)
+                if provider == "CPUExecutionProvider":
+                    raise _cannot_run(variant, chunk, e) from None
+                raise Skip(f"{provider} failed running it: {one_line(e, 160)}") from None
         return np.concatenate(out)
 
     return Prepared(run, predict, cold)
+
+
+def _cannot_run(variant, x: np.ndarray, e: Exception) -> InputError:
+    """ONNX Runtime's CPU provider failing on our inputs: the file and the data disagree (a
+    Reshape to another size, token ids past an .ort file's vocabulary), which the checks
+    before could not see. One line, exit 2, where it was an 'unexpected' traceback."""
+    return InputError(
+        f"{variant.model.path}: ONNX Runtime cannot run it on inputs of shape {list(x.shape)} "
+        f"({one_line(e)}); give --data the file was made for"
+    )
 
 
 def scored_output(names: list[str], path) -> int:

@@ -40,7 +40,7 @@ def _session(path: Path, threads: int, providers: Sequence[str], prefix: str):
     opts.profile_file_prefix = prefix  # the trace lands in our temporary folder, not the cwd
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # errors come back as exceptions, not log lines
     try:
         # no retry on the CPU EP inside ORT's class (see latency._session)
         return ort.InferenceSession(str(path), opts, providers=list(providers), enable_fallback=0)

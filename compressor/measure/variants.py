@@ -333,7 +333,7 @@ def _ort_session(path: Path, providers=("CPUExecutionProvider",), threads: int =
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # errors come back as exceptions, not log lines
     try:
         return ort.InferenceSession(str(path), opts, providers=list(providers))
     except Exception as e:
