@@ -587,3 +587,11 @@ def test_a_file_that_fails_on_the_datas_inputs_is_one_line_exit_2(run, tmp_path)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot run it on inputs of shape [1, 1, 28, 28]" in lines[0]
     assert "give --data the file was made for" in lines[0]
+
+
+def test_a_file_given_twice_is_measured_once(run, shrunk, monkeypatch):
+    monkeypatch.chdir(shrunk.parent)
+    relative = Path(shrunk.name) / "model.fp32.onnx"
+    result = run("bench", relative, shrunk / "model.fp32.onnx", "--batch", "1", *FAST, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert [r["model"] for r in result.json()["results"]] == ["model.fp32.onnx"]

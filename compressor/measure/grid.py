@@ -132,7 +132,7 @@ def bench(
     # Without `providers` every runtime is asked for: the absent ones come back as skips
     # without being tried, and the table names them in one line.
     runtimes = variants.parse_providers(_providers(providers))
-    paths = variants.expand(_paths(models))
+    paths = _once(variants.expand(_paths(models)))
     named = _model_name(paths, model)
     consent = named if trust_model else model  # may the model's code be imported
     ds = _data(data, named, consent, paths)
@@ -187,6 +187,19 @@ def _providers(providers: str | Sequence[str] | None) -> str:
     raise InputError(
         f"providers {brief(providers)}: give runtime names, e.g. ['torch', 'cpu'] or 'torch,cpu'"
     )
+
+
+def _once(paths: list[Path]) -> list[Path]:
+    """Each file once, in the order given: a file named twice (relative and absolute, or in
+    its folder and alone) was measured twice under one label."""
+    seen: set[str] = set()
+    out = []
+    for p in paths:
+        key = os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
 
 
 def _paths(models: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
