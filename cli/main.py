@@ -54,6 +54,21 @@ class OutPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+def _named_again(path: Path, opts: list[str]) -> bool:
+    """Whether another token of the command line (not this option's value) names `path`,
+    whether or not the file exists yet."""
+    argv, target = _State.argv, os.path.abspath(os.path.expanduser(path))
+    for i, token in enumerate(argv):
+        if (i > 0 and argv[i - 1] in opts) or any(token.startswith(f"{o}=") for o in opts):
+            continue
+        value = token.split("=", 1)[-1] if token.startswith("--") else token
+        spec = value.split(":", 1)
+        for candidate in {value, *([spec[1]] if spec[0] in ("npz", "mnist") else [])}:
+            if candidate and os.path.abspath(os.path.expanduser(candidate)) == target:
+                return True
+    return False
+
+
 def _also_given(out: str, opts: list[str]) -> str | None:
     """The command-line token, other than this option's own value, that names the existing
     file `out` (a path, or the path in a data spec such as npz:FILE), or None."""
@@ -139,6 +154,12 @@ def log_option(f):
         if value is not None and _State.log is None:
             if value.exists() and not value.is_file():
                 raise click.BadParameter(f"{value} is not a regular file", ctx, param)
+            if _named_again(value, param.opts):  # before the log creates it (--out LOG)
+                raise click.BadParameter(
+                    f"{value} is also given elsewhere on this command line; log to another path",
+                    ctx,
+                    param,
+                )
             try:
                 _State.log = _Log(os.fsdecode(value), sys.stderr)
             except OSError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
 import click
@@ -312,6 +313,9 @@ def train(
         for name in ctx.params
         if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
     }
+    _check_flags(strategy, given, workers)
+    torchrun = launch.DistEnv.from_torchrun()
+    processes = torchrun.world if torchrun is not None else workers  # torchrun's, if under it
     pipe = _pipeline_config(
         strategy, given, stages, microbatches, split, pipeline_schedule, balance, workers
     )
@@ -320,8 +324,8 @@ def train(
             "--scale-lr: pipeline stages share one batch (it does not grow with the processes); "
             "drop --scale-lr"
         )
-    if scale_lr and workers > 1:  # the global batch grew N-fold: so does the step size
-        lr = (lr or DEFAULT_LR[optimizer]) * workers
+    if scale_lr and processes > 1:  # the global batch grew N-fold: so does the step size
+        lr = (lr or DEFAULT_LR[optimizer]) * processes
     config = TrainConfig(
         epochs=epochs,
         batch_size=batch_size,
@@ -361,6 +365,7 @@ def train(
         _ensemble(job, ensemble, factory, as_json)
         return
     progress = render.TrainProgress(quiet=quiet)
+    started = time.time()
     try:
         result = run_train(
             model,
@@ -380,7 +385,9 @@ def train(
     except KeyboardInterrupt:
         progress.close()
         kept = ""
-        if progress.last_checkpoint is not None:  # written by this run, not an older file
+        # written by this run, not an older file (spawned ranks report to their own progress)
+        written = Path(out).is_file() and Path(out).stat().st_mtime >= started
+        if progress.last_checkpoint is not None or written:
             kept = f"; last good checkpoint: {out} (continue with --resume)"
         raise Interrupted(f"interrupted{kept}") from None
     finally:
@@ -393,6 +400,31 @@ def train(
         emit_json(result.to_json())
     else:
         render.train_summary(result, out)
+
+
+def _check_flags(strategy: str, given: set[str], workers: int) -> None:
+    """Flags that would be silently ignored, refused in one line: --staleness outside ps-ssp,
+    --sync-warmup-epochs outside ps-async, --grad-compression in one process, --workers
+    under torchrun. (--timeout's bound is the library's: distrib.job.)"""
+    for name, owner in (("staleness", "ps-ssp"), ("sync_warmup_epochs", "ps-async")):
+        if name in given and strategy != owner and strategy in PS_STRATEGIES:
+            raise InputError(f"{_flag(name)} belongs to --strategy {owner}; drop it")
+        if name in given and strategy not in PS_STRATEGIES and strategy != "pipeline":
+            raise InputError(
+                f"{_flag(name)} belongs to --strategy {owner} (a parameter-server strategy); "
+                "add it or drop the flag"
+            )
+    env = launch.DistEnv.from_torchrun()
+    if env is not None and "workers" in given and workers != env.world:
+        raise InputError(
+            f"--workers {workers}: under torchrun the processes are torchrun's ({env.world}: "
+            "--nproc-per-node x nodes); drop --workers"
+        )
+    if "grad_compression" in given and workers == 1 and env is None and strategy != "pipeline":
+        raise InputError(
+            "--grad-compression: one process sends no gradients; give --workers 2 or more, or "
+            "drop it"
+        )
 
 
 def _ps_config(strategy, workers, servers, staleness, warmup, straggler) -> PSConfig | None:

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import random
+import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,6 +236,17 @@ def train(
     return result
 
 
+MAX_TIMEOUT_S = 1e6  # 11.6 days; gloo's timeout in milliseconds overflowed past ~1e10 s
+
+
+def _check_timeout(timeout_s: float) -> None:
+    """A process-group timeout gloo can hold (1e11 s hung the job; 1e10, inf and nan failed
+    it inside gloo)."""
+    if not (isinstance(timeout_s, int | float) and 1 <= timeout_s <= MAX_TIMEOUT_S):
+        shown = f"{timeout_s:g}" if isinstance(timeout_s, int | float) else brief(timeout_s)
+        raise InputError(f"--timeout {shown}: give seconds from 1 to {MAX_TIMEOUT_S:g}")
+
+
 @contextlib.contextmanager
 def _callers_rng() -> Iterator[None]:
     """Training seeds torch's generator from the config (and draws from Python's and
@@ -340,6 +352,7 @@ def run(
     processes) and writes the checkpoint."""
     if job.workers < 1:
         raise InputError(f"--workers {job.workers}: give 1 or more")
+    _check_timeout(job.timeout_s)
     check_writable(job.out, inputs=spec_files(job.data))
     gpu = job.config.device.startswith("cuda")
     if gpu:
@@ -353,15 +366,37 @@ def run(
                 f"--workers {job.workers} with --device cuda: this machine has {count} GPU(s); "
                 f"give --workers {count} or fewer"
             )
+    torchrun = launch.DistEnv.from_torchrun() is not None
+    if not torchrun and (job.pipeline is not None or job.ps is not None or job.workers > 1):
+        # Spawned ranks are killed outright when the job stops (Ctrl-C, a dead peer): a
+        # checkpoint rank 0 was writing stays behind as .OUT.xxxx.tmp unless removed here.
+        started = time.time()
+        try:
+            return _dispatch(job, events_factory, gpu)
+        except BaseException:
+            _remove_partial_writes(job.out, started)
+            raise
+    if torchrun:
+        return _dispatch(job, events_factory, gpu)
+    return _run(job, events, keep_model=True)
+
+
+def _dispatch(job: TrainJob, events_factory, gpu: bool) -> TrainResult:
     if job.pipeline is not None:
         return _run_pipeline(job, events_factory)
     if job.ps is not None:
         return _run_ps(job, events_factory)
-    if job.workers > 1 or launch.DistEnv.from_torchrun() is not None:
-        fn = functools.partial(_rank_main, job, events_factory)
-        backend = "nccl" if gpu else "gloo"  # NCCL on GPUs, gloo on CPUs
-        return launch.run(fn, job.workers, job.timeout_s, backend=backend)
-    return _run(job, events, keep_model=True)
+    fn = functools.partial(_rank_main, job, events_factory)
+    backend = "nccl" if gpu else "gloo"  # NCCL on GPUs, gloo on CPUs
+    return launch.run(fn, job.workers, job.timeout_s, backend=backend)
+
+
+def _remove_partial_writes(out: Path, since: float) -> None:
+    """The temporary files `atomic_path` made for `out` since `since` (a killed rank's)."""
+    for tmp in Path(out).parent.glob(f".{Path(out).name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            if tmp.stat().st_mtime >= since - 1:
+                tmp.unlink()
 
 
 def _run_ps(job: TrainJob, events_factory) -> TrainResult:
@@ -487,6 +522,7 @@ def run_ensemble(
         )
         for k in range(members)
     ]
+    _check_timeout(job.timeout_s)
     for j in jobs:
         check_writable(j.out, inputs=spec_files(j.data))
     results = launch.run_independent(functools.partial(_member, jobs, events_factory), members)

@@ -391,3 +391,59 @@ def test_an_archive_given_as_a_checkpoint_points_to_decode(run, tmp_path):
         (tmp_path / name).write_bytes(archive.MAGIC + bytes(32))
         result = run("shrink", tmp_path / name, "--out", tmp_path / "o", "-q")
         _one_line(result, 2, "a compress archive (.dcz), not a checkpoint; rebuild one with")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # gloo's millisecond timeout: 1e11 s hung the job, 1e10 and nan failed it inside gloo
+        (["--workers", "2", "--timeout", "1e11"], "--timeout 1e+11: give seconds from 1 to 1e+06"),
+        (["--workers", "2", "--timeout", "nan"], "--timeout nan: give seconds from 1 to 1e+06"),
+        # silently ignored before
+        (["--staleness", "2"], "--staleness belongs to --strategy ps-ssp"),
+        (["--sync-warmup-epochs", "1"], "--sync-warmup-epochs belongs to --strategy ps-async"),
+        (
+            ["--strategy", "ps-sync", "--workers", "2", "--staleness", "2"],
+            "--staleness belongs to --strategy ps-ssp; drop it",
+        ),
+        (["--grad-compression", "fp16"], "--grad-compression: one process sends no gradients"),
+    ],
+)
+def test_train_flags_that_would_hang_or_be_ignored_are_refused(run, tmp_path, args, message):
+    result = run("train", "--epochs", "1", "--out", tmp_path / "m.pt", *args)
+    assert result.exit_code == 2, result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_workers_under_torchrun_must_agree_with_its_processes(run, tmp_path, monkeypatch):
+    for var, value in dict(
+        RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    ).items():
+        monkeypatch.setenv(var, value)
+    result = run("train", "--workers", "4", "--scale-lr", "--out", tmp_path / "m.pt")
+    assert result.exit_code == 2 and "under torchrun the processes are torchrun's (2" in (
+        result.stderr
+    )
+
+
+def test_a_log_file_named_as_the_output_is_refused_before_it_is_created(run, tmp_path):
+    result = run("train", "--out", tmp_path / "m.pt", "--log-file", tmp_path / "m.pt")
+    assert result.exit_code == 2 and "also given elsewhere on this command line" in result.stderr
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_a_killed_ranks_partial_checkpoint_is_removed(tmp_path):
+    from compresskit.distrib import job
+
+    out = tmp_path / "m.pt"
+    old = tmp_path / ".m.pt.old.tmp"
+    old.write_bytes(b"an older run's")
+    os.utime(old, (1, 1))
+    since = os.path.getmtime(old) + 100
+    fresh = tmp_path / ".m.pt.abc123.tmp"
+    fresh.write_bytes(b"half a zip")
+    other = tmp_path / ".n.pt.abc123.tmp"
+    other.write_bytes(b"another output's")
+    job._remove_partial_writes(out, since)
+    assert not fresh.exists() and old.exists() and other.exists()
