@@ -302,7 +302,8 @@ def train(
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Train a model on a data set and write a checkpoint (single process)."""
+    """Train a model on a data set and write a checkpoint: one process, or data-parallel
+    (--workers N, a parameter server, pipeline stages, or under torchrun)."""
     explicit = frozenset(
         name
         for name in _SETTINGS
