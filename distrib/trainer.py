@@ -387,6 +387,25 @@ class Batches:
             idx = torch.tensor_split(idx, self.world)[self.rank]
         return idx
 
+    def weight(self, n: int, step: int) -> float:
+        """This rank's loss weight at `step` of an epoch of `n` samples, so that the
+        all-reduced mean of the ranks' gradients is one process's over the global batch:
+        world x (its real samples) / (the batch's). 1.0 when the batch splits evenly; a last
+        batch of 13 over 2 ranks weighs 7/6.5 and 6/6.5 (equal weights gave 2 workers
+        weights up to 4e-3 away from one process's), and a wrapped-around duplicate 0."""
+        if self.world == 1:
+            return 1.0
+        real = min(self.global_batch, n - step * self.global_batch)
+        if real < self.world:  # one sample each: ranks past `real` hold a duplicate
+            return self.world / real if self.rank < real else 0.0
+        mine = _split_len(real, self.world, self.rank)
+        return self.world * mine / real
+
+
+def _split_len(n: int, parts: int, i: int) -> int:
+    """Length of part i of `torch.tensor_split` of n items into `parts`."""
+    return n // parts + (1 if i < n % parts else 0)
+
 
 def _world() -> tuple[int, int]:
     """(world size, rank) of the default process group; (1, 0) when not distributed."""
@@ -648,7 +667,8 @@ def fit(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
-            value, right = _accumulate(model, loss_fn, xb, yb, cfg, device, epoch, step)
+            weight = batches.weight(n, step) if isinstance(batches, Batches) else 1.0
+            value, right = _accumulate(model, loss_fn, xb, yb, cfg, device, epoch, step, weight)
             if updater is None:
                 optimizer.step()
             else:
@@ -826,12 +846,14 @@ def _accumulate(
     device: str,
     epoch: int,
     step: int,
+    weight: float = 1.0,
 ) -> tuple[float, int]:
     """Forward and backward over `cfg.microbatches` consecutive slices of the batch (1: the
     batch whole), their gradients summing in `.grad`: each slice's loss is weighted by its
     share of the batch, so for a loss that is a mean over samples the sum is the whole batch's
-    gradient (a share of 1.0 leaves the one-slice gradient bit for bit). Returns the batch's
-    mean loss and its top-1 hits."""
+    gradient (a share of 1.0 leaves the one-slice gradient bit for bit). `weight` scales the
+    gradient (`Batches.weight`: this rank's share of an unevenly split global batch; 1.0
+    leaves it bit for bit). Returns the batch's mean loss and its top-1 hits."""
     n = len(yb)
     # M slices whose sizes differ by at most one (fewer when the batch has fewer samples)
     m = min(cfg.microbatches, n)
@@ -848,7 +870,7 @@ def _accumulate(
                 loss, logits = loss_fn(model, xs, ys)
             part = float(loss.detach())
             check_finite(part, epoch, step)  # before any step: no NaN gradient reaches weights
-            (loss * share).backward()
+            (loss * (share * weight)).backward()
         value += part * share
         right += int((logits.argmax(1) == ys).sum())
     return value, right
