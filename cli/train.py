@@ -408,13 +408,8 @@ def _check_flags(strategy: str, given: set[str], workers: int) -> None:
     --sync-warmup-epochs outside ps-async, --grad-compression in one process, --workers
     under torchrun. (--timeout's bound is the library's: distrib.job.)"""
     for name, owner in (("staleness", "ps-ssp"), ("sync_warmup_epochs", "ps-async")):
-        if name in given and strategy != owner and strategy in PS_STRATEGIES:
-            raise InputError(f"{_flag(name)} belongs to --strategy {owner}; drop it")
-        if name in given and strategy not in PS_STRATEGIES and strategy != "pipeline":
-            raise InputError(
-                f"{_flag(name)} belongs to --strategy {owner} (a parameter-server strategy); "
-                "add it or drop the flag"
-            )
+        if name in given and strategy != owner and strategy != "pipeline":
+            raise InputError(f"{_flag(name)} belongs to {owner}; drop it for --strategy {strategy}")
     env = launch.DistEnv.from_torchrun()
     if env is not None and "workers" in given and workers != env.world:
         raise InputError(

@@ -400,11 +400,11 @@ def test_an_archive_given_as_a_checkpoint_points_to_decode(run, tmp_path):
         (["--workers", "2", "--timeout", "1e11"], "--timeout 1e+11: give seconds from 1 to 1e+06"),
         (["--workers", "2", "--timeout", "nan"], "--timeout nan: give seconds from 1 to 1e+06"),
         # silently ignored before
-        (["--staleness", "2"], "--staleness belongs to --strategy ps-ssp"),
-        (["--sync-warmup-epochs", "1"], "--sync-warmup-epochs belongs to --strategy ps-async"),
+        (["--staleness", "2"], "--staleness belongs to ps-ssp; drop it for --strategy allreduce"),
+        (["--sync-warmup-epochs", "1"], "--sync-warmup-epochs belongs to ps-async; drop it"),
         (
             ["--strategy", "ps-sync", "--workers", "2", "--staleness", "2"],
-            "--staleness belongs to --strategy ps-ssp; drop it",
+            "--staleness belongs to ps-ssp; drop it for --strategy ps-sync",
         ),
         (["--grad-compression", "fp16"], "--grad-compression: one process sends no gradients"),
     ],
