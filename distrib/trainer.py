@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import re
 import time
@@ -107,15 +108,23 @@ class TrainConfig:
         # `fit` with a TypeError, after the data had loaded.
         for name in ("epochs", "batch_size", "warmup_steps", "seed", "checkpoint_every"):
             _check(_is_int(getattr(self, name)), name, getattr(self, name), "give a whole number")
+        # NumPy scalars as Python numbers: a checkpoint's config must load with weights_only
+        for name in ("epochs", "batch_size", "warmup_steps", "seed", "checkpoint_every",
+                     "bn_refresh", "eval_batch_size", "microbatches"):  # fmt: skip
+            value = getattr(self, name)
+            if _is_int(value) and type(value) is not int:
+                object.__setattr__(self, name, int(value))
         for name in ("bn_refresh", "eval_batch_size"):
             value = getattr(self, name)
             _check(value is None or _is_int(value), name, value, "give a whole number")
         for name in ("lr", "momentum", "weight_decay"):
             value = getattr(self, name)
             ok = (value is None and name == "lr") or (
-                isinstance(value, int | float) and not isinstance(value, bool)
+                isinstance(value, numbers.Real) and not isinstance(value, bool)
             )
             _check(ok, name, value, "give a number")
+            if ok and value is not None and type(value) not in (int, float):
+                object.__setattr__(self, name, float(value))
         for name in ("schedule", "optimizer", "precision", "grad_compression", "evaluate"):
             _check(isinstance(getattr(self, name), str), name, getattr(self, name), "give a word")
         _check(
@@ -212,7 +221,7 @@ class TrainConfig:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy's too
 
 
 def _check(ok: bool, flag: str, value: Any, fix: str) -> None:

@@ -431,3 +431,13 @@ def test_bad_arguments_are_one_input_error(tmp_path, call, message):
     with pytest.raises(ck.InputError, match=re.escape(message)):
         call(tmp_path)
     assert not (tmp_path / "o").exists()
+
+
+def test_numpy_numbers_in_a_train_config_are_python_numbers_in_its_checkpoint(tmp_path):
+    cfg = ck.TrainConfig(epochs=np.int64(1), batch_size=np.int32(64), lr=np.float32(0.01))
+    assert type(cfg.epochs) is int and type(cfg.lr) is float
+    ck.train("lenet300", "digits", cfg, out=tmp_path / "t.pt")
+    run = ck.train(
+        "lenet300", "digits", dataclasses.replace(cfg, epochs=2), out=tmp_path / "t.pt", resume=True
+    )
+    assert len(run.history) == 2  # the checkpoint loaded with weights_only, and resumed
