@@ -54,6 +54,11 @@ class OutPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+def log_path() -> str | None:
+    """The --log-file this command writes, if any."""
+    return _State.log.path if _State.log is not None else None
+
+
 def _named_again(path: Path, opts: list[str]) -> bool:
     """Whether another token of the command line (not this option's value) names `path`,
     whether or not the file exists yet."""
@@ -64,7 +69,12 @@ def _named_again(path: Path, opts: list[str]) -> bool:
         value = token.split("=", 1)[-1] if token.startswith("--") else token
         spec = value.split(":", 1)
         for candidate in {value, *([spec[1]] if spec[0] in ("npz", "mnist") else [])}:
-            if candidate and os.path.abspath(os.path.expanduser(candidate)) == target:
+            # a path (a folder or a suffix), not a word such as the command, a zoo model
+            # or the digits data: --log-file train names a file no other option does
+            looks_like_path = os.sep in candidate or "." in os.path.basename(candidate)
+            if not looks_like_path or candidate.startswith("-"):
+                continue
+            if os.path.abspath(os.path.expanduser(candidate)) == target:
                 return True
     return False
 
@@ -110,6 +120,7 @@ class _Log:
 
     def __init__(self, path: str, stream) -> None:
         self.stream = stream
+        self.path = path
         self.file = open(path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115
 
     def write(self, text: str) -> int:

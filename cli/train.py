@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 from pathlib import Path
 
 import click
 
 from compresskit.cli import render
-from compresskit.cli.main import Interrupted, OutPath, emit_json, json_option, log_option
+from compresskit.cli.main import (
+    Interrupted,
+    OutPath,
+    emit_json,
+    json_option,
+    log_option,
+    log_path,
+)
 from compresskit.distrib import launch
 from compresskit.distrib import train as run_train
 from compresskit.distrib.job import TrainJob, default_out, run_ensemble
@@ -316,7 +324,8 @@ def train(
     }
     _check_flags(strategy, given, workers)
     torchrun = launch.DistEnv.from_torchrun()
-    processes = torchrun.world if torchrun is not None else workers  # torchrun's, if under it
+    # the data-parallel replicas: torchrun's processes under it (all-reduce), else --workers
+    processes = torchrun.world if torchrun is not None and strategy == "allreduce" else workers
     pipe = _pipeline_config(
         strategy, given, stages, microbatches, split, pipeline_schedule, balance, workers
     )
@@ -347,6 +356,9 @@ def train(
     )
     kwargs = parse_kwargs(model_kwargs)
     out = out or default_out(model)
+    log = log_path()
+    if log is not None and os.path.abspath(log) == os.path.abspath(out):  # the default --out
+        raise InputError(f"--log-file {log} is the checkpoint --out writes; log to another path")
     ps = _ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler)
     factory = functools.partial(render.TrainProgress, quiet=quiet)
     if ensemble != 1:
@@ -411,12 +423,14 @@ def _check_flags(strategy: str, given: set[str], workers: int) -> None:
         if name in given and strategy != owner and strategy != "pipeline":
             raise InputError(f"{_flag(name)} belongs to {owner}; drop it for --strategy {strategy}")
     env = launch.DistEnv.from_torchrun()
-    if env is not None and "workers" in given and workers != env.world:
+    # all-reduce only: a parameter server's processes are workers + servers (its own check)
+    if env is not None and strategy == "allreduce" and "workers" in given and workers != env.world:
         raise InputError(
             f"--workers {workers}: under torchrun the processes are torchrun's ({env.world}: "
             "--nproc-per-node x nodes); drop --workers"
         )
-    if "grad_compression" in given and workers == 1 and env is None and strategy != "pipeline":
+    one = workers == 1 and env is None and strategy == "allreduce"  # a PS worker sends too
+    if "grad_compression" in given and one:
         raise InputError(
             "--grad-compression: one process sends no gradients; give --workers 2 or more, or "
             "drop it"

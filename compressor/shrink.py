@@ -271,6 +271,13 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
                 f"recipe {where} names layer {layer!r}, an embedding; set "
                 f"{section}.embeddings = true to {section} embeddings"
             )
+        tied = [k for group in prune.tied_weights(model) for k in group]
+        if layer not in found and any(prune.layer_name(k) == layer for k in tied):
+            raise InputError(
+                f"recipe {where} names layer {layer!r}, whose weight is tied to another "
+                "layer's and so stays dense (pruning or sharing one layer would untie them); "
+                f"drop it from {where}"
+            )
         if layer not in found:
             raise InputError(
                 f"recipe {where} names layer {layer!r}, which the model lacks; "

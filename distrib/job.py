@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import os
 import random
 import time
@@ -393,7 +394,7 @@ def _dispatch(job: TrainJob, events_factory, gpu: bool) -> TrainResult:
 
 def _remove_partial_writes(out: Path, since: float) -> None:
     """The temporary files `atomic_path` made for `out` since `since` (a killed rank's)."""
-    for tmp in Path(out).parent.glob(f".{Path(out).name}.*.tmp"):
+    for tmp in Path(out).parent.glob(f".{glob.escape(Path(out).name)}.*.tmp"):
         with contextlib.suppress(OSError):
             if tmp.stat().st_mtime >= since - 1:
                 tmp.unlink()

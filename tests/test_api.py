@@ -441,3 +441,13 @@ def test_numpy_numbers_in_a_train_config_are_python_numbers_in_its_checkpoint(tm
         "lenet300", "digits", dataclasses.replace(cfg, epochs=2), out=tmp_path / "t.pt", resume=True
     )
     assert len(run.history) == 2  # the checkpoint loaded with weights_only, and resumed
+
+
+def test_a_recipe_naming_a_tied_layer_says_it_is_tied(tmp_path, monkeypatch):
+    (tmp_path / "tiednets.py").write_text(TIED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tiednets
+
+    recipe = FAST.replace(prune=PruneSection(sparsity={"b": 0.5}, rounds=1, retrain_epochs=1))
+    with pytest.raises(ck.InputError, match="names layer 'b', whose weight is tied"):
+        ck.shrink(tiednets.Tied(), "digits", recipe, out=tmp_path / "o", spec="tiednets:Tied")

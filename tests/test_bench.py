@@ -557,10 +557,21 @@ def test_the_precision_is_read_from_the_graph():
         "int8": proto([q, dq], [scale, zero(TensorProto.INT8)]),
         "int16": proto([q, dq], [scale, zero(TensorProto.UINT16)]),
         "int4": proto([nbits], [weights[TensorProto.FLOAT]]),
+        # the weights' zero points name it: 4-bit weights with 8-bit activations are int4
+        "int4 weights": proto(
+            [helper.make_node("DequantizeLinear", ["w4", "s", "zp4"], ["wd"]), q, dq],
+            [
+                scale,
+                zero(TensorProto.INT8),
+                helper.make_tensor("zp4", TensorProto.INT4, [], [0]),
+                helper.make_tensor("w4", TensorProto.INT4, [2], [1, 2]),
+            ],
+        ),
         "fp16": proto([mm], [weights[TensorProto.FLOAT16]]),
         "fp32": proto([mm], [weights[TensorProto.FLOAT]]),
     }
-    assert {k: variants.onnx_precision(p) for k, p in cases.items()} == {k: k for k in cases}
+    want = {k: k.split()[0] for k in cases}
+    assert {k: variants.onnx_precision(p) for k, p in cases.items()} == want
 
 
 def test_a_file_that_fails_on_the_datas_inputs_is_one_line_exit_2(run, tmp_path):

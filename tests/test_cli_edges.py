@@ -447,3 +447,30 @@ def test_a_killed_ranks_partial_checkpoint_is_removed(tmp_path):
     other.write_bytes(b"another output's")
     job._remove_partial_writes(out, since)
     assert not fresh.exists() and old.exists() and other.exists()
+
+
+def test_parameter_server_flags_under_torchrun_are_left_to_its_own_check(monkeypatch):
+    from compresskit.cli import train as train_cli
+
+    for var, value in dict(
+        RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    ).items():
+        monkeypatch.setenv(var, value)
+    # 2 workers + 2 servers are torchrun's 4 processes; a PS worker sends gradients too
+    train_cli._check_flags("ps-sync", {"workers", "servers", "grad_compression"}, 2)
+    with pytest.raises(InputError, match="under torchrun the processes are torchrun's"):
+        train_cli._check_flags("allreduce", {"workers"}, 2)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
+    train_cli._check_flags("ps-sync", {"grad_compression"}, 1)  # 1 worker + 1 server
+
+
+def test_a_log_file_is_any_path_but_the_default_output(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ok = run("train", "--epochs", "1", "--data", "digits", "--log-file", "digits", "-q")
+    assert ok.exit_code == 0, ok.stderr  # a word on the command line, not a file it names
+    bad = run("train", "--model", "lenet300", "--log-file", "lenet300.pt")
+    assert bad.exit_code == 2 and "is the checkpoint --out writes" in bad.stderr

@@ -310,9 +310,12 @@ def _cannot_run(variant, x: np.ndarray, e: Exception) -> InputError:
     """ONNX Runtime's CPU provider failing on our inputs: the file and the data disagree (a
     Reshape to another size, token ids past an .ort file's vocabulary), which the checks
     before could not see. One line, exit 2, where it was an 'unexpected' traceback."""
+    text = one_line(e)
+    memory = any(w in text.lower() for w in ("alloc", "memory"))
+    fix = "give a smaller --batch" if memory else "give --data the file was made for"
     return InputError(
         f"{variant.model.path}: ONNX Runtime cannot run it on inputs of shape {list(x.shape)} "
-        f"({one_line(e)}); give --data the file was made for"
+        f"({text}); {fix}"
     )
 
 

@@ -265,15 +265,17 @@ def onnx_precision(proto) -> str:
         return f"int{bits}"
     inits = {i.name: i for i in proto.graph.initializer}
     qdq = [n for n in nodes if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
-    zero_types = {
-        inits[n.input[2]].data_type for n in qdq if len(n.input) > 2 and n.input[2] in inits
-    }
-    if zero_types & {TensorProto.INT16, TensorProto.UINT16}:
+
+    def zero_types(ns) -> set[int]:
+        return {inits[n.input[2]].data_type for n in ns if len(n.input) > 2 and n.input[2] in inits}
+
+    # The weights' width names the file (A16W8 is int8 arithmetic, W4A8 int4 weights): the
+    # zero points of the DequantizeLinear nodes that read an initializer, else all of them.
+    weights = [n for n in qdq if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    kinds = zero_types(weights) or zero_types(qdq)
+    if kinds & {TensorProto.INT16, TensorProto.UINT16}:
         return "int16"
-    if zero_types & {TensorProto.INT4, TensorProto.UINT4} and not zero_types - {
-        TensorProto.INT4,
-        TensorProto.UINT4,
-    }:
+    if kinds & {TensorProto.INT4, TensorProto.UINT4}:
         return "int4"
     if {n.op_type for n in nodes} & _QUANT_OPS:
         return "int8"
