@@ -13,6 +13,7 @@ import re
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,46 +60,47 @@ def log_path() -> str | None:
     return _State.log.path if _State.log is not None else None
 
 
-def _named_again(path: Path, opts: list[str]) -> bool:
-    """Whether another token of the command line (not this option's value) names `path`,
-    whether or not the file exists yet."""
-    argv, target = _State.argv, os.path.abspath(os.path.expanduser(path))
-    for i, token in enumerate(argv):
-        if (i > 0 and argv[i - 1] in opts) or any(token.startswith(f"{o}=") for o in opts):
-            continue
-        value = token.split("=", 1)[-1] if token.startswith("--") else token
-        spec = value.split(":", 1)
-        for candidate in {value, *([spec[1]] if spec[0] in ("npz", "mnist") else [])}:
-            # a path (a folder or a suffix), not a word such as the command, a zoo model
-            # or the digits data: --log-file train names a file no other option does
-            looks_like_path = os.sep in candidate or "." in os.path.basename(candidate)
-            if not looks_like_path or candidate.startswith("-"):
-                continue
-            if os.path.abspath(os.path.expanduser(candidate)) == target:
-                return True
-    return False
-
-
-def _also_given(out: str, opts: list[str]) -> str | None:
-    """The command-line token, other than this option's own value, that names the existing
-    file `out` (a path, or the path in a data spec such as npz:FILE), or None."""
-    target = Path(out)
-    if not target.is_file():
-        return None
+def _other_paths(opts: list[str]) -> Iterator[tuple[str, str]]:
+    """(token, path it may name) for each token of the command line other than the value of
+    option `opts`: the token, its value after `--flag=`, and the path in a data spec such as
+    npz:FILE or mnist:DIR (expanded as data specs are)."""
     argv = _State.argv
     for i, token in enumerate(argv):
         if (i > 0 and argv[i - 1] in opts) or any(token.startswith(f"{o}=") for o in opts):
             continue  # this option's own value
         value = token.split("=", 1)[-1] if token.startswith("--") else token
-        spec = value.split(":", 1)  # npz:FILE, mnist:DIR (expanded as data specs are)
-        candidates = {token, value, *([spec[1]] if spec[0] in ("npz", "mnist") else [])}
-        for candidate in candidates:
-            try:
-                path = Path(candidate).expanduser()
-                if candidate and path.is_file() and target.samefile(path):
-                    return token
-            except OSError:
-                continue
+        spec = value.split(":", 1)
+        for candidate in {token, value, *([spec[1]] if spec[0] in ("npz", "mnist") else [])}:
+            if candidate:
+                yield token, candidate
+
+
+def _named_again(path: Path, opts: list[str]) -> bool:
+    """Whether another token of the command line names `path`, whether or not the file exists
+    yet: a path (a folder or a suffix), not a word such as the command, a zoo model or the
+    digits data (--log-file train names a file no other option does)."""
+    target = os.path.abspath(os.path.expanduser(path))
+    return any(
+        (os.sep in candidate or "." in os.path.basename(candidate))
+        and not candidate.startswith("-")
+        and os.path.abspath(os.path.expanduser(candidate)) == target
+        for _, candidate in _other_paths(opts)
+    )
+
+
+def _also_given(out: str, opts: list[str]) -> str | None:
+    """The command-line token, other than this option's own value, that names the existing
+    file `out`, or None."""
+    target = Path(out)
+    if not target.is_file():
+        return None
+    for token, candidate in _other_paths(opts):
+        try:
+            path = Path(candidate).expanduser()
+            if path.is_file() and target.samefile(path):
+                return token
+        except OSError:
+            continue
     return None
 
 

@@ -26,6 +26,7 @@ from compresskit.distrib.trainer import (
     Batches,
     Events,
     TrainConfig,
+    check_events,
     correct,
     cross_entropy_loss,
     evaluate,
@@ -244,7 +245,7 @@ def shrink(
         raise InputError(f"out {brief(out)}: give the output folder's path (a str or Path)")
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise InputError(f"model_kwargs {brief(model_kwargs)}: give a dict of arguments")
-    _check_events(progress)
+    check_events(progress)
     out = Path(out)
     given = getattr(model, "checkpoint", model)  # the input file, when one is given
     inputs = [Path(given)] if isinstance(given, str | Path) else []
@@ -259,14 +260,6 @@ def shrink(
     hooks = _hooks(ds, recipe, progress)
     report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
     return ShrinkReport.from_report(report, out)
-
-
-def _check_events(progress: Any) -> None:
-    if progress is not None and not isinstance(progress, Events):
-        raise InputError(
-            f"progress {brief(progress)}: give a compresskit.distrib.Events (subclass it and "
-            "override the callbacks you want), or None"
-        )
 
 
 def _check_finite(net: nn.Module, source: str) -> None:

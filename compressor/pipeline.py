@@ -32,7 +32,7 @@ from compresskit.models import checkpoint
 from compresskit.models.base import batch_statistics
 from compresskit.models.data import Dataset, check_kind, embedding_rows
 from compresskit.models.errors import InputError, StageError, one_line
-from compresskit.models.fileio import atomic_path, check_writable, refuse_link, umask
+from compresskit.models.fileio import atomic_path, check_writable, refuse_link, same_file, umask
 from compresskit.models.zoo import ModelSpec, build, state_shapes
 
 TAYLOR_SAMPLES = 256  # training samples whose gradients rank channels (Taylor importance)
@@ -140,7 +140,7 @@ def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -
                 raise InputError(f"--out {out}: {name} there is not a regular file; remove it")
         held = [name for name in OUTPUTS if (out / name).is_file()]
         for name in held:
-            if any(_same_file(out / name, p) for p in inputs):
+            if any(same_file(out / name, p) for p in inputs):
                 raise InputError(
                     f"--out {out}: {name} there is this run's input, and the run writes its "
                     f"own {name}; give another --out folder (or move the input)"
@@ -152,13 +152,6 @@ def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -
                 "or give another folder"
             )
     return out
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _seeded(fn):

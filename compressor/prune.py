@@ -109,7 +109,7 @@ def weight_layers(model: nn.Module, embeddings: bool = False) -> dict[str, Layer
     """The layers pruning and weight sharing apply to, by layer name, in model order.
 
     A weight tied to another parameter (`tied_weights`) is not one of them."""
-    tied = {key for group in tied_weights(model) for key in group}
+    tied = tied_keys(model)
     return {
         layer.name: layer
         for name, module, parent in _walk(model)
@@ -132,6 +132,11 @@ def tied_weights(model: nn.Module) -> list[list[str]]:
             if p is not None:
                 keys.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
     return [group for group in keys.values() if len(group) > 1]
+
+
+def tied_keys(model: nn.Module) -> set[str]:
+    """Every state_dict key of `tied_weights`' groups."""
+    return {key for group in tied_weights(model) for key in group}
 
 
 # --- pure maths -----------------------------------------------------------------------------
@@ -273,7 +278,7 @@ def prunable(model: nn.Module, cfg: PruneConfig | None = None) -> dict[str, torc
     """Parameters pruning may touch, by state_dict key ("fc1.weight", "attn.in_proj_weight"),
     in model order."""
     cfg = cfg or PruneConfig(sparsity=0.0)
-    tied = {key for group in tied_weights(model) for key in group}
+    tied = tied_keys(model)
     out: dict[str, torch.Tensor] = {}
     for name, module, parent in _walk(model):
         pnames = [layer.param for layer in _layers_of(name, module, parent, cfg.embeddings)]

@@ -263,6 +263,7 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
     if isinstance(p.sparsity, dict):
         named += [("prune", k if k in every else prune.layer_name(k)) for k in p.sparsity]
     named += [("quantize", k) for k in q.bits]
+    tied = {prune.layer_name(k) for k in prune.tied_keys(model)}
     for section, layer in named:
         where = "prune.sparsity" if section == "prune" else "quantize.bits"
         found = kmeans.layers(model, getattr(recipe, section).embeddings)
@@ -271,8 +272,7 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
                 f"recipe {where} names layer {layer!r}, an embedding; set "
                 f"{section}.embeddings = true to {section} embeddings"
             )
-        tied = [k for group in prune.tied_weights(model) for k in group]
-        if layer not in found and any(prune.layer_name(k) == layer for k in tied):
+        if layer not in found and layer in tied:
             raise InputError(
                 f"recipe {where} names layer {layer!r}, whose weight is tied to another "
                 "layer's and so stays dense (pruning or sharing one layer would untie them); "

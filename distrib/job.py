@@ -31,6 +31,7 @@ from compresskit.distrib.trainer import (
     Events,
     TrainConfig,
     TrainResult,
+    check_events,
     check_train_state,
     fit,
     optimizer_for,
@@ -176,11 +177,7 @@ def train(
         )
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
         raise InputError(f"workers must be a whole number, got {type(workers).__name__}")
-    if progress is not None and not isinstance(progress, Events):
-        raise InputError(
-            f"progress {brief(progress)}: give a compresskit.distrib.Events (subclass it and "
-            "override the callbacks you want), or None"
-        )
+    check_events(progress)
     if isinstance(model, nn.Module):
         with _callers_rng():
             return _train_instance(
@@ -367,19 +364,18 @@ def run(
                 f"--workers {job.workers} with --device cuda: this machine has {count} GPU(s); "
                 f"give --workers {count} or fewer"
             )
-    torchrun = launch.DistEnv.from_torchrun() is not None
-    if not torchrun and (job.pipeline is not None or job.ps is not None or job.workers > 1):
-        # Spawned ranks are killed outright when the job stops (Ctrl-C, a dead peer): a
-        # checkpoint rank 0 was writing stays behind as .OUT.xxxx.tmp unless removed here.
-        started = time.time()
-        try:
-            return _dispatch(job, events_factory, gpu)
-        except BaseException:
-            _remove_partial_writes(job.out, started)
-            raise
-    if torchrun:
+    if launch.DistEnv.from_torchrun() is not None:
         return _dispatch(job, events_factory, gpu)
-    return _run(job, events, keep_model=True)
+    if job.pipeline is None and job.ps is None and job.workers == 1:
+        return _run(job, events, keep_model=True)
+    # Spawned ranks are killed outright when the job stops (Ctrl-C, a dead peer): a
+    # checkpoint rank 0 was writing stays behind as .OUT.xxxx.tmp unless removed here.
+    started = time.time()
+    try:
+        return _dispatch(job, events_factory, gpu)
+    except BaseException:
+        _remove_partial_writes(job.out, started)
+        raise
 
 
 def _dispatch(job: TrainJob, events_factory, gpu: bool) -> TrainResult:

@@ -35,7 +35,7 @@ from compresskit import _datapass, _mem
 from compresskit.models import checkpoint
 from compresskit.models.base import batch_statistics, refresh_batchnorm_
 from compresskit.models.data import Dataset
-from compresskit.models.errors import InputError, StageError
+from compresskit.models.errors import InputError, StageError, brief
 from compresskit.models.jsonable import plain
 from compresskit.models.zoo import ModelSpec
 
@@ -106,25 +106,25 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # Types first: a float epoch count or a None seed passed here failed deep inside
         # `fit` with a TypeError, after the data had loaded.
-        for name in ("epochs", "batch_size", "warmup_steps", "seed", "checkpoint_every"):
-            _check(_is_int(getattr(self, name)), name, getattr(self, name), "give a whole number")
-        # NumPy scalars as Python numbers: a checkpoint's config must load with weights_only
-        for name in ("epochs", "batch_size", "warmup_steps", "seed", "checkpoint_every",
-                     "bn_refresh", "eval_batch_size", "microbatches"):  # fmt: skip
+        # NumPy scalars are stored as Python numbers: a checkpoint's config must load with
+        # weights_only. (None: eval_batch_size, bn_refresh and lr may be unset.)
+        for name, kind, optional in (
+            *((n, int, False) for n in ("epochs", "batch_size", "warmup_steps", "seed")),
+            ("checkpoint_every", int, False),
+            ("bn_refresh", int, True),
+            ("eval_batch_size", int, True),
+            ("microbatches", int, True),  # or "auto", checked below
+            ("lr", float, True),
+            ("momentum", float, False),
+            ("weight_decay", float, False),
+        ):
             value = getattr(self, name)
-            if _is_int(value) and type(value) is not int:
-                object.__setattr__(self, name, int(value))
-        for name in ("bn_refresh", "eval_batch_size"):
-            value = getattr(self, name)
-            _check(value is None or _is_int(value), name, value, "give a whole number")
-        for name in ("lr", "momentum", "weight_decay"):
-            value = getattr(self, name)
-            ok = (value is None and name == "lr") or (
-                isinstance(value, numbers.Real) and not isinstance(value, bool)
-            )
-            _check(ok, name, value, "give a number")
-            if ok and value is not None and type(value) not in (int, float):
-                object.__setattr__(self, name, float(value))
+            abstract = numbers.Integral if kind is int else numbers.Real
+            if isinstance(value, abstract) and not isinstance(value, bool):
+                if type(value) not in (int, float):
+                    object.__setattr__(self, name, kind(value))
+            elif not (optional and (value is None or name == "microbatches")):
+                _check(False, name, value, f"give a {'whole ' if kind is int else ''}number")
         for name in ("schedule", "optimizer", "precision", "grad_compression", "evaluate"):
             _check(isinstance(getattr(self, name), str), name, getattr(self, name), "give a word")
         _check(
@@ -942,6 +942,15 @@ def _restore_rng(resume: dict[str, Any], device: str | torch.device) -> None:
     # A CPU checkpoint resumed on a GPU (or the reverse) continues from the seed's CUDA state.
     if torch.device(device).type == "cuda" and resume.get("cuda_rng") is not None:
         torch.cuda.set_rng_state(resume["cuda_rng"], device)
+
+
+def check_events(progress: Any) -> None:
+    """InputError unless `progress` is an `Events` (or None): `progress=print` failed mid-run."""
+    if progress is not None and not isinstance(progress, Events):
+        raise InputError(
+            f"progress {brief(progress)}: give a compresskit.distrib.Events (subclass it and "
+            "override the callbacks you want), or None"
+        )
 
 
 def check_train_state(resume: Any) -> None:

@@ -186,15 +186,15 @@ def spec_files(spec: object) -> list[Path]:
     if not isinstance(spec, str):
         return []
     kind, _, arg = spec.partition(":")
-    try:
-        path = Path(arg).expanduser() if arg else None
-    except RuntimeError:  # an unknown ~user: `load` says so
+    if kind not in ("npz", "mnist") or not arg:
         return []
-    if kind == "npz" and path is not None:
+    try:
+        path = _expanded(spec, arg)
+    except InputError:  # an unknown ~user: `load` says so
+        return []
+    if kind == "npz":
         return [path]
-    if kind == "mnist" and path is not None and path.is_dir():
-        return sorted(p for p in path.iterdir() if p.is_file())
-    return []
+    return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
 
 
 def _parse_side(spec: str, arg: str) -> int:

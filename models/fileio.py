@@ -33,7 +33,7 @@ def check_writable(
     refuse_link(path, flag)
     path = Path(os.path.abspath(path))
     for given in inputs:
-        if path.is_file() and os.path.isfile(given) and path.samefile(given):
+        if path.is_file() and same_file(path, given):
             raise InputError(
                 f"{flag} {path}: is the input {os.fspath(given)} this call reads; writing "
                 "there would replace it: give another path"
@@ -56,6 +56,14 @@ def check_writable(
     os.close(fd)
     os.unlink(probe)
     return path
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether `a` and `b` are one existing file (through links and different spellings)."""
+    try:
+        return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def link_problem(path: str | os.PathLike) -> str | None:

@@ -250,30 +250,18 @@ def _tensors_with_external_data(model: Any) -> Iterator[Any]:
                 stack.append(getattr(msg, fd.name))
 
 
-def onnx_bytes(path: str | os.PathLike) -> int:
-    """An ONNX file's size with its external data files (each counted once): the bytes an app
-    ships. (`check_onnx_external_data` has refused locations outside the model's folder.)"""
-    import onnx
-
-    path = Path(path)
-    size = path.stat().st_size
-    if path.suffix != ".onnx":
-        return size
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # not ONNX, or damaged: the loader reports it
-        return size
+def external_data_bytes(model: Any, folder: str | os.PathLike) -> int:
+    """Bytes of the external data files an ONNX model (loaded without them) keeps its tensors
+    in, each file counted once: with the model file, what an app ships.
+    (`check_onnx_external_data` has refused locations outside the model's folder.)"""
     locations = {
         e.value
         for tensor in _tensors_with_external_data(model)
         for e in tensor.external_data
         if e.key == "location"
     }
-    for location in locations:
-        extra = path.parent / location
-        if extra.is_file():
-            size += extra.stat().st_size
-    return size
+    files = [Path(folder) / location for location in locations]
+    return sum(f.stat().st_size for f in files if f.is_file())
 
 
 def check_onnx_external_data(path: str | os.PathLike) -> None:

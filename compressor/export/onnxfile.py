@@ -638,10 +638,9 @@ def ort_baselines(
     and weights, per-tensor, MinMax), calibrated on `calib`, both after `quant_pre_process`.
     A file of a fixed batch is calibrated in batches of that size (batches of 32 failed in
     ORT on a batch-1 file)."""
-    if fixed_batch:
-        calib = calib[: max(fixed_batch, len(calib) // fixed_batch * fixed_batch)]
-        if len(calib) < fixed_batch:  # fewer samples than one batch: repeat them
-            calib = np.resize(calib, (fixed_batch, *calib.shape[1:]))
+    if fixed_batch:  # whole batches: cut to a multiple, or repeat up to one batch
+        n = max(fixed_batch, len(calib) // fixed_batch * fixed_batch)
+        calib = np.resize(calib, (n, *calib.shape[1:]))
     from onnxruntime.quantization import QuantType, quantize_dynamic, quantize_static
 
     stem = Path(fp32).name.removesuffix(".onnx").removesuffix(".fp32")

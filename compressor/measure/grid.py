@@ -248,12 +248,7 @@ def _graph_input(paths: list[Path]) -> str | None:
 
                 names.add(onnx.load(str(p), load_external_data=False).graph.input[0].name)
             elif p.suffix == ".ort":
-                import onnxruntime as ort
-
-                opts = ort.SessionOptions()
-                opts.log_severity_level = 4  # errors come back as exceptions, not log lines
-                sess = ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"])
-                names.add(sess.get_inputs()[0].name)
+                names.add(variants._ort_session(p).get_inputs()[0].name)
         except Exception:  # not readable: loading it next says why, naming the file
             continue
     return names.pop() if len(names) == 1 else None

@@ -146,7 +146,7 @@ def load(
     (and `model_kwargs`) name the class or factory of a bare state_dict (with `data`, a
     Dataset, for its shapes); `trust` allows importing the code a checkpoint names."""
     data_shape = tuple(data.in_shape) if data is not None else None
-    size = safeload.onnx_bytes(path)  # external data included
+    size = path.stat().st_size
     label = path.name
     if path.suffix == ".pt":
         ck = checkpoint.load(path, train_state=False)
@@ -240,7 +240,10 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
         )  # fmt: skip
     import onnx
 
-    proto = onnx.load(str(path))
+    # Shapes and types only: its external data (weights perhaps larger than memory) stays on
+    # disk, and counts in the bytes it ships.
+    proto = onnx.load(str(path), load_external_data=False)
+    size += safeload.external_data_bytes(proto, path.parent)
     precision = onnx_precision(proto)
     params = onnx_parameters(proto)
     vocab = onnx_vocab(proto) if tokens else None
