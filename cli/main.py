@@ -120,10 +120,14 @@ class _Log:
     console, click's errors) also goes to the file, without colour codes or progress-bar
     redraws; plus what only a debug run shows: library warnings and a failure's traceback."""
 
-    def __init__(self, path: str, stream) -> None:
+    def __init__(self, path: str, stream, append: bool = False) -> None:
         self.stream = stream
         self.path = path
-        self.file = open(path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115
+        if not append:
+            open(path, "w").close()  # a fresh log per command
+        # Appending: the ranks a multi-process run spawns write to this file too (child_log),
+        # and each line lands at its end instead of over another process's.
+        self.file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
     def write(self, text: str) -> int:
         n = self.stream.write(text)
@@ -150,6 +154,21 @@ class _Log:
 
     def warning(self, message, category, filename, lineno, file=None, line=None) -> None:
         self.debug(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def child_log(path: str | None) -> None:
+    """In a process the command spawned (a training rank): send what it says on stderr, and
+    its warnings, to the command's --log-file `path` as well."""
+    if path is None or isinstance(sys.stderr, _Log):
+        return
+    try:
+        _State.log = _Log(path, sys.stderr, append=True)
+    except OSError:  # the parent could write it a moment ago; the terminal still shows all
+        return
+    sys.stderr = _State.log
+    if not os.environ.get("COMPRESS_DEBUG"):
+        warnings.simplefilter("default")
+        warnings.showwarning = _State.log.warning
 
 
 def _close_log() -> None:

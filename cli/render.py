@@ -35,6 +35,15 @@ stdout = Console(
 )
 
 
+def rank0_progress(quiet: bool, log: str | None) -> TrainProgress:
+    """Rank 0's progress, made inside its own process when a run spawns several: what it says
+    goes to the terminal and to --log-file, as a one-process run's does."""
+    from compresskit.cli.main import child_log  # here: a spawned rank unpickles this module
+
+    child_log(log)
+    return TrainProgress(quiet=quiet)
+
+
 class TrainProgress(Events):
     """A progress bar per epoch on a terminal; one line per epoch otherwise (logs, CI)."""
 

@@ -360,7 +360,7 @@ def train(
     if log is not None and os.path.abspath(log) == os.path.abspath(out):  # the default --out
         raise InputError(f"--log-file {log} is the checkpoint --out writes; log to another path")
     ps = _ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler)
-    factory = functools.partial(render.TrainProgress, quiet=quiet)
+    factory = functools.partial(render.rank0_progress, quiet, log)
     if ensemble != 1:
         job = TrainJob(
             model=model,

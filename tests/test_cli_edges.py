@@ -474,3 +474,21 @@ def test_a_log_file_is_any_path_but_the_default_output(run, tmp_path, monkeypatc
     assert ok.exit_code == 0, ok.stderr  # a word on the command line, not a file it names
     bad = run("train", "--model", "lenet300", "--log-file", "lenet300.pt")
     assert bad.exit_code == 2 and "is the checkpoint --out writes" in bad.stderr
+
+
+def test_a_log_file_holds_what_a_spawned_rank_says(run, tmp_path):
+    """The data and per-epoch lines of a 2-process run come from rank 0's own process: they
+    reached the terminal but not --log-file, which only the launching process wrote."""
+    log = tmp_path / "train.log"
+    result = run(
+        "train", "--model", "lenet300", "--data", "digits", "--epochs", "2", "--workers", "2",
+        "--out", tmp_path / "m.pt", "--log-file", log,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("debug: compress train --model lenet300")  # the parent's first
+    assert any(line.startswith("data digits: 1294 train") for line in lines)
+    assert [line.split()[:2] for line in lines if line.startswith("epoch ")] == [
+        ["epoch", "1"],
+        ["epoch", "2"],
+    ]
