@@ -591,6 +591,11 @@ def _run(
             resume_at=at,
             store=launch.store(),
         )
+        if ps.workers > 1:  # a workers-only all-reduce would hold the asynchronous ones back
+            events.info(
+                f"per epoch, train loss and accuracy are worker 0's batches (1 of {ps.workers} "
+                "workers, each training apart); test accuracy is the servers' weights"
+            )
     result = fit(
         model,
         ds,
