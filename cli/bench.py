@@ -78,7 +78,7 @@ Examples:
     "report_path",
     type=OutPath(dir_okay=False, path_type=Path),
     default=None,
-    help="Write a Markdown report.",
+    help="Write a report: the --json object for a .json file, else Markdown.",
 )
 @click.option(
     "--plot",
@@ -144,7 +144,9 @@ def bench(
         trust_model=trust_model,
         progress=(lambda m: None) if quiet else (lambda m: render.stderr.print(m)),
     ).to_json()
-    if report_path:
+    if report_path and report_path.suffix.lower() == ".json":
+        benchreport.write_json(result, report_path)
+    elif report_path:
         benchreport.write_markdown(result, report_path, plot=plot_path)
     if plot_path:
         benchreport.plot(result, plot_path)

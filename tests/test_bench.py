@@ -257,6 +257,8 @@ def _bare_state_dict(tmp_path):
         ("seconds inf", "give runs from 1 to 10,000,000 and seconds from 0 to 3600"),
         ("plot as jpg", "give a .png, .svg or .pdf file name"),
         ("report is the plot", "--report and --plot both name"),
+        # an empty table and report, exit 0, before
+        ("no runtime runs it", "nothing to measure on --providers torch: model.fp32.onnx: onnx"),
     ],
 )
 def test_bench_bad_input(run, shrunk, tmp_path, case, message):
@@ -288,11 +290,25 @@ def test_bench_bad_input(run, shrunk, tmp_path, case, message):
         extra += ["--plot", tmp_path / "b.jpg"]
     elif case == "report is the plot":
         extra += ["--plot", tmp_path / "b.png", "--report", tmp_path / "b.png"]
+    elif case == "no runtime runs it":
+        extra += ["--providers", "torch", "--report", tmp_path / "r.md"]
     result = run("bench", *args, *extra, "--json")
+    assert not (tmp_path / "r.md").exists()
     assert result.exit_code == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert json.loads(result.stdout)["exit_code"] == 2
+
+
+def test_a_json_report_is_the_json_object(run, shrunk, tmp_path):
+    """--report r.json wrote Markdown into it: the suffix now picks JSON, as --plot's does."""
+    report = tmp_path / "r.json"
+    args = [shrunk / "model.int8.onnx", "--batch", "1", *FAST, "--providers", "cpu", "-q"]
+    result = run("bench", *args, "--json", "--report", report)
+    assert result.exit_code == 0, result.stderr
+    written = json.loads(report.read_text())
+    assert written == result.json() and len(written["results"]) == 1  # one run, one object
+    assert written["results"][0]["model"] == "model.int8.onnx"
 
 
 def test_variant_parsing():

@@ -4,6 +4,7 @@ the JSON alone reproduces them."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 from compresskit.compressor.report import new_figure, save_figure
 from compresskit.models.errors import InputError
 from compresskit.models.fileio import atomic_path, check_writable
+from compresskit.models.jsonable import finite
 
 ENV_KEYS = (
     "date",
@@ -102,6 +104,14 @@ def write_markdown(bench: dict[str, Any], path: Path, plot: Path | None = None) 
             link = Path(os.path.abspath(plot))
     with atomic_path(path) as f:
         f.write_text(markdown(bench, link))
+    return path
+
+
+def write_json(bench: dict[str, Any], path: Path) -> Path:
+    """Write the bench result at `path` as the JSON object `--json` prints (NaN as null)."""
+    check_writable(path, "--report")
+    with atomic_path(path) as f:
+        f.write_text(json.dumps(finite(bench), indent=2, default=str, allow_nan=False) + "\n")
     return path
 
 

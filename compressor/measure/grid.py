@@ -148,6 +148,12 @@ def bench(
         if baselines:
             described += _baselines(described, ds, Path(tmp), info)
         runnable, skipped = variants.variants(described, runtimes)
+        if not runnable:  # an empty table and report, exit 0, read as a pass in a script
+            first = skipped[0] if skipped else {"model": paths[0].name, "reason": "nothing runs"}
+            raise InputError(
+                f"nothing to measure on --providers {','.join(runtimes)}: {first['model']}: "
+                f"{first['reason']}"
+            )
         results, more, extra = latency.measure(runnable, cfg, ds, info)
         profiles = _profiles(described, cfg, ds) if profile else {}
     return BenchResult(
