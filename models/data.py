@@ -864,8 +864,15 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
         model.train(was_training)
     if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != 2:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        if not data.is_tokens and tuple(data.in_shape[:2]) == (1, 1):
+            # (N, F) features arrive as (N, 1, 1, F), one shape for every stage and exporter;
+            # a Linear applied to that keeps the two 1-sized dimensions
+            hint = (
+                f"; --data gives (N, F) features as (N, 1, 1, {data.in_shape[2]}): begin "
+                "forward with x = x.flatten(1)"
+            )
         raise InputError(
             f"model {model_name} returns {got} for a batch of 2; "
-            "a classifier returns one tensor of shape (batch, classes)"
+            f"a classifier returns one tensor of shape (batch, classes){hint}"
         )
     check_labels(data, out.shape[1], model_name)

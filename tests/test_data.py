@@ -183,6 +183,21 @@ def test_more_classes_than_the_model_predicts(mnist_dir):
         check_fits(model, data, "mlp")
 
 
+def test_a_model_of_flat_features_is_told_how_they_arrive(tmp_path):
+    """(N, F) features reach a model as (N, 1, 1, F): a model whose first layer is a Linear
+    returned (2, 1, 1, classes) and was told only that a classifier returns (batch, classes)."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "f.npz", x=rng.normal(size=(40, 20)).astype("float32"), y=np.arange(40) % 3)
+    data = load(f"npz:{tmp_path / 'f.npz'}")
+    assert data.in_shape == (1, 1, 20)
+    unflat = torch.nn.Sequential(torch.nn.Linear(20, 3))
+    with pytest.raises(
+        InputError, match=r"returns \(2, 1, 1, 3\).*as \(N, 1, 1, 20\): begin forward"
+    ):
+        check_fits(unflat, data, "mine")
+    check_fits(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(20, 3)), data, "mine")
+
+
 # --- token ids ------------------------------------------------------------------------------
 
 
