@@ -682,15 +682,19 @@ def fit(
                 optimizer.step()
             else:
                 updater.step(model, lr, epoch, step, len(yb))
-            due = record_step(state, cfg, step, value, right, len(yb), steps_per_epoch)
+            # A wrapped-around duplicate (weight 0) trains nothing: not a sample, not a figure.
+            real, right = (len(yb), right) if weight else (0, 0)
+            due = record_step(state, cfg, step, value, right, real, steps_per_epoch)
             steps += 1
-            samples += len(yb)
+            samples += real
             events.step(epoch + 1, step + 1, value)
             if due:
                 save()
         if world > 1 and updater is None:  # the epoch's training figures over all ranks
-            totals = torch.tensor(
-                [state["loss_sum"], state["correct"], state["seen"]], dtype=torch.float64
+            totals = torch.tensor(  # on the device: NCCL reduces CUDA tensors only
+                [state["loss_sum"], state["correct"], state["seen"]],
+                dtype=torch.float64,
+                device=device,
             )
             torch.distributed.all_reduce(totals)
             state["loss_sum"], state["correct"], state["seen"] = totals.tolist()
@@ -742,13 +746,17 @@ def fit(
     if updater is not None:
         updater.finish()  # a no-op unless the run had nothing left to train
         updater.close()
+    if world > 1 and updater is None:  # every rank's samples: an uneven last batch differs
+        counted = torch.tensor([samples], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(counted)
+        samples = int(counted.item())
     final_acc = history[-1].test_accuracy if history else float("nan")
     return TrainResult(
         history=history,
         test_accuracy=final_acc,
         epochs=len(history),
         steps=updater.updates if updater is not None else steps,
-        samples=updater.samples if updater is not None else samples * world,
+        samples=updater.samples if updater is not None else samples,
         seconds=time.perf_counter() - t0,
         checkpoint=checkpointer.path if checkpointer else None,
         resumed_from=start if resume else None,

@@ -45,19 +45,29 @@ def test_two_workers_train_like_one_with_the_global_batch():
 
 def _train_uneven(rank, world, n, batch):
     ds = data_mod.load("digits")
+    assert len(ds.y_train) >= n  # else the slice below would not make the last batch uneven
     data = dataclasses.replace(ds, x_train=ds.x_train[:n], y_train=ds.y_train[:n])
     model = tiny("mlp", seed=0)
-    fit(model, data, TrainConfig(epochs=2, batch_size=batch, optimizer="sgd", lr=0.05, seed=0))
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = TrainConfig(epochs=2, batch_size=batch, optimizer="sgd", lr=0.05, seed=0)
+    result = fit(model, data, cfg)
+    figures = [(h.train_loss, h.train_accuracy) for h in result.history]
+    return {k: v.clone() for k, v in model.state_dict().items()}, result.samples, figures
 
 
-@pytest.mark.parametrize("n", [1401, 1345])  # a last batch of 57 (29 + 28), and of 1 (wrapped)
+@pytest.mark.parametrize("n", [1273, 1217])  # a last batch of 57 (29 + 28), and of 1 (wrapped)
 def test_two_workers_train_like_one_when_the_last_batch_splits_unevenly(n):
     # Each rank's mean loss had an equal weight: 2 workers ended up to 4e-3 away from one.
-    one = _train_uneven(0, 1, n, 64)
-    two = launch.run(functools.partial(_train_uneven, n=n, batch=32), workers=2, timeout_s=60)
+    one, samples, figures = _train_uneven(0, 1, n, 64)
+    two, samples2, figures2 = launch.run(
+        functools.partial(_train_uneven, n=n, batch=32), workers=2, timeout_s=60
+    )
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-5), k
+    # Counted over every rank, without the wrapped-around duplicate: rank 0's count times 2
+    # and the duplicate's loss had made them differ.
+    assert samples == samples2 == 2 * n
+    for (loss, acc), (loss2, acc2) in zip(figures, figures2, strict=True):
+        assert loss2 == pytest.approx(loss, abs=1e-5) and acc2 == pytest.approx(acc, abs=1e-6)
 
 
 def _train_two_accumulating(rank, world):
@@ -193,7 +203,8 @@ def _uneven(rank, world):
 def test_uneven_shards_finish():
     steps, samples = launch.run(_uneven, workers=2, timeout_s=30)
     assert steps == 2 * 3  # ceil(65 / 32) steps per epoch, on every rank
-    assert samples == 2 * (64 + 2)  # the lone last sample is padded to one per rank
+    # the lone last sample is padded to one per rank; the pad (weight 0) is not a sample
+    assert samples == 2 * 65
 
 
 # bf16 takes the same code path as fp16 (a cast hook): slow-marked to keep the default run short
