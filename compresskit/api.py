@@ -167,7 +167,8 @@ def _load(
         # The stages change the model in place; the caller's stays as it was.
         net = copy.deepcopy(model)
         data_mod.check_fits(net, ds, resolved.name)
-        return net, resolved, ds, {"data": ds.spec, "source": f"<{type(model).__name__}>"}
+        meta = {"data": data_mod.recorded_spec(ds.spec), "source": f"<{type(model).__name__}>"}
+        return net, resolved, ds, meta
     path = getattr(model, "checkpoint", model)  # a TrainResult names the file it wrote
     if path is None and hasattr(model, "checkpoint"):
         raise InputError(
@@ -186,16 +187,17 @@ def _load(
     if trust_model and named is None and ck.spec is not None and ck.spec.is_import_path:
         named = ck.spec.name
     consent = named  # the code the caller allowed to import
-    ds = _dataset(
-        data,
-        ck.metadata.get("data") or "digits",
-        data_mod.input_name(named or (ck.spec.name if ck.spec else None), consent),
-    )
+    want = data_mod.input_name(named or (ck.spec.name if ck.spec else None), consent)
+    recorded = ck.metadata.get("data")
+    if data is None and isinstance(recorded, str):
+        ds = data_mod.load_recorded(recorded, path, want)
+    else:
+        ds = _dataset(data, "digits", want)
     resolved = ck.spec_for(named, dict(model_kwargs or {}), ds.in_shape, ds.num_classes)
     net = ck.build_model(resolved, allow_import=named == resolved.name)
     del ck  # its weights and optimizer state are copied into `net`
     data_mod.check_fits(net, ds, resolved.name)
-    return net, resolved, ds, {"data": ds.spec, "source": str(path)}
+    return net, resolved, ds, {"data": data_mod.recorded_spec(ds.spec), "source": str(path)}
 
 
 def shrink(

@@ -643,7 +643,8 @@ def _load(spec: str | Dataset, input_name: str | None) -> Dataset:
 
 
 def _spec(d: str | Dataset) -> str:
-    return d.spec if isinstance(d, Dataset) else d
+    """The data spec as a checkpoint records it (npz and mnist paths absolute)."""
+    return data.recorded_spec(d.spec if isinstance(d, Dataset) else d)
 
 
 def _input_name(model: str) -> str | None:
@@ -671,7 +672,7 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
     stored_cfg = TrainConfig.from_dict(ck.train_state["config"], strict=False)
     stored = {
         "model": ck.spec.name,
-        "data": ck.metadata.get("data", _spec(job.data)),
+        "data": _spec(ck.metadata.get("data", _spec(job.data))),
         **{f.name: getattr(stored_cfg, f.name) for f in dataclasses.fields(TrainConfig)},
     }
     stored["model_kwargs"] = {

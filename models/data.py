@@ -56,6 +56,7 @@ import gzip
 import inspect
 import io
 import math
+import os
 import struct
 import zipfile
 from collections.abc import Callable
@@ -177,6 +178,28 @@ def load(spec: str, input_name: str | None = None) -> Dataset:
     if kind == "npz":
         return _npz(spec, _expanded(spec, arg), input_name)
     raise InputError(f"--data {spec!r}: unknown data spec; use {SPECS_HELP}")
+
+
+def recorded_spec(spec: str) -> str:
+    """`spec` as a checkpoint records it: the path of npz:FILE or mnist:DIR made absolute, so
+    `shrink`, `bench` and `--resume` run from another folder find the same data. Built-in
+    data, and a spec that does not parse, stay as given."""
+    kind, _, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if kind not in ("npz", "mnist") or not arg:
+        return spec
+    try:
+        return f"{kind}:{os.path.abspath(_expanded(spec, arg))}"
+    except InputError:  # an unknown ~user: `load` says so
+        return spec
+
+
+def load_recorded(spec: str, source: object, input_name: str | None = None) -> Dataset:
+    """`load` the data spec a checkpoint `source` records; failing, say where the spec came
+    from (the user gave no --data) and how to give other data."""
+    try:
+        return load(spec, input_name)
+    except InputError as e:
+        raise InputError(f"{e} (the data {source} records; pass --data SPEC)") from None
 
 
 def spec_files(spec: object) -> list[Path]:

@@ -492,3 +492,21 @@ def test_a_log_file_holds_what_a_spawned_rank_says(run, tmp_path):
         ["epoch", "1"],
         ["epoch", "2"],
     ]
+
+
+def test_a_checkpoint_finds_its_npz_from_another_folder(run, npz_file, tmp_path, monkeypatch):
+    """train recorded npz:blobs.npz as typed: shrink, --dry-run or --resume from another folder
+    looked for ./blobs.npz there, and said "--data ... does not exist" to a user who gave none."""
+    monkeypatch.chdir(tmp_path)
+    trained = run("train", "--model", "lenet300", "--data", "npz:blobs.npz", "--epochs", "1", "-q")
+    assert trained.exit_code == 0, trained.stderr
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    resumed = run("train", "--resume", "--epochs", "2", "--out", "../lenet300.pt", "-q")
+    assert resumed.exit_code == 0, resumed.stderr
+    plan = run("shrink", "../lenet300.pt", "--dry-run")
+    assert plan.exit_code == 0, plan.stderr
+    npz_file.rename(tmp_path / "moved.npz")
+    gone = run("shrink", "../lenet300.pt", "--out", "s", "-q")
+    _one_line(gone, 2, f"file {npz_file} does not exist (the data ../lenet300.pt records; pass")
+    assert not (tmp_path / "elsewhere" / "s").exists()
