@@ -134,8 +134,8 @@ def run(
         except CompressError:
             _kill_stopped_peer()
             raise
-        except RuntimeError:  # a collective failed: name the peer that stopped answering
-            error = silent_peer_error() if dist.is_initialized() else None
+        except RuntimeError as e:  # a collective failed: name the peer that stopped answering
+            error = _torchrun_peer_error(e) if dist.is_initialized() else None
             if error is None:
                 raise
             _kill_stopped_peer()
@@ -528,6 +528,42 @@ def silent_peer_error() -> StageError | None:
     if silence is None:
         return None
     return StageError(f"{describe(silence)}; {(_name or _worker)(_rank)} gave up waiting for it")
+
+
+def _torchrun_peer_error(e: BaseException) -> StageError | None:
+    """Under torchrun, for a rank whose collective failed: the peer to blame. No launcher of
+    ours watches the ranks there, so a peer that died (killed, crashed) was never named: its
+    heartbeat is not stale yet when the connection drops. A peer on this machine whose process
+    is gone is named at once; another peer once its heartbeat goes stale (a few seconds); a
+    dropped connection alone still says a peer ended, not that compress failed."""
+    dropped = re.search(r"Connection (reset|closed) by peer|Broken pipe|EOF", str(e)) is not None
+    deadline = time.monotonic() + (SILENT_S + 2 * HEARTBEAT_S if dropped else 0.0)
+    while True:
+        error = _dead_peer_error() or silent_peer_error()
+        if error is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(HEARTBEAT_S / 2)
+    if error is None and dropped:
+        error = StageError(
+            f"a peer of {(_name or _worker)(_rank)} ended ({gloo_line(e)}); torchrun's summary "
+            "names its rank and exit code"
+        )
+    return error
+
+
+def _dead_peer_error() -> StageError | None:
+    """A peer on this machine whose process has ended, as the error of this rank."""
+    if _beats is None:
+        return None
+    here = socket.gethostname()
+    for r, beat in sorted(_beats.seen().items()):
+        if r == _rank or beat.pid is None or beat.host not in (None, here):
+            continue
+        if _state(beat.pid) in ("Z", "X", "gone"):
+            name = (_name or _worker)(r)
+            who = f"{name[:-1]}, pid {beat.pid})" if name.endswith(")") else f"{name} (pid {beat.pid})"
+            return StageError(f"{who} ended; {(_name or _worker)(_rank)} gave up waiting for it")
+    return None
 
 
 def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:

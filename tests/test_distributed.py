@@ -572,3 +572,46 @@ def test_torchrun_restart_after_a_crash_ends_like_an_uninterrupted_run(tmp_path)
     a = checkpoint.load(tmp_path / "clean.pt").state_dict
     b = checkpoint.load(tmp_path / "crash.pt").state_dict
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_killed_rank_under_torchrun_is_named_by_its_peer(tmp_path):
+    """Under torchrun no launcher of ours watches the ranks: rank 0 said only "RuntimeError:
+    ... Connection reset by peer (unexpected)" when rank 1 was killed."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "compresskit.cli", "train", "--model", "mlp", "--data", "digits",
+        "--epochs", "1000", "--timeout", "60", "--out", str(tmp_path / "m.pt"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+    def rank1() -> int | None:  # torchrun's child whose environment says RANK=1
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                if str(tmp_path) not in (proc / "cmdline").read_text(errors="ignore"):
+                    continue
+                if b"\0RANK=1\0" in b"\0" + (proc / "environ").read_bytes():
+                    return int(proc.name)
+            except OSError:
+                continue
+        return None
+
+    try:
+        deadline = time.monotonic() + 60
+        while (tmp_path / "m.pt").exists() is False and time.monotonic() < deadline:
+            time.sleep(0.2)  # an epoch has ended: both ranks are in the training loop
+        victim = rank1()
+        assert victim is not None, "rank 1 not found"
+        os.kill(victim, signal.SIGKILL)
+        _, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert f"error: worker 1 (pid {victim}) ended; worker 0 gave up waiting for it" in err, err
