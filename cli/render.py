@@ -237,7 +237,7 @@ def deliverables(report: dict, out: Console) -> None:
         if Path(f["path"]).name == d["ship"]:
             note = "ship this (ONNX Runtime)"
         elif Path(f["path"]).name == d["ship_mobile"]:
-            note = "ship this on mobile (ORT Mobile)"
+            note = "ship this with ORT Mobile (CPU)"
         line = f"  {Path(f['path']).name:<{width}}  {f['bytes']:>11,} B  {f['ratio']:>6.1f}×"
         out.print(f"{line}  {note}" if note else line)
 
@@ -377,6 +377,12 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
                     else ""
                 )
             )
+    if report.get("ort", {}).get("ort_format"):
+        o = report["ort"]
+        out.print(
+            f"ort {Path(o['path']).name}: ORT format v{o['ort_format']}, opset {o['opset']}, "
+            f"ONNX Runtime ≥ {o['min_ort']}; for {o['runs_on']}"
+        )
     if "mobile" in report:
         out.print("mobile: " + mobile_verdicts(report["mobile"]))
     if "mobile_fixed_batch" in report:
@@ -406,6 +412,8 @@ def mobile_verdicts(m: dict) -> str:
         )
         if m[key] != "yes" and unsupported:
             why.append(f"unsupported ops {', '.join(unsupported)}")
+        if m[key] != "yes":  # what the checker's op list misses (int8 activations on NNAPI)
+            why += sorted({i["other"] for i in infos if "other" in i})
         why = [w for w in why if w]
         out.append(f"{name} {m[key]}" + (f" ({'; '.join(why)})" if why else ""))
     return ", ".join(out)

@@ -519,9 +519,15 @@ def _mobile_lines(report: dict[str, Any]) -> list[str]:
             if o.get("config")
             else ""
         )
+        version = (
+            f" ORT format v{o['ort_format']}, opset {o['opset']}: ONNX Runtime ≥ {o['min_ort']}."
+            if o.get("ort_format")
+            else ""
+        )
+        runs_on = f" For {o['runs_on']}." if o.get("runs_on") else ""
         lines += [
             f"`{Path(o['path']).name}`: {o['bytes']:,} bytes, answers like the .onnx (max abs "
-            f"Δ {o['max_abs_diff']:.2g}){config}.",
+            f"Δ {o['max_abs_diff']:.2g}){config}.{version}{runs_on}",
             "",
         ]
     # What the pipeline ships (and checked): the INT8 file, else the FP32 one.

@@ -561,7 +561,11 @@ def _dead_peer_error() -> StageError | None:
             continue
         if _state(beat.pid) in ("Z", "X", "gone"):
             name = (_name or _worker)(r)
-            who = f"{name[:-1]}, pid {beat.pid})" if name.endswith(")") else f"{name} (pid {beat.pid})"
+            who = (
+                f"{name[:-1]}, pid {beat.pid})"
+                if name.endswith(")")
+                else f"{name} (pid {beat.pid})"
+            )
             return StageError(f"{who} ended; {(_name or _worker)(_rank)} gave up waiting for it")
     return None
 

@@ -1004,3 +1004,17 @@ def test_a_build_marks_tensors_as_orts_own_reload_did(prepared):
     assert [t.SerializeToString() for t in mine.graph.initializer] == [
         t.SerializeToString() for t in reloaded.graph.initializer
     ]
+
+
+def test_a_tie_ships_uint8_activations():
+    """The same INT8 nodes and agreement: the s8s8 file won on its logits' error (0.00395 vs
+    0.00422 on a LeNet-5) and then ran on the CPU under NNAPI, which takes uint8 activations."""
+    from compresskit.compressor.export.qdq import ORT_DEFAULT
+
+    ours = I.Selection(I.scheme_for(I.QuantConfig(), False), None, agreement=0.99, mse=0.00422)
+    ort = I.Selection(ORT_DEFAULT, None, agreement=0.99, mse=0.00395)
+    ours.int8_nodes = ort.int8_nodes = 4
+    assert max([ort, ours], key=I.preference) is ours
+    assert max([ours, ort], key=I.preference) is ours
+    ort.agreement = 0.995  # agreement still comes first
+    assert max([ours, ort], key=I.preference) is ort

@@ -41,7 +41,7 @@ def _export(name: str, path: Path) -> Path:
     return path
 
 
-def _quantize(fp32: Path, path: Path) -> Path:
+def _quantize(fp32: Path, path: Path, activations: str = "QUInt8") -> Path:
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -67,7 +67,7 @@ def _quantize(fp32: Path, path: Path) -> Path:
         str(path),
         Reader(),
         quant_format=QuantFormat.QDQ,
-        activation_type=QuantType.QUInt8,
+        activation_type=getattr(QuantType, activations),
         weight_type=QuantType.QInt8,
         per_channel=True,
     )
@@ -103,6 +103,13 @@ def test_to_ort_writes_a_model_that_answers_like_the_onnx(models_dir, tmp_path, 
         "bytes": out.stat().st_size,
         "config": str(config),
         "max_abs_diff": result["max_abs_diff"],
+        # read back from the file: torch's own export (IR 10, which ONNX Runtime reads from
+        # 1.18) at opset 17; ORT format v6 alone would need 1.16
+        "ort_format": "6",
+        "ir_version": 10,
+        "opset": 17,
+        "min_ort": "1.18",
+        "runs_on": mobile.ORT_RUNS_ON,
     }
     assert 0 <= result["max_abs_diff"] <= 1e-4
     # Only the two outputs: the temporary folder is gone.
@@ -172,6 +179,22 @@ def test_usability_verdicts_fp32_int8_dynamic_and_fixed(models_dir, tmp_path, ca
     int8_fixed = mobile.usability(fixed8)
     assert (int8_fixed["nnapi"], int8_fixed["coreml"]) == ("yes", "no")
     assert capfd.readouterr() == ("", "")
+
+
+def test_int8_activations_are_no_nnapi_file(models_dir, tmp_path):
+    """ORT's checker judges op types only and said NNAPI "yes" (31/31 nodes) for an s8s8 file
+    with a fixed batch; ORT's NNAPI EP takes QDQ units with uint8 activations only."""
+    s8 = _quantize(models_dir / "lenet5.onnx", tmp_path / "s8.onnx", "QInt8")
+    fixed = mobile.fixed_batch(s8, tmp_path / "s8.fixed.onnx", 1)
+    verdict = mobile.usability(fixed)
+    assert verdict["nnapi"] == "no", verdict
+    assert "int8 activations: ORT's NNAPI EP takes uint8 ones" in verdict["details"]
+    from compresskit.cli.render import mobile_verdicts
+
+    line = mobile_verdicts({**verdict, "batch": 1})
+    assert line.startswith("NNAPI no (int8 activations: ORT's NNAPI EP takes uint8 ones)"), line
+    u8 = mobile.fixed_batch(models_dir / "lenet5.int8.onnx", tmp_path / "u8.fixed.onnx", 1)
+    assert mobile.usability(u8)["nnapi"] == "yes"  # the same graph with uint8 activations
 
 
 def test_usability_reports_a_failing_tool(models_dir, monkeypatch):

@@ -141,6 +141,9 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     for o in (onnx["fp32"], q, report["mobile_fixed_batch"]):
         assert o["opsets"] == {"ai.onnx": 18} and o["ir_version"] == 8 and o["min_ort"] == "1.14"
     assert report["ort"]["bytes"] == (out / "model.int8.ort").stat().st_size
+    # our export is opset 18, IR 8 (ONNX Runtime 1.14); the ORT format v6 file needs 1.16
+    assert (report["ort"]["ort_format"], report["ort"]["opset"]) == ("6", 18)
+    assert report["ort"]["min_ort"] == "1.16"
     assert (out / "model.int8.required_operators.config").is_file()
     assert report["mobile"]["nnapi"] in ("yes", "partial", "no")
     assert "## ONNX" in (out / "report.md").read_text()

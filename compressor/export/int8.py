@@ -336,8 +336,8 @@ def choose(
         closer = (selections[1].agreement, -selections[1].mse) > (best.agreement, -best.mse)
         if closer and ort <= ours * (1 + MARGIN):
             best = selections[1]
-    else:  # more INT8 compute first, then agreement, then logits closer to FP32
-        best = max(selections, key=lambda s: (s.int8_nodes, s.agreement, -s.mse))
+    else:
+        best = max(selections, key=preference)
     shipped = best.model if best.int8_nodes else None
     reason = "" if shipped is not None else no_int8_reason(best, cfg.min_agreement)
     return Choice(
@@ -379,6 +379,14 @@ def no_int8_reason(best: Selection, floor: float) -> str:
         f"with every node in INT8, {missed}; it held only with all {best.fallen_back} INT8 "
         f"nodes back in FP32"
     )
+
+
+def preference(s: Selection) -> tuple:
+    """Which selection ships off the host target: more INT8 compute first, then agreement,
+    then uint8 activations (ORT's NNAPI EP runs QDQ units with uint8 activations only: an
+    s8s8 file won a tie on its logits' error and then ran on the CPU on Android), then logits
+    closer to FP32."""
+    return (s.int8_nodes, s.agreement, s.scheme.activation == "QUInt8", -s.mse)
 
 
 def _searched(started: list[_Started]) -> list[str]:

@@ -258,6 +258,50 @@ def to_ort(onnx_path: Path, out_path: Path) -> dict:
         "bytes": out.stat().st_size,
         "config": str(config),
         "max_abs_diff": max_abs_diff,
+        **ort_versions(out),
+        "runs_on": ORT_RUNS_ON,
+    }
+
+
+# Fixed style bakes in ORT's CPU kernels (QLinearConv, QGemm, NhwcMaxPool: com.microsoft),
+# which NNAPI and CoreML do not take; ORT's converter advises its Runtime style for those.
+ORT_RUNS_ON = (
+    "ORT Mobile's CPU execution provider; for NNAPI or CoreML ship the .onnx file "
+    "(with --fixed-batch, its fixed-batch copy)"
+)
+# ORT format version -> the first ONNX Runtime release that reads it (ORT's "ORT model
+# format" page; v6 came with 1.16.0, as a maintainer put it in microsoft/onnxruntime#20670).
+ORT_FORMAT_SINCE = {"5": "1.13", "6": "1.16"}
+
+
+def ort_versions(path: Path) -> dict[str, Any]:
+    """{"ort_format", "ir_version", "opset", "min_ort"} read back from an .ort file: the ORT
+    format version and the model's ai.onnx opset and IR version, and the oldest release that
+    reads that format and implements that opset (other domains' stamps are left out: the
+    ORT-format loader does not check them, and 1.17.3 loads these files)."""
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import InferenceSession
+
+    from compresskit.compressor.export import compat
+
+    try:
+        root = InferenceSession.InferenceSession.GetRootAsInferenceSession(
+            Path(path).read_bytes(), 0
+        )
+        fmt = (root.OrtVersion() or b"").decode()
+        model = root.Model()
+        opsets = [model.OpsetImport(i) for i in range(model.OpsetImportLength())]
+        opset = next(int(o.Version()) for o in opsets if (o.Domain() or b"") in (b"", b"ai.onnx"))
+        ir = int(model.IrVersion())
+    except Exception as e:  # a file this reader does not understand: say so, do not guess
+        raise StageError(f"{path}: cannot read its ORT format header ({e})") from None
+    release = compat.min_ort({"ir_version": ir, "opsets": {"ai.onnx": opset}})
+    since = ORT_FORMAT_SINCE.get(fmt, compat.NEWER)
+    key = lambda r: (r.startswith(">"), tuple(int(x) for x in r.lstrip("> ").split(".")))  # noqa: E731
+    return {
+        "ort_format": fmt,
+        "ir_version": ir,
+        "opset": opset,
+        "min_ort": max(release, since, key=key),
     }
 
 
@@ -330,6 +374,15 @@ def usability(onnx_path: Path) -> dict:
             f"{', '.join(missing)}; its output format may have changed"
         )
 
+    if _int8_activations(onnx_path):
+        # The checker judges op types only; ORT's NNAPI EP takes QDQ units with uint8
+        # activations (int8 only as Conv/MatMul/Gemm weights), so an s8s8 file's quantized
+        # nodes would run on the CPU, with fixed shapes or without.
+        info = found["NNAPI"]
+        info["as_is"] = "NO"
+        if "fixed" in info:
+            info["fixed"] = "NO"
+        info["why"] = "int8 activations: ORT's NNAPI EP takes uint8 ones"
     parts = []
     for ep in _EPS:
         info = found[ep]
@@ -338,6 +391,8 @@ def usability(onnx_path: Path) -> dict:
             extra.append(f"{info['fixed']} with fixed shapes")
         if "unsupported" in info:
             extra.append(f"unsupported ops {info['unsupported']}")
+        if "why" in info:
+            extra.append(info["why"])
         parts.append(f"{ep} {info['as_is']} ({'; '.join(e for e in extra if e)})")
     coreml = max(
         (_VERDICTS[found[ep]["as_is"]] for ep in _EPS[1:]),
@@ -348,6 +403,21 @@ def usability(onnx_path: Path) -> dict:
         "coreml": coreml,
         "details": "; ".join(parts),
     }
+
+
+def _int8_activations(onnx_path: Path) -> bool:
+    """Whether a QDQ file quantizes activations to int8: a QuantizeLinear whose zero point is
+    an int8 initializer (weights are stored quantized and only dequantized)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    return any(
+        n.op_type == "QuantizeLinear"
+        and len(n.input) > 2
+        and inits.get(n.input[2]) == onnx.TensorProto.INT8
+        for n in model.graph.node
+    )
 
 
 def compose_hardsigmoid(graph: Any) -> int:
