@@ -81,7 +81,8 @@ Examples:
     type=click.IntRange(min=1),
     default=None,
     metavar="N",
-    help="Also write student.int8.fixed.onnx with batch N (NNAPI needs fixed shapes).",
+    help="Also write model.int8.fixed.onnx (student.* with --student) with batch N (NNAPI "
+    "needs fixed shapes).",
 )
 @click.option(
     "--student",

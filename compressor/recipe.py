@@ -714,9 +714,9 @@ def _validate(r: dict[str, Any], source: str) -> None:
     if not (_number(dd["labels"]) and 0 < dd["labels"] <= 1):
         raise _bad(source, "distill.labels", dd["labels"], "a fraction in (0, 1]")
     _int(r, source, "export", "opset", 13, 23)
-    if r["export"]["ir_version"] not in (0, 8, 9, 10, 11):
+    if r["export"]["ir_version"] not in (0, 7, 8, 9, 10, 11):
         raise _bad(
-            source, "export.ir_version", r["export"]["ir_version"], "0 (default), 8, 9, 10 or 11"
+            source, "export.ir_version", r["export"]["ir_version"], "0 (default), 7, 8, 9, 10 or 11"
         )
     ir, opset = r["export"]["ir_version"], r["export"]["opset"]
     if ir:

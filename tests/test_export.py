@@ -12,6 +12,7 @@ from compresskit.compressor import kmeans, prune
 from compresskit.compressor.export import int8
 from compresskit.compressor.export import onnxfile as E
 from compresskit.models import available, tiny
+from compresskit.models.errors import InputError
 from compresskit.models.zoo import input_kind
 
 
@@ -99,6 +100,20 @@ def test_ir9_for_older_runtimes(tmp_path):
     path = _export(tiny("mlp"), tmp_path, opset=17, ir_version=9)
     proto = onnx.load(str(path))
     assert proto.ir_version == 9 and proto.opset_import[0].version == 17
+
+
+def test_ir7_is_what_opset_13_writes_and_may_be_asked_for(tmp_path):
+    """--opset 13 wrote IR 7 by itself, yet ir_version = 7 was refused as impossible."""
+    import onnx
+
+    from compresskit.compressor.recipe import Recipe
+
+    Recipe.from_dict({"export": {"opset": 13, "ir_version": 7}})
+    with pytest.raises(InputError, match="opset 15 needs IR 8 or more"):
+        Recipe.from_dict({"export": {"opset": 15, "ir_version": 7}})
+    path = _export(tiny("mlp"), tmp_path, opset=13, ir_version=7)
+    proto = onnx.load(str(path))
+    assert proto.ir_version == 7 and proto.opset_import[0].version == 13
 
 
 @pytest.mark.parametrize(

@@ -57,8 +57,8 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if not 13 <= self.opset <= 23:
             raise InputError(f"opset {self.opset} is out of range; give 13..23 (default 18)")
-        if self.ir_version is not None and self.ir_version not in (8, 9, 10, 11):
-            raise InputError(f"ir_version {self.ir_version} is not one of 8, 9, 10, 11")
+        if self.ir_version is not None and self.ir_version not in (7, 8, 9, 10, 11):
+            raise InputError(f"ir_version {self.ir_version} is not one of 7, 8, 9, 10, 11")
         need = compat.min_ir_for(self.opset)
         if self.ir_version is not None and self.ir_version < need:
             raise InputError(
