@@ -287,3 +287,17 @@ def test_an_export_keeps_no_copy_of_the_model_alive(tmp_path):
     new = [t for t in tensors() if id(t) not in before and not t.is_meta and t.numel() > 1]
     assert not any(t.shape == model.head.weight.shape for t in new), "a copy of head.weight"
     assert sum(t.numel() for t in new) < sum(p.numel() for p in model.parameters())
+
+
+def test_every_opset_names_inputs_and_outputs_alike(tmp_path):
+    """Opsets below 18 go through TorchScript, which named the output "16" where dynamo wrote
+    "linear_1": app code that names the output broke when the opset changed."""
+    import onnx
+
+    names = {}
+    for opset in (13, 18):
+        (tmp_path / str(opset)).mkdir()
+        proto = onnx.load(str(_export(tiny("lenet5"), tmp_path / str(opset), opset=opset)))
+        assert proto.opset_import[0].version == opset
+        names[opset] = ([i.name for i in proto.graph.input], [o.name for o in proto.graph.output])
+    assert names[13] == names[18] and names[18][0] == ["x"]

@@ -272,7 +272,13 @@ def _to_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig):
     else:
         why = f"the converter wrote opset {_opset(converted)}"
     try:  # deprecated in torch, but the one exporter that writes opsets below 18 natively
-        legacy = _export(model, example, cfg, dynamo=False, name=proto.graph.input[0].name)
+        # The dynamo graph's input and output names, so an app that names them finds the
+        # same ones at every opset (TorchScript named the output "16" where dynamo wrote
+        # "linear_1").
+        outputs = [o.name for o in proto.graph.output]
+        legacy = _export(
+            model, example, cfg, dynamo=False, name=proto.graph.input[0].name, outputs=outputs
+        )
         if _opset(legacy) == cfg.opset:
             return legacy, "TorchScript"
     except StageError as e:
@@ -283,7 +289,9 @@ def _to_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig):
     )
 
 
-def _export(model, example, cfg: ExportConfig, dynamo: bool, name: str = "x"):
+def _export(
+    model, example, cfg: ExportConfig, dynamo: bool, name: str = "x", outputs: list | None = None
+):
     import onnx
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -294,6 +302,8 @@ def _export(model, example, cfg: ExportConfig, dynamo: bool, name: str = "x"):
         else:
             axes = {name: {0: "batch"}} if cfg.dynamic_batch else None
             kwargs = {"dynamo": False, "input_names": [name], "dynamic_axes": axes}
+            if outputs:
+                kwargs["output_names"] = outputs
         try:
             # The exporter reports progress on stdout/stderr and through torch's loggers; the
             # library stays silent.
