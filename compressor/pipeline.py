@@ -816,7 +816,10 @@ def decode_to_checkpoint(
 
     def expect(header_spec: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
         nonlocal rebuilt
-        spec = ModelSpec.from_dict(header_spec)
+        try:
+            spec = ModelSpec.from_dict(header_spec)
+        except InputError as e:
+            raise InputError(f"{path}: {e}") from None
         if allow_import is not None and allow_import != spec.name:
             raise InputError(
                 f"{path}: the archive holds model {spec.name}, not {allow_import}; pass "

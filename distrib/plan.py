@@ -911,6 +911,8 @@ def links_from(path: str) -> tuple[Link, Link, dict[str, Any]]:
     import json
     from pathlib import Path
 
+    from compresskit.models.zoo import huge_number
+
     where = f"--links-from {path}"
     fix = "give the output of compress plan --json"
     try:
@@ -922,6 +924,10 @@ def links_from(path: str) -> tuple[Link, Link, dict[str, Any]]:
         raise InputError(f"{where}: {e.strerror or e}; {fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{where}: not JSON ({e}); {fix}") from None
+    except RecursionError:  # json recurses once per level of nesting
+        raise InputError(f"{where}: nested too deeply to read; {fix}") from None
+    except ValueError as e:  # an integer past Python's 4,300-digit conversion limit
+        raise InputError(f"{where}: {huge_number(e)}; {fix}") from None
     except (KeyError, TypeError, AttributeError) as e:
         raise InputError(f"{where}: no link in it ({type(e).__name__}: {e}); {fix}") from None
     except InputError as e:

@@ -429,8 +429,12 @@ def _interpret(path: Path, obj: Any) -> Checkpoint:
             raise InputError(f"{path}: checkpoint has no valid state_dict")
         if not isinstance(obj.get("metadata") or {}, dict):
             raise InputError(f"{path}: checkpoint's metadata is not a table; the file is damaged")
+        try:
+            spec = ModelSpec.from_dict(obj.get("model"))
+        except InputError as e:
+            raise InputError(f"{path}: {e}") from None
         return Checkpoint(
-            spec=ModelSpec.from_dict(obj.get("model")),
+            spec=spec,
             state_dict=state,
             metadata=dict(obj.get("metadata") or {}),
             train_state=obj.get("train_state"),

@@ -93,6 +93,14 @@ class ModelSpec:
         kwargs = d.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise InputError(f"model spec for {d['name']}: 'kwargs' must be a mapping")
+        if len(d["name"]) > 500 or _values(kwargs) > MAX_SPEC_VALUES:
+            # A constructor takes a few arguments; a file that names lenet300 with
+            # hidden=[1] * 250000 held the meta-device build for 34 s and 1.5 GB.
+            raise InputError(
+                f"model spec for {d['name'][:80]}: its name or kwargs are larger than any "
+                f"model's constructor takes (over {MAX_SPEC_VALUES:,} values); the file is "
+                "damaged or crafted"
+            )
         thinned = d.get("thinned")
         if thinned is not None:
             from compresskit.models import thin
@@ -103,6 +111,22 @@ class ModelSpec:
     @property
     def is_import_path(self) -> bool:
         return ":" in self.name
+
+
+MAX_SPEC_VALUES = 10_000  # values in a model spec's kwargs, nested ones counted
+
+
+def _values(v: Any, budget: int = MAX_SPEC_VALUES + 1) -> int:
+    """How many values `v` holds, counting nested lists and mappings (stops past `budget`)."""
+    count, stack = 0, [v]
+    while stack and count <= budget:
+        x = stack.pop()
+        count += 1
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return count
 
 
 def _jsonable(v: Any) -> Any:
@@ -125,9 +149,20 @@ def parse_kwargs(text: str | None, flag: str = "--model-kwargs") -> dict[str, An
         raise InputError(
             f"{flag} is not JSON ({e.msg} at char {e.pos}); e.g. {flag} '{{\"width\": 64}}'"
         ) from None
+    except RecursionError:  # json recurses once per level of nesting
+        raise InputError(f"{flag}: nested too deeply to read; give a flat JSON object") from None
+    except ValueError as e:  # an integer past Python's 4,300-digit conversion limit
+        raise InputError(f"{flag}: {huge_number(e)}; give numbers a model can take") from None
     if not isinstance(value, dict):
         raise InputError(f"{flag} must be a JSON object, e.g. '{{\"width\": 64}}'")
     return value
+
+
+def huge_number(e: ValueError) -> str:
+    """A ValueError from json.loads other than a syntax error, in a few words."""
+    if "digits" in str(e):
+        return "an integer of more than 4,300 digits"
+    return (str(e).splitlines() or ["unreadable"])[0][:100]
 
 
 def resolve(name: str) -> Callable[..., nn.Module]:

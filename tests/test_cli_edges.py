@@ -510,3 +510,19 @@ def test_a_checkpoint_finds_its_npz_from_another_folder(run, npz_file, tmp_path,
     gone = run("shrink", "../lenet300.pt", "--out", "s", "-q")
     _one_line(gone, 2, f"file {npz_file} does not exist (the data ../lenet300.pt records; pass")
     assert not (tmp_path / "elsewhere" / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[" * 50_000 + "]" * 50_000, "nested too deeply to read"),
+        ('{"a": ' + "9" * 5000 + "}", "an integer of more than 4,300 digits"),
+    ],
+)
+def test_json_a_parser_cannot_take_is_bad_input(run, tmp_path, text, message):
+    """RecursionError and Python's integer-digit limit were exit 1, 'unexpected'."""
+    kwargs = run("train", "--model", "lenet300", "--model-kwargs", text, "--out", tmp_path / "m.pt")
+    _one_line(kwargs, 2, f"--model-kwargs: {message}")
+    (tmp_path / "links.json").write_text(text)
+    links = run("plan", "--links-from", tmp_path / "links.json", "--compute", "10ms")
+    _one_line(links, 2, f"--links-from {tmp_path / 'links.json'}: {message}")

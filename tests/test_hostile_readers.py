@@ -596,6 +596,22 @@ def test_checkpoint_metadata_that_is_not_a_table_is_refused(tmp_path):
             checkpoint.load(path)
 
 
+def test_a_model_spec_larger_than_any_constructor_takes_is_refused_unbuilt(tmp_path, run):
+    """hidden=[1] * 250000 in a checkpoint or archive header held the meta-device build (which
+    was to cost nothing) for 34 s and 1.5 GB; a spec that is not a mapping did not name the file."""
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [8]})
+    path = tmp_path / "m.pt"
+    checkpoint.save(path, tiny("mlp", in_shape=(1, 8, 8)), spec)
+    obj = torch.load(path, weights_only=True)
+    torch.save({**obj, "model": {"name": "lenet300", "kwargs": {"hidden": [1] * 20_000}}}, path)
+    message = f"{path}: model spec for lenet300: .*over 10,000"
+    with bounded(seconds=1.0), pytest.raises(InputError, match=message):
+        checkpoint.load(path)
+    torch.save({**obj, "model": "lenet300"}, path)
+    result = run("shrink", path, "--dry-run")
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {path}: model spec must")
+
+
 @pytest.mark.parametrize(("key", "value"), [("rounds", 101), ("rounds", 10**40)])
 def test_prune_rounds_are_bounded(key, value):
     with pytest.raises(InputError, match=f"prune.{key} = {value} is impossible"):
