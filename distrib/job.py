@@ -352,6 +352,7 @@ def run(
         raise InputError(f"--workers {job.workers}: give 1 or more")
     _check_timeout(job.timeout_s)
     check_writable(job.out, inputs=spec_files(job.data))
+    _check_replaceable(Path(job.out))
     gpu = job.config.device.startswith("cuda")
     if gpu:
         import torch
@@ -394,6 +395,31 @@ def _remove_partial_writes(out: Path, since: float) -> None:
         with contextlib.suppress(OSError):
             if tmp.stat().st_mtime >= since - 1:
                 tmp.unlink()
+
+
+def _check_replaceable(out: Path) -> None:
+    """A checkpoint --out replaces an earlier checkpoint (training again), never another kind
+    of file: `--out student/model.dcz` had replaced an archive with a checkpoint, exit 0."""
+    if not out.is_file() or out.stat().st_size == 0:
+        return
+    import zipfile
+
+    with open(out, "rb") as f:
+        head = f.read(4)
+    if head[:2] == b"\x80\x02":  # torch.save's legacy format starts with a protocol-2 pickle
+        return
+    try:
+        if zipfile.is_zipfile(out):
+            with zipfile.ZipFile(out) as z:
+                if any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist()):
+                    return  # torch.save's zip format
+    except (OSError, zipfile.BadZipFile):
+        pass
+    what = "a compress archive" if head == b"\x89DCZ" else "not a PyTorch checkpoint"
+    raise InputError(
+        f"--out {out} exists and is {what}; training writes a checkpoint there: give another "
+        "--out, or move the file away"
+    )
 
 
 def _run_ps(job: TrainJob, events_factory) -> TrainResult:

@@ -526,3 +526,20 @@ def test_json_a_parser_cannot_take_is_bad_input(run, tmp_path, text, message):
     (tmp_path / "links.json").write_text(text)
     links = run("plan", "--links-from", tmp_path / "links.json", "--compute", "10ms")
     _one_line(links, 2, f"--links-from {tmp_path / 'links.json'}: {message}")
+
+
+def test_train_replaces_a_checkpoint_but_no_other_file(run, tmp_path):
+    """--out student/model.dcz replaced the archive with a checkpoint, exit 0."""
+    from compresskit.compressor import archive
+
+    dcz, text = tmp_path / "model.dcz", tmp_path / "notes.txt"
+    dcz.write_bytes(archive.MAGIC + bytes(32))
+    text.write_text("mine")
+    for path, what in ((dcz, "a compress archive"), (text, "not a PyTorch checkpoint")):
+        result = run("train", "--model", "lenet300", "--epochs", "1", "-q", "--out", path)
+        _one_line(result, 2, f"--out {path} exists and is {what}; training writes a checkpoint")
+    assert dcz.read_bytes() == archive.MAGIC + bytes(32) and text.read_text() == "mine"
+    ck = tmp_path / "m.pt"
+    for _ in range(2):  # training again over its own checkpoint stays allowed
+        result = run("train", "--model", "lenet300", "--epochs", "1", "-q", "--out", ck)
+        assert result.exit_code == 0, result.stderr
