@@ -543,8 +543,14 @@ class _Reader:
 def read(path: str | os.PathLike, **options: Any) -> Decoded:
     """Decode an archive file into a model spec, metadata and a state_dict (see `decode`)."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: a folder, not an archive; give the .dcz file in it")
     if not path.is_file():
         raise InputError(f"{path}: no such archive")
+    with open(path, "rb") as f:  # the magic bytes first: a 5 GB file of anything else was
+        head = f.read(len(MAGIC))  # read whole (1.8 GB of RSS, or MemoryError) to say so
+    if head != MAGIC:
+        return decode(head, str(path), **options)  # says what the file is not
     return decode(path.read_bytes(), str(path), **options)
 
 

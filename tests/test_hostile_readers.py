@@ -646,3 +646,17 @@ def test_a_byte_order_mark_and_an_empty_yaml_file_are_read(tmp_path):
         assert recipe.read(path) == {"prune": {"sparsity": 0.5}}
     (tmp_path / "empty.yaml").write_text("")
     assert recipe.read(tmp_path / "empty.yaml") == {}  # as an empty TOML file
+
+
+def test_a_large_file_that_is_no_archive_is_refused_unread(tmp_path):
+    """The .dcz reader read the whole file before its magic-byte check: 1.8 GB of RSS for a
+    sparse 1.5 GB file, MemoryError for 5 GB under a memory limit."""
+    from compresskit.compressor import archive
+
+    big = tmp_path / "big.dcz"
+    with open(big, "wb") as f:
+        f.truncate(2 * GiB)  # sparse: no disk used
+    with bounded(seconds=1.0), pytest.raises(InputError, match="wrong magic bytes"):
+        archive.read(big)
+    with pytest.raises(InputError, match="a folder, not an archive"):
+        archive.read(tmp_path)
