@@ -660,3 +660,14 @@ def test_a_large_file_that_is_no_archive_is_refused_unread(tmp_path):
         archive.read(big)
     with pytest.raises(InputError, match="a folder, not an archive"):
         archive.read(tmp_path)
+
+
+@pytest.mark.parametrize("rows", [2**25, 10**12])
+def test_a_calibration_file_declaring_more_than_it_holds(tmp_path, rows):
+    """A truncated .npy was "holds Python objects"; 10^12 declared rows a MemoryError."""
+    from compresskit.compressor.export.onnxfile import load_calibration
+
+    path = tmp_path / "cal.npy"
+    path.write_bytes(npy_header((rows, 1, 8, 8)))
+    with bounded(seconds=1.0), pytest.raises(InputError, match="its header declares float32"):
+        load_calibration(path)

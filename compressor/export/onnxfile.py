@@ -22,6 +22,7 @@ import contextlib
 import copy
 import gc
 import io
+import math
 import tempfile
 import warnings
 from collections.abc import Iterable
@@ -103,6 +104,31 @@ def runtime_runs(opset: int, ir_version: int | None = None) -> None:
         ) from None
 
 
+def _check_npy_size(path: Path, flag: str) -> None:
+    """The .npy header against the file: a header declaring more data than the file holds was
+    read as "holds Python objects" (truncated) or a MemoryError (10^12 elements)."""
+    fmt = np.lib.format
+    try:
+        with path.open("rb") as f:
+            version = fmt.read_magic(f)
+            read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
+            if version not in read:
+                raise ValueError(f"unsupported .npy format version {version}")
+            shape, _fortran, dtype = read[version](f, max_header_size=10_000)
+            start = f.tell()
+    except Exception as e:  # numpy raises ValueError, struct.error, SyntaxError...
+        raise InputError(f"{flag} {path}: not a readable .npy array ({e})") from None
+    if dtype.hasobject:
+        raise InputError(f"{flag} {path}: holds Python objects; save a float array with numpy.save")
+    need = start + math.prod(shape) * dtype.itemsize
+    size = path.stat().st_size
+    if size < need:
+        raise InputError(
+            f"{flag} {path}: its header declares {dtype} of shape {tuple(shape)} ({need:,} "
+            f"bytes) but the file holds {size:,}; it is truncated or damaged: save it again"
+        )
+
+
 def load_calibration(path: Path, flag: str = "--calibration", tokens: bool = False) -> np.ndarray:
     """Calibration inputs from a .npy file, samples first, non-empty: for an image model
     (`tokens` False) a finite float array, returned as float32; integer arrays are refused,
@@ -115,9 +141,12 @@ def load_calibration(path: Path, flag: str = "--calibration", tokens: bool = Fal
     with path.open("rb") as f:
         if f.read(6) != b"\x93NUMPY":  # numpy would take any other file for a pickle
             raise InputError(f"{flag} {path}: not a .npy array; save one with numpy.save")
+    _check_npy_size(path, flag)
     try:
         x = np.load(path, allow_pickle=False)
-    except ValueError:
+    except ValueError as e:
+        if "pickle" not in str(e).lower() and "object" not in str(e).lower():
+            raise InputError(f"{flag} {path}: not a readable .npy array ({e})") from None
         raise InputError(
             f"{flag} {path}: holds Python objects; save a float array with numpy.save"
         ) from None
