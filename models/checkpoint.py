@@ -112,6 +112,7 @@ class Checkpoint:
         model = build(spec)
         if shapes is None:  # no meta build: check against the real one
             state = self._fitted({k: tuple(v.shape) for k, v in model.state_dict().items()}, spec)
+        self._check_kinds(state, model.state_dict(), spec)
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as e:  # what our checks do not foresee (a module's own hooks)
@@ -121,6 +122,26 @@ class Checkpoint:
                 f"{self.path}: weights do not fit model {spec.name}: {detail}"
             ) from None
         return model
+
+    def _check_kinds(
+        self, state: dict[str, torch.Tensor], model: dict[str, torch.Tensor], spec: ModelSpec
+    ) -> None:
+        """Weights a model can take: load_state_dict casts silently (complex lost its imaginary
+        part, bool became 0/1) and fails on a meta or sparse tensor with torch's own words."""
+        where = f"{self.path}: weights do not fit model {spec.name}"
+        for k, t in state.items():
+            if t.is_meta:
+                raise InputError(f"{where}: {k} is a meta tensor, which holds no values; save "
+                                 "the trained weights")  # fmt: skip
+            if t.layout != torch.strided:
+                raise InputError(f"{where}: {k} is a {t.layout} tensor; save t.to_dense()")
+            want = model[k].dtype
+            floating = want.is_floating_point
+            if t.is_complex() or (floating and not t.is_floating_point()):
+                raise InputError(
+                    f"{where}: {k} is {t.dtype} in the file but {want} in the model; save the "
+                    "model's real-valued weights (model.float())"
+                )
 
     def _fitted(self, want: dict[str, tuple[int, ...]], spec: ModelSpec) -> dict[str, torch.Tensor]:
         """The weights keyed as the model wants them, or a one-line InputError."""

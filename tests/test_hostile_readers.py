@@ -671,3 +671,30 @@ def test_a_calibration_file_declaring_more_than_it_holds(tmp_path, rows):
     path.write_bytes(npy_header((rows, 1, 8, 8)))
     with bounded(seconds=1.0), pytest.raises(InputError, match="its header declares float32"):
         load_calibration(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: t.to(torch.complex64), "is torch.complex64 in the file but torch.float32"),
+        (lambda t: t > 0, "is torch.bool in the file but torch.float32"),
+        (lambda t: t.long(), "is torch.int64 in the file but torch.float32"),
+        (lambda t: torch.empty(t.shape, device="meta"), "is a meta tensor, which holds no values"),
+        (lambda t: t.to_sparse(), "is a torch.sparse_coo tensor; save t.to_dense()"),
+    ],
+)
+def test_weights_of_a_kind_no_model_takes_are_refused(tmp_path, change, message):
+    """load_state_dict cast them silently (complex lost its imaginary part, bool became 0/1)
+    or failed with torch's own words (meta, sparse)."""
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [8]})
+    path = tmp_path / "m.pt"
+    checkpoint.save(path, tiny("mlp", in_shape=(1, 8, 8)), spec)
+    obj = torch.load(path, weights_only=True)
+    key = next(iter(obj["state_dict"]))
+    obj["state_dict"][key] = change(obj["state_dict"][key])
+    torch.save(obj, path)
+    with pytest.raises(InputError, match=re.escape(f"{key} {message}")):
+        checkpoint.load(path).build_model()
+    obj["state_dict"][key] = torch.zeros(obj["state_dict"][key].shape, dtype=torch.float64)
+    torch.save(obj, path)
+    checkpoint.load(path).build_model()  # another float precision is cast, as before
