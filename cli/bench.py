@@ -65,7 +65,8 @@ Examples:
 @click.option(
     "--trust-model",
     is_flag=True,
-    help="Allow importing the code each checkpoint names (your pkg.module:Class).",
+    help="Allow importing the code each checkpoint names (your pkg.module:Class); it is "
+    "imported and called: only for files you trust.",
 )
 @click.option(
     "--model-kwargs",

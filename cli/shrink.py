@@ -138,7 +138,8 @@ Examples:
     "--trust-model",
     is_flag=True,
     help="Allow importing the code the checkpoint names (your pkg.module:Class), without "
-    "typing its name as --model, and a student the recipe names by import path.",
+    "typing its name as --model, and a student the recipe names by import path. That code is "
+    "imported and called: only for files you trust.",
 )
 @click.option(
     "--sparsity",

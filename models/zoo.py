@@ -185,6 +185,12 @@ def resolve(name: str) -> Callable[..., nn.Module]:
             f"model {name!r}: an import path reads pkg.module:Class or pkg.module:function"
         )
     module_name = _RENAMED_MODULES.get(module_name, module_name)
+    if module_name.split(".")[0] in (*sys.stdlib_module_names, "builtins"):
+        # No model lives there, and with --trust-model a file naming os:system ran it.
+        raise InputError(
+            f"model {name!r}: {module_name} is Python's standard library, which builds no "
+            "models; name your model's class or factory (a file naming it is damaged or crafted)"
+        )
     try:
         module = _import_user_module(module_name)
     except ModuleNotFoundError as e:
@@ -213,6 +219,8 @@ def resolve(name: str) -> Callable[..., nn.Module]:
         raise InputError(f"model {name!r}: {attr} is a class but not a torch.nn.Module subclass")
     if not callable(obj):
         raise InputError(f"model {name!r}: {attr} is {type(obj).__name__}, not {what}")
+    if inspect.isbuiltin(obj):  # C code (numpy's, torch's own functions): builds no model
+        raise InputError(f"model {name!r}: {attr} is a built-in function, not {what}")
     return obj
 
 

@@ -698,3 +698,28 @@ def test_weights_of_a_kind_no_model_takes_are_refused(tmp_path, change, message)
     obj["state_dict"][key] = torch.zeros(obj["state_dict"][key].shape, dtype=torch.float64)
     torch.save(obj, path)
     checkpoint.load(path).build_model()  # another float precision is cast, as before
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("os:system", "os is Python's standard library, which builds no models"),
+        ("subprocess:run", "subprocess is Python's standard library"),
+        ("builtins:eval", "builtins is Python's standard library"),
+        ("torch:zeros", "zeros is a built-in function"),
+    ],
+)
+def test_trusted_code_is_still_a_model_constructor(tmp_path, name, message):
+    """--trust-model consents to the user's model code; a checkpoint naming os:system with
+    {"command": ...} ran the command, then failed on what it returned."""
+    from compresskit.models.zoo import resolve
+
+    marker = tmp_path / "ran"
+    with pytest.raises(InputError, match=re.escape(message)):
+        resolve(name)
+    spec = ModelSpec(name, {"command": f"touch {marker}"})
+    path = tmp_path / "m.pt"
+    checkpoint.save(path, tiny("mlp", in_shape=(1, 8, 8)), spec)
+    with pytest.raises(InputError, match=re.escape(message)):
+        checkpoint.load(path).build_model(allow_import=True)
+    assert not marker.exists()
