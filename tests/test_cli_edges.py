@@ -177,9 +177,11 @@ def test_resume_checks_model_kwargs_and_resolves_lr(run, tmp_path):
 
 def test_ctrl_c_does_not_point_at_an_older_file(run, tmp_path, monkeypatch):
     from compresskit.distrib import trainer
+    from compresskit.models import ModelSpec, checkpoint, tiny
 
-    out = tmp_path / "m.pt"
-    out.write_bytes(b"an older run's file")
+    out = tmp_path / "m.pt"  # an older run's checkpoint (train replaces no other kind of file)
+    checkpoint.save(out, tiny("mlp", in_shape=(1, 8, 8)), ModelSpec("mlp", {"hidden": [8]}))
+    older = out.read_bytes()
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
@@ -189,7 +191,7 @@ def test_ctrl_c_does_not_point_at_an_older_file(run, tmp_path, monkeypatch):
     result = run("train", "--model", "mlp", "--epochs", "1", "--out", out, "-q")
     assert result.exit_code == 130
     assert "last good checkpoint" not in result.stderr
-    assert out.read_bytes() == b"an older run's file"
+    assert out.read_bytes() == older
 
 
 def test_json_has_no_nan():
