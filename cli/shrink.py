@@ -16,6 +16,7 @@ from compresskit.compressor import recipe as recipe_mod
 from compresskit.compressor.shrink import plan as shrink_plan
 from compresskit.models import checkpoint, zoo
 from compresskit.models import data as data_mod
+from compresskit.models.errors import InputError
 
 
 class _IntOrAuto(click.ParamType):
@@ -264,6 +265,8 @@ def shrink(
             param_hint="--epochs",
         )
     if dry_run:
+        if model_path.exists() and not model_path.is_file():
+            raise InputError(f"{model_path}: a folder, not a checkpoint; give the .pt file")
         # With the checkpoint at hand, also what the recipe does to each of its layers.
         layers = _plan(model_path, data, recipe, model, model_kwargs, trust_model)
         if layers is None and not model_path.is_file():

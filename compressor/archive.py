@@ -828,6 +828,8 @@ def _read_record(r: _Reader, i: int) -> Dense | _SharedRecord:
             raise r.fail("a tensor has an empty name")
     dcode, ndim = r.unpack("BB")
     dtype = _dtype(r, dcode)
+    if ndim > 32:  # as format 3 reads them (a crafted 65-dimension shape was echoed whole)
+        raise r.fail(f"tensor {name}: {ndim} dimensions")
     shape = r.unpack(f"{ndim}I")
     numel = _check_shape(r, name, shape)
     (encoding,) = r.unpack("B")

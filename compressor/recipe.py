@@ -601,7 +601,10 @@ def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> Recipe
 
 
 def _bad(source: str, key: str, value: Any, fix: str) -> InputError:
-    return InputError(f"{source}: {key} = {value!r} is impossible; {fix}")
+    shown = repr(value)
+    if len(shown) > 60:  # a 4,000-digit integer was echoed whole
+        shown = f"{shown[:40]}... ({len(shown):,} characters)"
+    return InputError(f"{source}: {key} = {shown} is impossible; {fix}")
 
 
 def _validate(r: dict[str, Any], source: str) -> None:

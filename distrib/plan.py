@@ -94,7 +94,9 @@ _DURATION = re.compile(_NUMBER + r"(ns|us|µs|ms|s)\s*")
 
 def _positive(value: float, text: str, flag: str, what: str) -> float:
     if not (value > 0 and math.isfinite(value)):
-        raise InputError(f"{flag} {text!r}: the {what} must be positive; e.g. {_EXAMPLE[flag]}")
+        raise InputError(
+            f"{flag} {text!r}: the {what} must be positive and finite; e.g. {_EXAMPLE[flag]}"
+        )
     return value
 
 

@@ -424,6 +424,8 @@ def _expanded(spec: str, arg: str) -> Path:
 
 
 def _npz(spec: str, path: Path, input_name: str | None = None) -> Dataset:
+    if path.is_dir():
+        raise InputError(f"--data {spec!r}: {path} is a folder; give the .npz file in it")
     if not path.is_file():
         raise InputError(f"--data {spec!r}: file {path} does not exist")
     with open(path, "rb") as f:

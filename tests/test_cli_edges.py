@@ -545,3 +545,21 @@ def test_train_replaces_a_checkpoint_but_no_other_file(run, tmp_path):
     for _ in range(2):  # training again over its own checkpoint stays allowed
         result = run("train", "--model", "lenet300", "--epochs", "1", "-q", "--out", ck)
         assert result.exit_code == 0, result.stderr
+
+
+def test_crafted_inputs_get_messages_that_say_what_is_wrong(run, tmp_path):
+    """Each said something untrue or echoed a crafted value whole."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    # "file d does not exist" for a folder
+    _one_line(run("train", "--data", f"npz:{folder}"), 2, f"{folder} is a folder; give the .npz")
+    # "note: d does not exist yet", exit 0
+    _one_line(run("shrink", folder, "--dry-run"), 2, f"{folder}: a folder, not a checkpoint")
+    # "the time must be positive" for 1e400 ms (infinite)
+    result = run("plan", "--model", "mlp", "--compute", "1e400ms", "--bandwidth", "1GB/s")
+    _one_line(result, 2, "must be positive and finite")
+    # a 4,000-digit integer echoed whole
+    (tmp_path / "r.toml").write_text(f"[train]\nseed = {'9' * 4000}\n")
+    result = run("shrink", tmp_path / "m.pt", "--recipe", tmp_path / "r.toml", "--dry-run")
+    _one_line(result, 2, "train.seed = 9999999999")
+    assert "(4,000 characters) is impossible" in result.stderr and len(result.stderr) < 300

@@ -466,7 +466,7 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
 
         real = export._export
 
-        def dynamo_only(model, example, cfg, dynamo, name="x"):
+        def dynamo_only(model, example, cfg, dynamo, name="x", outputs=None):
             if not dynamo:  # as if torch had dropped its TorchScript exporter
                 raise export.StageError("ONNX export failed: gone")
             return real(model, example, cfg, dynamo)
