@@ -500,11 +500,19 @@ class Decoded:
     modes: list[Any] | None = None  # format 3: each record's modes (encode(..., modes=...))
 
 
+UNCHECKED_FLOOR = 1 << 22  # elements any archive may declare unchecked
+UNCHECKED_PER_BYTE = 1024  # and per byte of it (LeNet-300-100: 12, ResNet-18: about 10)
+
+
 class _Reader:
     def __init__(self, data: bytes, path: str, max_elements: int) -> None:
         self.data, self.pos, self.path = data, 0, path
         self.elements_left = max_elements
         self.max_elements = max_elements
+        # Elements the archive may declare while no model vouches for its shapes (`expect`
+        # None): range coding turns a 116-byte file into a 2^27-element tensor (36 s, 3.1 GB
+        # to decode), so there the file's size bounds them too. None: the caller set the cap.
+        self.unchecked_left: int | None = None
         self.expect: dict[str, tuple[int, ...]] | None = None
         self.model = ""
         self.names: list[str] | None = None  # version 2: the header's; 1: each record's own
@@ -593,6 +601,8 @@ def decode(
     if zlib.crc32(body) != crc:
         raise InputError(f"{path}: checksum mismatch: the archive is truncated or corrupted")
     r = _Reader(body, path, limits.max_elements() if max_elements is None else max_elements)
+    if max_elements is None:  # legitimate archives hold about 10 elements per byte
+        r.unchecked_left = UNCHECKED_FLOOR + UNCHECKED_PER_BYTE * len(data)
     r.take(len(MAGIC) + 2)
     if version == 3:
         return _decode_v3(r, data, expect, keep_entries, got)
@@ -863,6 +873,15 @@ def _check_shape(r: _Reader, name: str, shape: tuple[int, ...]) -> int:
             f"{r.max_elements:,} elements; if the model really is this large, raise the cap "
             f"(--max-elements or ${limits.ENV_MAX_ELEMENTS})"
         )
+    if r.expect is None and r.unchecked_left is not None:
+        if numel > r.unchecked_left:
+            raise InputError(
+                f"{r.path}: tensor {name}: shape {list(shape)} declares more elements than "
+                f"{UNCHECKED_PER_BYTE:,} per byte of the archive while no model checks its "
+                "shapes; pass --model NAME (your model's code) to check them, or --max-elements "
+                "to trust the file"
+            )
+        r.unchecked_left -= numel
     r.elements_left -= numel
     return numel
 

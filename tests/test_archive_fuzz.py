@@ -118,7 +118,11 @@ def test_an_empty_tensor_with_huge_other_dims_is_refused():
 def test_a_huge_entry_count_is_refused_before_decoding():
     # Was MemoryError from np.fromiter(count=n) with n from the file.
     tail = _shared_tail(2, 0, 2**31, 0, b"\x00")
-    _refused(_archive([_record("w", (2**31,), tail)]), "entries coded in 1 bytes|past")
+    crafted = _archive([_record("w", (2**31,), tail)])
+    # refused first for its elements per byte (no model checks this archive's shapes) ...
+    _refused(crafted, "more elements than 1,024 per byte of the archive")
+    # ... and, with the caller's own cap, by the count
+    _refused(crafted, "entries coded in 1 bytes|past", max_elements=2**31)
     tail = _shared_tail(2, 2, 3, 2**30, b"\x00", b"\x00")
     _refused(_archive([_record("w", (1000,), tail)]), "gap symbols")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -174,6 +175,19 @@ def _shared_dir(shape, k, n, modes=(0, 1, 0)):
 def _refused(data: bytes, match: str, **kw) -> None:
     with pytest.raises(InputError, match=match):
         archive.decode(data, "crafted.dcz", **kw)
+
+
+def test_a_tiny_archive_cannot_declare_a_huge_unchecked_tensor():
+    """Range coding turns a few words into any number of elements: a 116-byte file decoded a
+    2^27-element dense tensor in 36 s and 3.1 GB. With no model to check its shapes, the
+    file's size bounds them (1,024 per byte past a floor of 2^22)."""
+    dense = dcz3.record_head(0, (2**24,), dcz3.DENSE) + dcz3.dense_dir(0, 1)
+    crafted = _v3([dense], bytes(16))
+    start = time.perf_counter()
+    _refused(crafted, "more elements than 1,024 per byte of the archive")
+    assert time.perf_counter() - start < 1.0
+    small = _v3([dcz3.record_head(0, (2**16,), dcz3.DENSE) + dcz3.dense_dir(0, 1)], bytes(16))
+    _refused(small, "not in the form compress writes")  # under the floor: decoded, then judged
 
 
 def test_crafted_directories_are_refused_before_decoding():
