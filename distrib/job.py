@@ -352,7 +352,8 @@ def run(
         raise InputError(f"--workers {job.workers}: give 1 or more")
     _check_timeout(job.timeout_s)
     check_writable(job.out, inputs=spec_files(job.data))
-    _check_replaceable(Path(job.out))
+    if not job.resume:  # --resume reads the file and says what is wrong with it
+        _check_replaceable(Path(job.out))
     gpu = job.config.device.startswith("cuda")
     if gpu:
         import torch
