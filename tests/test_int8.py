@@ -99,7 +99,7 @@ def test_every_file_is_written_at_the_opset_and_ir_asked(tmp_path, opset, ir):
 def test_an_opset_no_route_can_write_is_refused(monkeypatch, tmp_path):
     real = E._export
 
-    def dynamo_only(model, example, cfg, dynamo, name="x"):
+    def dynamo_only(model, example, cfg, dynamo, name="x", outputs=None):
         if not dynamo:
             raise E.StageError("ONNX export failed: the TorchScript exporter is gone")
         return real(model, example, cfg, dynamo)
