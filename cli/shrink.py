@@ -117,8 +117,8 @@ Examples:
     "--target",
     type=click.Choice(["mobile", "host"]),
     default=None,
-    help="Who runs the INT8 file: mobile (default: nothing timed, the same bytes on every "
-    "build) or host (latency-aware on this machine) [recipe export.target].",
+    help="Who runs the INT8 file: mobile (default: nothing timed, so the load of the machine "
+    "changes no byte) or host (latency-aware on this machine) [recipe export.target].",
 )
 @click.option(
     "--model",
@@ -404,6 +404,7 @@ JSON_KEYS = (
     "layers",
     "budget",
     "files",
+    "environment",
     "seconds",
 )
 

@@ -315,6 +315,9 @@ def shrink_to_folder(
         with clock.step("report"):
             report_mod.plots(report, tmp)
         report["timings"] = clock.record()
+        # What the bytes may depend on: retraining's float sums follow the torch thread count
+        # (a one-core container writes other bits), and --target host times this CPU.
+        report["environment"] = envinfo.environment()
         with atomic_path(tmp / "report.json") as f:
             f.write_text(json.dumps(report, indent=2) + "\n")
         with atomic_path(tmp / "report.md") as f:

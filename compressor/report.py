@@ -31,6 +31,16 @@ def markdown(
     folder; by default the ones `plots()` writes for this report (`plot_names`)."""
     base = report["baseline"]
     lines = [f"# {title}", ""]
+    env = report.get("environment")
+    if env:  # what the bytes may depend on (README, "ONNX and INT8")
+        flags = ", ".join(f for f, on in env.get("cpu_flags", {}).items() if on) or "none listed"
+        lines += [
+            f"Built on {env.get('cpu_model')} ({flags}), {env.get('usable_cores')} of "
+            f"{env.get('logical_cores')} cores usable, {env.get('torch_threads')} torch threads; "
+            f"torch {env.get('versions', {}).get('torch')}, onnxruntime "
+            f"{env.get('versions', {}).get('onnxruntime')}.",
+            "",
+        ]
     if "data" in report:
         d = report["data"]
         lines += [
@@ -408,7 +418,9 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
             f"{_expected(int8)} (floor {int8['min_agreement']:.2%} for both).",
         ]
         lat = int8.get("latency_ms_batch1")
-        if lat:
+        if lat and not int8["int8_nodes"]:  # no INT8 file: its "int8" figure is the FP32 one's
+            lines.append(f"Batch-1 latency on ORT CPU (1 thread): FP32 {lat['fp32']:.3f} ms.")
+        elif lat:
             lines.append(
                 f"Batch-1 latency on ORT CPU (1 thread): FP32 {lat['fp32']:.3f} ms, "
                 f"shipped INT8 {lat['int8']:.3f} ms."

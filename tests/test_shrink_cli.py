@@ -144,6 +144,10 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     # our export is opset 18, IR 8 (ONNX Runtime 1.14); the ORT format v6 file needs 1.16
     assert (report["ort"]["ort_format"], report["ort"]["opset"]) == ("6", 18)
     assert report["ort"]["min_ort"] == "1.16"
+    # what the bytes may depend on: retraining's float sums follow the torch thread count
+    env = report["environment"]
+    assert env["torch_threads"] >= 1 and 1 <= env["usable_cores"] <= env["logical_cores"]
+    assert f"{env['torch_threads']} torch threads" in (out / "report.md").read_text()
     assert (out / "model.int8.required_operators.config").is_file()
     assert report["mobile"]["nnapi"] in ("yes", "partial", "no")
     assert "## ONNX" in (out / "report.md").read_text()
@@ -152,8 +156,8 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     assert Path(fixed["path"]).is_file()
 
 
-def _without(d, keys=("seconds", "path", "files", "config", "checkpoint", "source")):
-    """A report without what differs between two runs into two folders: paths and timings."""
+def _without(d, keys=("seconds", "path", "files", "config", "checkpoint", "source", "date")):
+    """A report without what differs between two runs into two folders: paths, timings, the date."""
     if isinstance(d, dict):
         return {k: _without(v, keys) for k, v in d.items() if k not in keys}
     if isinstance(d, list):
@@ -167,7 +171,9 @@ def test_target_mobile_writes_the_same_bytes_on_every_build(run, trained, tmp_pa
     args = ["shrink", folder / "lenet300.pt", "--recipe", folder / "fast.toml", "--out", again]
     result = run(*args, "--fixed-batch", "2", "--json", "-q")
     assert result.exit_code == 0, result.stderr
-    for name in ("model.int8.onnx", "model.fp32.onnx", "model.int8.fixed.onnx"):
+    # the operator config too: it named the random staging folder the .ort was made in
+    names = ("model.int8.onnx", "model.fp32.onnx", "model.int8.fixed.onnx", "model.dcz")
+    for name in (*names, "model.int8.required_operators.config"):
         assert (again / name).read_bytes() == (out / name).read_bytes(), name
     assert _without(result.json()) == _without(first)
 

@@ -249,8 +249,10 @@ def to_ort(onnx_path: Path, out_path: Path) -> dict:
             )
         # The config's header names the model it came from: point it at the final file, not
         # at the temporary folder that is about to disappear.
+        # Its file name only: `out` may itself be a staging path (the pipeline writes into a
+        # temporary folder and renames it), which left a random, vanished folder in the file.
         text = configs[0].read_text()
-        configs[0].write_text(text.replace(str(orts[0]), str(out)))
+        configs[0].write_text(text.replace(str(orts[0]), out.name))
         _replace_from(configs[0], config)
         _replace_from(orts[0], out)
     return {

@@ -132,6 +132,9 @@ def environment() -> dict:
         "cpu_flags": {flag: flag in info["flags"] for flag in CPU_FLAGS},
         "physical_cores": info["physical_cores"],
         "logical_cores": os.cpu_count(),
+        # the cores this process may run on (taskset, a container's cpuset): torch's default
+        # thread count follows them, and retraining's float sums follow that count
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
         "os": platform.platform(),
         "python": platform.python_version(),
