@@ -587,6 +587,12 @@ def bench_table(bench: dict, *, width: int | None = None, wide: bool = False) ->
     machine = f"{env.get('cpu_model')}, {env.get('logical_cores')} logical cores"
     software = f"torch {versions.get('torch')}, onnxruntime {versions.get('onnxruntime')}"
     out.print(_fold([machine, software, str(env.get("date"))], "; ", width))
+    load, cores = env.get("load_average_1min"), env.get("usable_cores") or env.get("logical_cores")
+    if load is not None and cores and load > cores:  # more runnable work than cores
+        out.print(
+            f"note: load average {load:.1f} on {cores} usable cores: other work ran beside "
+            "the timings, so latencies read high and the measured peaks (and % peak) low"
+        )
     rows = bench["results"]
     columns = _bench_columns(rows)
     shown, widths = _fit(columns, width, wide) if rows else ([], [])

@@ -327,3 +327,14 @@ def test_providers_asked_for_but_missing_are_one_line_each(run, tiny_models, mon
     assert "not installed" not in out
     for header in HEADERS:  # --wide
         assert header in out, header
+
+
+def test_a_busy_machine_is_named_beside_the_timings(capsys):
+    """A CPU hog halved the measured 2-thread peak (188 -> 96 GFLOP/s) with no word said."""
+    bench = _bench()
+    bench["environment"] = {**bench["environment"], "load_average_1min": 3.2, "usable_cores": 2}
+    render.bench_table(bench, width=200)
+    assert "note: load average 3.2 on 2 usable cores: other work ran" in capsys.readouterr().out
+    bench["environment"]["load_average_1min"] = 1.1  # bench's own thread: not a note
+    render.bench_table(bench, width=200)
+    assert "load average" not in capsys.readouterr().out

@@ -136,6 +136,8 @@ def environment() -> dict:
         # thread count follows them, and retraining's float sums follow that count
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
+        # other work on the machine: timings and measured peaks shrink under it
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "os": platform.platform(),
         "python": platform.python_version(),
         "versions": {name: _version(name) for name in _PACKAGES},
