@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -193,7 +194,8 @@ def shrink_to_folder(
     calib = preflight(recipe, data, model)
     if recipe.export.enabled and data is not None:
         _probe_opset(model, recipe, data)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    _remove_abandoned(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{_owner()}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
     try:
         distilled = None
@@ -782,6 +784,30 @@ def quant_config(e: ExportSection) -> int8.QuantConfig:
         reduce_range=e.reduce_range,
         min_agreement=e.min_agreement,
     )
+
+
+def _owner(pid: int | None = None) -> str:
+    """Who stages outputs in a folder: "host-pid", part of the staging folder's name."""
+    return f"{socket.gethostname()}-{os.getpid() if pid is None else pid}"
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Staging folders of earlier runs into `out` whose process has ended without cleaning up
+    (killed by SIGKILL or the OOM killer: SIGTERM and Ctrl-C clean up), on this host. A run
+    still going, another host's run or a folder named otherwise is left alone."""
+    import glob as glob_mod
+
+    head = f".{out.name}.{socket.gethostname()}-"
+    for folder in out.parent.glob(glob_mod.escape(head) + "*"):
+        pid = folder.name[len(head) :].split(".", 1)[0]
+        if not pid.isdigit() or not folder.is_dir() or folder.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # gone: its half-written files are ours to remove
+            shutil.rmtree(folder, ignore_errors=True)
+        except (PermissionError, OverflowError):  # alive under another user, or nonsense
+            continue
 
 
 def _move_into(tmp: Path, out: Path) -> None:

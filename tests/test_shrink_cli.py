@@ -629,3 +629,25 @@ def test_ensemble_members_must_agree(run, trained, tmp_path):
     )
     assert result.exit_code == 2 and "five.pt predicts 5 classes" in result.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_a_killed_runs_staging_folder_is_removed_by_the_next(tmp_path):
+    """SIGKILL left `.out.xxxx/` with a partial model.dcz beside --out, for good."""
+    import subprocess
+    import sys
+
+    from compresskit.compressor import pipeline
+
+    out = tmp_path / "out"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], **_CAPTURE)
+    abandoned = tmp_path / f".out.{pipeline._owner(int(dead.stdout))}.abc123"
+    running = tmp_path / f".out.{pipeline._owner()}.def456"  # this process: still going
+    other = tmp_path / ".out.otherhost-1.ghi789"
+    for folder in (abandoned, running, other):
+        folder.mkdir()
+        (folder / "model.dcz").write_bytes(b"half")
+    pipeline._remove_abandoned(out)
+    assert not abandoned.exists() and running.exists() and other.exists()
+
+
+_CAPTURE = {"capture_output": True, "text": True, "check": True}
