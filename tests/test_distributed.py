@@ -583,8 +583,10 @@ def test_a_killed_rank_under_torchrun_is_named_by_its_peer(tmp_path):
     from pathlib import Path
 
     cmd = [
+        # torchrun's agent polls its children every --monitor-interval seconds and then
+        # SIGTERMs the rest: at its 0.1 s it could end rank 0 before rank 0's collective failed
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "compresskit.cli", "train", "--model", "mlp", "--data", "digits",
+        "--monitor-interval", "10", "-m", "compresskit.cli", "train", "--model", "mlp", "--data", "digits",
         "--epochs", "1000", "--timeout", "60", "--out", str(tmp_path / "m.pt"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
