@@ -156,7 +156,19 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
     assert Path(fixed["path"]).is_file()
 
 
-def _without(d, keys=("seconds", "path", "files", "config", "checkpoint", "source", "date")):
+def _without(
+    d,
+    keys=(
+        "seconds",
+        "path",
+        "files",
+        "config",
+        "checkpoint",
+        "source",
+        "date",
+        "load_average_1min",
+    ),
+):
     """A report without what differs between two runs into two folders: paths, timings, the date."""
     if isinstance(d, dict):
         return {k: _without(v, keys) for k, v in d.items() if k not in keys}
