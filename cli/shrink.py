@@ -375,11 +375,10 @@ def _plan(
         return None  # the layers Deep Compression sees do not exist yet
     named = model or (ck.spec.name if ck.spec is not None else None)
     want = input_name(named, model)
-    recorded = ck.metadata.get("data")
-    if data or not recorded:
-        ds = data_mod.load(data or "digits", want)
+    if data:
+        ds = data_mod.load(data, want)
     else:
-        ds = data_mod.load_recorded(recorded, model_path, want)
+        ds = data_mod.load_recorded(ck.metadata.get("data"), model_path, want)
     spec = ck.spec_for(model, zoo.parse_kwargs(kwargs), ds.in_shape, ds.num_classes)
     return shrink_plan(ck.build_model(spec, allow_import=model == spec.name), recipe)
 

@@ -188,9 +188,8 @@ def _load(
         named = ck.spec.name
     consent = named  # the code the caller allowed to import
     want = data_mod.input_name(named or (ck.spec.name if ck.spec else None), consent)
-    recorded = ck.metadata.get("data")
-    if data is None and isinstance(recorded, str):
-        ds = data_mod.load_recorded(recorded, path, want)
+    if data is None:
+        ds = data_mod.load_recorded(ck.metadata.get("data"), path, want)
     else:
         ds = _dataset(data, "digits", want)
     resolved = ck.spec_for(named, dict(model_kwargs or {}), ds.in_shape, ds.num_classes)

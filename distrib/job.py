@@ -401,22 +401,11 @@ def _remove_partial_writes(out: Path, since: float) -> None:
 def _check_replaceable(out: Path) -> None:
     """A checkpoint --out replaces an earlier checkpoint (training again), never another kind
     of file: `--out student/model.dcz` had replaced an archive with a checkpoint, exit 0."""
-    if not out.is_file() or out.stat().st_size == 0:
+    if not out.is_file() or out.stat().st_size == 0 or checkpoint.is_torch_file(out):
         return
-    import zipfile
-
     with open(out, "rb") as f:
-        head = f.read(4)
-    if head[:2] == b"\x80\x02":  # torch.save's legacy format starts with a protocol-2 pickle
-        return
-    try:
-        if zipfile.is_zipfile(out):
-            with zipfile.ZipFile(out) as z:
-                if any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist()):
-                    return  # torch.save's zip format
-    except (OSError, zipfile.BadZipFile):
-        pass
-    what = "a compress archive" if head == b"\x89DCZ" else "not a PyTorch checkpoint"
+        archive = f.read(4) == b"\x89DCZ"  # compressor.archive.MAGIC's first bytes
+    what = "a compress archive" if archive else "not a PyTorch checkpoint"
     raise InputError(
         f"--out {out} exists and is {what}; training writes a checkpoint there: give another "
         "--out, or move the file away"

@@ -495,20 +495,26 @@ def silent_peer(rank: int | None = None) -> Silence | None:
 
 def describe(silence: Silence, name: Callable[[int], str] | None = None) -> str:
     """One line: "worker 1 (pid 123) stopped answering: no heartbeat for 21 s (...)"."""
-    words = (name or _name or _worker)(silence.rank)
     where = ", ".join(
         x
         for x in (silence.pid and f"pid {silence.pid}", silence.host and f"on {silence.host}")
         if x
     )
-    if where:  # "worker 1 (pid 9)", "server 0 (rank 2, pid 9)"
-        words = f"{words[:-1]}, {where})" if words.endswith(")") else f"{words} ({where})"
+    words = _with((name or _name or _worker)(silence.rank), where)
     if silence.age is None:
         how = "it never sent a heartbeat"
     else:
         how = f"no heartbeat for {silence.age:.0f} s"
     why = "it is stopped, by SIGSTOP or a debugger" if silence.stopped else "hung or stopped?"
     return f"{words} stopped answering: {how} ({why})"
+
+
+def _with(words: str, where: str) -> str:
+    """`words` naming a rank, with `where` inside its parentheses: "worker 1 (pid 9)",
+    "server 0 (rank 2, pid 9)"."""
+    if not where:
+        return words
+    return f"{words[:-1]}, {where})" if words.endswith(")") else f"{words} ({where})"
 
 
 def gloo_line(e: BaseException) -> str:
@@ -560,12 +566,7 @@ def _dead_peer_error() -> StageError | None:
         if r == _rank or beat.pid is None or beat.host not in (None, here):
             continue
         if _state(beat.pid) in ("Z", "X", "gone"):
-            name = (_name or _worker)(r)
-            who = (
-                f"{name[:-1]}, pid {beat.pid})"
-                if name.endswith(")")
-                else f"{name} (pid {beat.pid})"
-            )
+            who = _with((_name or _worker)(r), f"pid {beat.pid}")
             return StageError(f"{who} ended; {(_name or _worker)(_rank)} gave up waiting for it")
     return None
 

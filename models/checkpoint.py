@@ -329,6 +329,21 @@ def _is_zip(path: Path) -> bool:
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a pre-zip torch.save file
 
 
+def is_torch_file(path: Path) -> bool:
+    """Whether `path` looks like torch.save's output: its zip with a data.pkl record (an .npz
+    is a zip too), or a legacy file, which starts with a protocol-2 pickle."""
+    with open(path, "rb") as f:
+        if f.read(2) == b"\x80\x02":
+            return True
+    if not _is_zip(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n == "data.pkl" or n.endswith("/data.pkl") for n in z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def check_sizes(path: Path, max_elements: int | None = None) -> None:
     """Refuse a .pt whose declared sizes cannot be honest, before torch allocates them.
 

@@ -180,22 +180,32 @@ def load(spec: str, input_name: str | None = None) -> Dataset:
     raise InputError(f"--data {spec!r}: unknown data spec; use {SPECS_HELP}")
 
 
+def _spec_path(spec: object) -> tuple[str, Path] | None:
+    """("npz" or "mnist", its expanded path) for a spec that names a file or folder; None for
+    built-in data, anything that is not a spec string, or an unknown ~user (`load` says so)."""
+    kind, _, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if kind not in ("npz", "mnist") or not arg:
+        return None
+    try:
+        return kind, _expanded(spec, arg)
+    except InputError:
+        return None
+
+
 def recorded_spec(spec: str) -> str:
     """`spec` as a checkpoint records it: the path of npz:FILE or mnist:DIR made absolute, so
     `shrink`, `bench` and `--resume` run from another folder find the same data. Built-in
     data, and a spec that does not parse, stay as given."""
-    kind, _, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-    if kind not in ("npz", "mnist") or not arg:
-        return spec
-    try:
-        return f"{kind}:{os.path.abspath(_expanded(spec, arg))}"
-    except InputError:  # an unknown ~user: `load` says so
-        return spec
+    named = _spec_path(spec)
+    return spec if named is None else f"{named[0]}:{os.path.abspath(named[1])}"
 
 
-def load_recorded(spec: str, source: object, input_name: str | None = None) -> Dataset:
-    """`load` the data spec a checkpoint `source` records; failing, say where the spec came
-    from (the user gave no --data) and how to give other data."""
+def load_recorded(spec: object, source: object, input_name: str | None = None) -> Dataset:
+    """`load` the data spec a checkpoint `source` records (digits when it records none);
+    failing, say where the spec came from (the user gave no --data) and how to give other
+    data."""
+    if not spec:
+        return load("digits", input_name)
     try:
         return load(spec, input_name)
     except InputError as e:
@@ -206,15 +216,10 @@ def spec_files(spec: object) -> list[Path]:
     """The files a data spec reads (npz:FILE, the files of mnist:DIR); [] for built-in data
     or anything that is not a spec string. For refusing an output path that would replace
     them."""
-    if not isinstance(spec, str):
+    named = _spec_path(spec)
+    if named is None:
         return []
-    kind, _, arg = spec.partition(":")
-    if kind not in ("npz", "mnist") or not arg:
-        return []
-    try:
-        path = _expanded(spec, arg)
-    except InputError:  # an unknown ~user: `load` says so
-        return []
+    kind, path = named
     if kind == "npz":
         return [path]
     return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
@@ -542,22 +547,9 @@ def _npy_header(
     z: zipfile.ZipFile, info: zipfile.ZipInfo, where: str, fix: str
 ) -> tuple[tuple[int, ...], np.dtype, int]:
     """(shape, dtype, header length) of one .npy member, reading only its header bytes."""
-    fmt = np.lib.format
     try:
         with z.open(info) as f:
-            version = fmt.read_magic(f)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"unsupported .npy format version {version}")
-            width = 2 if version == (1, 0) else 4
-            length = f.read(width)
-            n = int.from_bytes(length, "little")
-            if len(length) < width or n > NPY_MAX_HEADER:
-                raise ValueError(f"a header of {n:,} bytes (numpy writes at most a few hundred)")
-            text = f.read(n)
-            if len(text) < n:
-                raise ValueError("the header is truncated")
-            read_header = fmt.read_array_header_1_0 if width == 2 else fmt.read_array_header_2_0
-            shape, _fortran, dtype = read_header(io.BytesIO(length + text))
+            shape, dtype, header = read_npy_header(f)
     except Exception as e:  # zipfile, zlib and numpy each raise their own kinds
         detail = one_line(e)
         raise InputError(f"{where}: not a readable .npy member ({detail}); {fix}") from None
@@ -568,6 +560,26 @@ def _npy_header(
         )
     if any(d < 0 for d in shape):
         raise InputError(f"{where}: negative size in shape {shape}; the file is damaged; {fix}")
+    return tuple(shape), dtype, header
+
+
+def read_npy_header(f) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, header length) of the .npy stream `f`, reading only its header bytes
+    (at most NPY_MAX_HEADER of them); ValueError (or numpy's own) when malformed."""
+    fmt = np.lib.format
+    version = fmt.read_magic(f)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f"unsupported .npy format version {version}")
+    width = 2 if version == (1, 0) else 4
+    length = f.read(width)
+    n = int.from_bytes(length, "little")
+    if len(length) < width or n > NPY_MAX_HEADER:
+        raise ValueError(f"a header of {n:,} bytes (numpy writes at most a few hundred)")
+    text = f.read(n)
+    if len(text) < n:
+        raise ValueError("the header is truncated")
+    read_header = fmt.read_array_header_1_0 if width == 2 else fmt.read_array_header_2_0
+    shape, _fortran, dtype = read_header(io.BytesIO(length + text))
     return tuple(shape), dtype, 6 + 2 + width + n
 
 

@@ -68,6 +68,15 @@ def min_ort(v: dict[str, Any]) -> str:
     return NEWER
 
 
+def later(*releases: str) -> str:
+    """The latest of `min_ort`-style releases ("1.16", "> 1.20")."""
+
+    def key(r: str) -> tuple:
+        return (r.startswith(">"), tuple(int(x) for x in r.lstrip("> ").split(".")))
+
+    return max(releases, key=key)
+
+
 def used_domains(model: Any) -> set[str]:
     """Domains of the nodes in the graph, its subgraphs and its local functions."""
     found: set[str] = set()

@@ -298,12 +298,11 @@ def ort_versions(path: Path) -> dict[str, Any]:
         raise StageError(f"{path}: cannot read its ORT format header ({e})") from None
     release = compat.min_ort({"ir_version": ir, "opsets": {"ai.onnx": opset}})
     since = ORT_FORMAT_SINCE.get(fmt, compat.NEWER)
-    key = lambda r: (r.startswith(">"), tuple(int(x) for x in r.lstrip("> ").split(".")))  # noqa: E731
     return {
         "ort_format": fmt,
         "ir_version": ir,
         "opset": opset,
-        "min_ort": max(release, since, key=key),
+        "min_ort": compat.later(release, since),
     }
 
 
@@ -412,14 +411,11 @@ def _int8_activations(onnx_path: Path) -> bool:
     an int8 initializer (weights are stored quantized and only dequantized)."""
     import onnx
 
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    inits = {t.name: t.data_type for t in model.graph.initializer}
-    return any(
-        n.op_type == "QuantizeLinear"
-        and len(n.input) > 2
-        and inits.get(n.input[2]) == onnx.TensorProto.INT8
-        for n in model.graph.node
-    )
+    from compresskit.compressor.export.protos import zero_point_types
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    quantize = [n for n in graph.node if n.op_type == "QuantizeLinear"]
+    return onnx.TensorProto.INT8 in zero_point_types(graph, quantize)
 
 
 def compose_hardsigmoid(graph: Any) -> int:

@@ -107,15 +107,11 @@ def runtime_runs(opset: int, ir_version: int | None = None) -> None:
 def _check_npy_size(path: Path, flag: str) -> None:
     """The .npy header against the file: a header declaring more data than the file holds was
     read as "holds Python objects" (truncated) or a MemoryError (10^12 elements)."""
-    fmt = np.lib.format
+    from compresskit.models.data import read_npy_header
+
     try:
         with path.open("rb") as f:
-            version = fmt.read_magic(f)
-            read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
-            if version not in read:
-                raise ValueError(f"unsupported .npy format version {version}")
-            shape, _fortran, dtype = read[version](f, max_header_size=10_000)
-            start = f.tell()
+            shape, dtype, start = read_npy_header(f)
     except Exception as e:  # numpy raises ValueError, struct.error, SyntaxError...
         raise InputError(f"{flag} {path}: not a readable .npy array ({e})") from None
     if dtype.hasobject:

@@ -22,6 +22,13 @@ def subgraphs(node):
         yield from a.graphs
 
 
+def zero_point_types(graph, nodes) -> set[int]:
+    """The element types (onnx.TensorProto codes) of the zero points that Q/DQ `nodes` of
+    `graph` read from its initializers."""
+    inits = {i.name: i.data_type for i in graph.initializer}
+    return {inits[n.input[2]] for n in nodes if len(n.input) > 2 and n.input[2] in inits}
+
+
 def compact(model):
     """`model` re-read from its own bytes. Python's protobuf (upb) allocates a message and all
     its parts in one arena that is freed only with the whole message: a model whose FP32

@@ -261,21 +261,20 @@ def onnx_precision(proto) -> str:
     was "int8" for every quantized file and "fp32" for float16 and MatMulNBits ones."""
     from onnx import TensorProto
 
+    from compresskit.compressor.export.protos import zero_point_types
+
     nodes = list(proto.graph.node)
     nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
     if nbits:
         bits = next((a.i for a in nbits[0].attribute if a.name == "bits"), 4)
         return f"int{bits}"
-    inits = {i.name: i for i in proto.graph.initializer}
+    inits = {i.name for i in proto.graph.initializer}
     qdq = [n for n in nodes if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
-
-    def zero_types(ns) -> set[int]:
-        return {inits[n.input[2]].data_type for n in ns if len(n.input) > 2 and n.input[2] in inits}
 
     # The weights' width names the file (A16W8 is int8 arithmetic, W4A8 int4 weights): the
     # zero points of the DequantizeLinear nodes that read an initializer, else all of them.
     weights = [n for n in qdq if n.op_type == "DequantizeLinear" and n.input[0] in inits]
-    kinds = zero_types(weights) or zero_types(qdq)
+    kinds = zero_point_types(proto.graph, weights) or zero_point_types(proto.graph, qdq)
     if kinds & {TensorProto.INT16, TensorProto.UINT16}:
         return "int16"
     if kinds & {TensorProto.INT4, TensorProto.UINT4}:
