@@ -243,6 +243,8 @@ def plain_serialisation(path: Path) -> bytes:
     entries = archive.read(path, keep_entries=True).entries
     floats, indices, gaps = [], [], []
     for e in entries:
+        if isinstance(e, archive.Alias):  # a tied weight: its tensor is already in
+            continue
         if isinstance(e, archive.Dense):
             floats.append(archive._raw(e.tensor.to(archive.stored_dtype(e))))
             continue

@@ -15,6 +15,9 @@ Format 3 (written by default; `compressor/dcz3.py`, models in `compressor/entrop
               dense (0):  u8 stored dtype (float16 only when exact), u8 byte-plane models
               shared (1): varint k (codebook size), u8 codebook byte-plane models,
                           varint n (kept weights), u8 mask mode, u8 index mode
+              alias (2):  varint j < i, a dense or shared record whose tensor this is (a
+                          tied weight, stored once; dtype and shape repeat record j's);
+                          it codes nothing, and decodes to record j's very tensor
     varint  W, then W u32 words: one range-coded stream, every record's symbols in order
     u32     CRC32
 
@@ -86,6 +89,7 @@ against it before decoding the record.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -158,6 +162,19 @@ class Shared:
             self.codebook[self.index]
         )
         return flat.view(self.shape)
+
+
+@dataclass
+class Alias:
+    """A tensor that is an earlier record's own tensor under another name (a tied weight:
+    `b.weight = a.weight`). Format 3 stores it once and decodes both names to one tensor, as
+    torch.save does; formats 1 and 2 store it again, as a copy of the record it names."""
+
+    name: str
+    of: str  # the earlier record's name
+
+
+Entry = Dense | Shared | Alias
 
 
 @dataclass
@@ -297,8 +314,8 @@ class ArchiveContext:
         h.update(kind + digest(e))
         return h.digest()
 
-    def add(self, e: Dense | Shared) -> None:
-        if self.version < 3:
+    def add(self, e: Entry) -> None:
+        if self.version < 3 or isinstance(e, Alias):  # an alias codes nothing
             return
         if self.prices is not None:
             self._history.update(digest(e))
@@ -327,6 +344,7 @@ def encode(
         raise ValueError(f"archive format version {version}: compress writes 1, 2 or 3")
     if version == 3:
         return _encode_v3(entries, spec, metadata, modes)
+    entries = _copies(entries)
     out = io.BytesIO()
     names = [e.name for e in entries] if version >= 2 else None
     header = zlib.compress(_header_text(spec, metadata, names), 9)
@@ -344,6 +362,15 @@ def encode(
     stats.bytes = len(data)
     stats.sha256 = hashlib.sha256(data).hexdigest()
     return data, stats
+
+
+def _copies(entries: list[Entry]) -> list[Dense | Shared]:
+    """Formats 1 and 2 have no alias record: each alias becomes a copy of the record it names."""
+    by_name = {e.name: e for e in entries}
+    return [
+        dataclasses.replace(by_name[e.of], name=e.name) if isinstance(e, Alias) else e
+        for e in entries
+    ]
 
 
 def _write_record(out: io.BytesIO, e: Dense | Shared, version: int) -> dict[str, Any] | None:
@@ -377,7 +404,16 @@ def _encode_v3(
     w = dcz3.Writer()
     directory = io.BytesIO()
     layers: dict[str, dict[str, Any]] = {}
+    where = {e.name: i for i, e in enumerate(entries)}
     for i, e in enumerate(entries):
+        if isinstance(e, Alias):
+            j = where.get(e.of, i)
+            if j >= i or isinstance(entries[j], Alias):
+                raise ValueError(f"{e.name} aliases {e.of}, which is not an earlier record")
+            head = _alias_head(entries[j], j)
+            directory.write(head)
+            layers[e.name] = {"alias_of": e.of, "record_bytes": len(head)}
+            continue
         start = w.bits()
         head, layer = _write_record_v3(w, e, None if modes is None else modes[i])
         directory.write(head)
@@ -392,6 +428,16 @@ def _encode_v3(
         layers=layers,
     )
     return data, stats
+
+
+def _alias_head(target: Dense | Shared, j: int) -> bytes:
+    """An alias's directory record: the dtype and shape of record `j`, which it repeats so
+    that a reader checks them like any record's, then `j`."""
+    if isinstance(target, Dense):
+        dtype, shape = target.tensor.dtype, tuple(target.tensor.shape)
+    else:
+        dtype, shape = torch.float32, tuple(target.shape)
+    return dcz3.record_head(DTYPES.index(dtype), shape, dcz3.ALIAS) + dcz3.varint(j)
 
 
 def _write_record_v3(
@@ -700,9 +746,11 @@ def _decode_v3(
     if len(set(r.names)) != len(r.names):
         twice = next(n for i, n in enumerate(r.names) if n in r.names[:i])
         raise r.fail(f"tensor {twice!r} appears twice")
-    if count > r.left() // 5:  # dtype, ndim, encoding and two mode bytes at least
+    if count > r.left() // 4:  # dtype, ndim, encoding and an alias's varint at least
         raise r.fail(f"header claims {count:,} tensors in {r.left():,} bytes")
-    plan = [_read_directory_v3(r, i) for i in range(count)]
+    plan: list[Any] = []
+    for i in range(count):
+        plan.append(_read_directory_v3(r, i, plan))
     words = r.varint()
     if 4 * words != r.left():
         raise r.fail(f"the stream holds {r.left():,} bytes, not {words:,} words")
@@ -710,8 +758,16 @@ def _decode_v3(
     reader = dcz3.Reader(stream)
     state: dict[str, torch.Tensor] = {}
     entries: list[Dense | Shared] = []
-    forced = [rec[2] if rec[0] == dcz3.DENSE else rec[3] for *_, rec in plan]
+    forced = [
+        rec[2] if rec[0] == dcz3.DENSE else rec[3] if rec[0] == dcz3.SHARED else None
+        for *_, rec in plan
+    ]
     for name, dtype, shape, numel, rec in plan:
+        if rec[0] == dcz3.ALIAS:  # the very tensor of an earlier record, as torch.save keeps it
+            of = r.names[rec[1]]
+            state[name] = state[of]
+            entries.append(Alias(name, of))
+            continue
         try:
             if rec[0] == dcz3.DENSE:
                 stored, mode = rec[1], rec[2]
@@ -748,7 +804,8 @@ def _decode_v3(
     return Decoded(spec, metadata, state, entries if keep_entries else None, sha, 3, forced)
 
 
-def _read_directory_v3(r: _Reader, i: int):
+def _read_directory_v3(r: _Reader, i: int, before: list[Any]):
+    """Record `i`'s directory entry (`before`: the records read so far, for an alias)."""
     name = r.names[i]
     dcode, ndim = r.unpack("BB")
     dtype = _dtype(r, dcode)
@@ -757,8 +814,18 @@ def _read_directory_v3(r: _Reader, i: int):
     shape = tuple(r.varint() for _ in range(ndim))
     if any(d >= 1 << 32 for d in shape):
         raise r.fail(f"tensor {name}: a dimension of 2^32 or more")
-    numel = _check_shape(r, name, shape)
     (encoding,) = r.unpack("B")
+    if encoding == dcz3.ALIAS:
+        j = r.varint()
+        if j >= i or before[j][4][0] == dcz3.ALIAS:
+            raise r.fail(f"tensor {name}: an alias of record {j:,}, not of an earlier record")
+        _, tdtype, tshape, numel, _ = before[j]
+        if (tdtype, tshape) != (dtype, shape):
+            raise r.fail(f"tensor {name}: an alias of {r.names[j]} with another dtype or shape")
+        # Checked against the model like any record; no element counted: nothing is allocated.
+        _check_shape(r, name, shape, count=False)
+        return name, dtype, shape, numel, (dcz3.ALIAS, j)
+    numel = _check_shape(r, name, shape)
     if encoding == dcz3.DENSE:
         scode, mode = r.unpack("BB")
         stored = _dtype(r, scode)
@@ -768,7 +835,10 @@ def _read_directory_v3(r: _Reader, i: int):
             raise r.fail(f"tensor {name}: unknown plane model {mode}")
         return name, dtype, shape, numel, (dcz3.DENSE, stored, mode)
     if encoding != dcz3.SHARED:
-        raise InputError(f"{r.path}: tensor {name}: unknown encoding {encoding}")
+        raise InputError(
+            f"{r.path}: tensor {name}: unknown encoding {encoding} (a newer compress may have "
+            "written it: upgrade compress)"
+        )
     if dtype != torch.float32:
         raise r.fail(f"tensor {name}: a shared tensor decodes to float32, not {dtype}")
     k = r.varint()
@@ -853,8 +923,9 @@ def _read_record(r: _Reader, i: int) -> Dense | _SharedRecord:
     return _SharedRecord(name, entry, entry.weight())
 
 
-def _check_shape(r: _Reader, name: str, shape: tuple[int, ...]) -> int:
-    """The model's shape for `name` (when known) and the element cap, before allocating."""
+def _check_shape(r: _Reader, name: str, shape: tuple[int, ...], count: bool = True) -> int:
+    """The model's shape for `name` (when known) and, when `count`, the element cap, before
+    allocating."""
     if r.expect is not None and r.expect.get(name) != shape:
         what = (
             f"shape {list(shape)}, model {r.model}'s is {list(r.expect[name])}"
@@ -865,6 +936,8 @@ def _check_shape(r: _Reader, name: str, shape: tuple[int, ...]) -> int:
             f"{r.path}: tensor {name}: {what}; the archive is damaged or names the wrong model"
         )
     numel = math.prod(shape)
+    if not count:
+        return numel
     # The cap is on all tensors together, checked before this one is allocated. An empty
     # tensor's other dims still set its strides, which must fit too.
     if numel > r.elements_left or math.prod(max(d, 1) for d in shape) > r.max_elements:

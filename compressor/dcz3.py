@@ -10,6 +10,7 @@ Byte layout (after the 8-byte magic; varints are unsigned LEB128):
               dense (0):  u8 stored dtype, u8 plane models (entropy.SHARED / OWN)
               shared (1): varint k, u8 codebook plane models, varint n (kept weights),
                           u8 mask mode (entropy.MASK_*), u8 index mode (entropy.INDEX_*)
+              alias (2):  varint j, an earlier dense or shared record (a tied weight)
     varint  W, then W little-endian u32 words: one range-coded stream holding every record's
             symbols in directory order (a dense tensor's byte planes; a shared tensor's
             codebook planes, its mask, its cluster indices)
@@ -39,7 +40,7 @@ import numpy as np
 
 from compresskit.compressor import entropy
 
-DENSE, SHARED = 0, 1
+DENSE, SHARED, ALIAS = 0, 1, 2
 
 
 def varint(v: int) -> bytes:

@@ -471,7 +471,10 @@ def prefer_dense_(model: nn.Module, recipe: Recipe, prices: dict | None = None) 
     # learn from them), as `_entries` will price them.
     context = archive.ArchiveContext(_format(recipe), prices)
     rounded = []
+    aliases = _aliases(model, recipe)
     for key in _baked_state_keys(model):
+        if key in aliases:  # codes nothing
+            continue
         s = shared_params.get(key)
         if s is None or key not in layers:
             context.add(archive.Dense(key, _baked_value(model, key).detach(), store_fp16=True))
@@ -569,11 +572,15 @@ def _entries(model: nn.Module, recipe: Recipe, prices: dict | None = None):
         for layer in kmeans.layers(model, embeddings=True).values()
         if layer.kind != "embedding" or embeddings or layer.key in shared
     }
-    entries: list[archive.Dense | archive.Shared] = []
+    entries: list[archive.Entry] = []
     info: dict[str, dict[str, Any]] = {}
     # Prices each record where it will sit; `prices` holds what `prefer_dense_` coded.
     context = archive.ArchiveContext(_format(recipe), prices)
+    aliases = _aliases(model, recipe)
     for key in _baked_state_keys(model):
+        if key in aliases:
+            entries.append(archive.Alias(key, aliases[key]))
+            continue
         value = _baked_value(model, key).detach()
         dense = archive.Dense(key, value.clone(), store_fp16=dense16)
         layer = layers.get(key)
@@ -610,6 +617,20 @@ def _entries(model: nn.Module, recipe: Recipe, prices: dict | None = None):
     # state_dict, after a MultiheadAttention's out_proj for instance).
     order = {key: i for i, key in enumerate(layers)}
     return entries, dict(sorted(info.items(), key=lambda kv: order[kv[0]]))
+
+
+def _aliases(model: nn.Module, recipe: Recipe) -> dict[str, str]:
+    """Each tied weight's key after the first of its group (`prune.tied_weights`, left dense),
+    to the first's: format 3 stores the tensor once (`archive.Alias`), as the baseline's
+    parameter count and torch.save count it. Formats 1 and 2 store it again."""
+    if _format(recipe) < 3:
+        return {}
+    order = {key: i for i, key in enumerate(_baked_state_keys(model))}
+    aliases = {}
+    for group in prune.tied_weights(model):
+        keys = sorted((k for k in group if k in order), key=order.__getitem__)
+        aliases.update((key, keys[0]) for key in keys[1:])
+    return aliases
 
 
 def _smaller(
@@ -682,6 +703,8 @@ def _account(stages, entries, info, base: int, recipe) -> None:
     p_bits = q_bits = 0
     for e in entries:
         i = info.get(e.name)
+        if isinstance(e, archive.Alias):
+            continue  # stored once, under its first name
         if i is not None:
             index_bits = (i["kept"] + i["escapes_fixed"]) * i["fixed_gap_bits"]
             p_bits += 32 * i["kept"] + index_bits

@@ -241,7 +241,7 @@ def save_state(
         "model": spec.to_dict(),
         # On the CPU whatever device trained it: a checkpoint written on a GPU box must load with
         # a plain torch.load on a laptop (torch refuses CUDA storages where CUDA is absent).
-        "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()},
+        "state_dict": _cpu_copies(state_dict),
         "metadata": {
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "versions": versions(),
@@ -254,6 +254,28 @@ def save_state(
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
     return path
+
+
+def _cpu_copies(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies of the tensors, one per view: tensors that are one view of one storage (a
+    tied weight under two names) stay one tensor, so torch.save stores it once and a model
+    loaded from the file keeps the tie's values (a copy each had doubled its bytes)."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for k, v in state_dict.items():
+        v = v.detach()
+        view = (
+            v.device,
+            v.untyped_storage().data_ptr(),
+            v.storage_offset(),
+            v.dtype,
+            tuple(v.shape),
+            v.stride(),
+        )
+        if not v.numel() or view not in copies:  # empty tensors may all point at 0
+            copies[view] = v.to("cpu", copy=True)
+        out[k] = copies[view]
+    return out
 
 
 def _on_cpu(obj: Any) -> Any:

@@ -14,6 +14,7 @@ from torch import nn
 
 import compresskit as ck
 from compresskit.compressor import ExportSection, PruneSection, QuantizeSection
+from compresskit.compressor import archive
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -127,6 +128,15 @@ def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(tmp_
     ck.decode(report.out / "model.dcz", tmp_path / "back.pt")
     state = torch.load(tmp_path / "back.pt", weights_only=True)["state_dict"]
     assert torch.equal(state["a.weight"], state["b.weight"])
+    # Stored once, and decoded to one tensor, as torch.save keeps a tie.
+    assert state["a.weight"].untyped_storage().data_ptr() == (
+        state["b.weight"].untyped_storage().data_ptr()
+    )
+    decoded = archive.read(report.out / "model.dcz", keep_entries=True)
+    assert archive.Alias("b.weight", "a.weight") in decoded.entries
+    twice, _ = archive.encode(archive._copies(decoded.entries), decoded.spec, decoded.metadata)
+    once = (report.out / "model.dcz").stat().st_size
+    assert len(twice) - once > 64 * 64  # the 64 x 64 float32 weight: over a byte a value
     assert bool((state["a.weight"] != 0).all())  # left dense
     assert float((state["out.weight"] == 0).float().mean()) == pytest.approx(0.6, abs=0.01)
     user = tiednets.Tied()

@@ -179,3 +179,56 @@ def test_a_tensor_too_big_for_this_machine_is_not_called_damaged(monkeypatch):
     monkeypatch.setattr(archive.Shared, "weight", no_memory)
     with pytest.raises(InputError, match=r"fc.weight of shape \[20, 30\] \(600 values\) does not "):
         archive.decode(data, "big.dcz")
+
+
+def _v3(names, directory, words=np.zeros(0, np.uint32)):
+    """A format-3 file from its parts, with a valid checksum (crafted records)."""
+    from compresskit.compressor import dcz3
+
+    header = dcz3.deflate(archive._header_text(SPEC, {}, names))
+    return dcz3.assemble(3, header, len(names), directory, words)
+
+
+def test_a_tied_tensor_is_stored_once_and_decodes_to_the_one_tensor():
+    entries, w = _entries()
+    tied = [*entries, archive.Alias("fc2.weight", "fc.weight"), archive.Alias("b2", "fc.bias")]
+    data, stats = archive.encode(tied, SPEC, {})
+    out = archive.decode(data, keep_entries=True)
+    assert out.state_dict["fc2.weight"] is out.state_dict["fc.weight"]
+    assert out.state_dict["b2"] is out.state_dict["fc.bias"]
+    assert bits_equal(out.state_dict["fc2.weight"], torch.from_numpy(w))
+    assert out.entries[-2:] == tied[-2:]
+    # Each alias is its directory record alone (dtype, ndim, shape, encoding, the record
+    # index) and its name in the header; a copy is its whole record again.
+    assert len(data) - len(archive.encode(entries, SPEC, {})[0]) < 24
+    assert len(archive.encode(archive._copies(tied), SPEC, {})[0]) - len(data) > 40
+    assert stats.layers["fc2.weight"] == {"alias_of": "fc.weight", "record_bytes": 6}
+    # Format 2 has no alias record: a copy, which decodes equal but not shared.
+    old = archive.decode(archive.encode(tied, SPEC, {}, version=2)[0])
+    assert bits_equal(old.state_dict["fc2.weight"], torch.from_numpy(w))
+    assert old.state_dict["fc2.weight"] is not old.state_dict["fc.weight"]
+
+
+@pytest.mark.parametrize(
+    "directory, message",
+    [
+        # tensor 0 an alias of itself, then of a later record
+        (bytes([0, 1, 2, 2, 0]) + bytes([0, 1, 2, 0, 0, 0]), "not of an earlier record"),
+        (bytes([0, 1, 2, 2, 1]) + bytes([0, 1, 2, 0, 0, 0]), "not of an earlier record"),
+        # another shape, then another dtype, than the record it names
+        (bytes([0, 1, 2, 0, 0, 0]) + bytes([0, 1, 3, 2, 0]), "another dtype or shape"),
+        (bytes([0, 1, 2, 0, 0, 0]) + bytes([1, 1, 2, 2, 0]), "another dtype or shape"),
+        (bytes([0, 1, 2, 0, 0, 0]) + bytes([0, 1, 2, 7, 0]), "unknown encoding 7 .*upgrade"),
+    ],
+)
+def test_a_crafted_alias_is_refused(directory, message):
+    with pytest.raises(InputError, match=message):
+        archive.decode(_v3(["a", "b"], directory), "x.dcz")
+
+
+def test_an_alias_of_an_alias_is_refused():
+    directory = bytes([0, 1, 2, 0, 0, 0]) + bytes([0, 1, 2, 2, 0]) + bytes([0, 1, 2, 2, 1])
+    with pytest.raises(InputError, match="not of an earlier record"):
+        archive.decode(_v3(["a", "b", "c"], directory), "x.dcz")
+    with pytest.raises(ValueError, match="not an earlier record"):
+        archive.encode([archive.Alias("b", "a"), archive.Dense("a", torch.ones(2))], SPEC, {})

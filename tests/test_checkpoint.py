@@ -159,3 +159,24 @@ def test_check_writable(tmp_path):
     with pytest.raises(InputError, match="not a folder"):
         check_writable(tmp_path / "file" / "a.pt")
     assert list(tmp_path.iterdir()) == [tmp_path / "file"]  # the probe file is gone
+
+
+def test_a_tied_weight_is_saved_once_and_loads_tied(tmp_path):
+    # Each tensor used to be copied on its own, so a tie took its bytes twice in the file.
+    tied = torch.nn.Sequential(torch.nn.Linear(200, 200), torch.nn.Linear(200, 200))
+    tied[1].weight = tied[0].weight
+    untied = torch.nn.Sequential(torch.nn.Linear(200, 200), torch.nn.Linear(200, 200))
+    a = checkpoint.save_state(tmp_path / "a.pt", tied.state_dict(), SPEC)
+    b = checkpoint.save_state(tmp_path / "b.pt", untied.state_dict(), SPEC)
+    assert b.stat().st_size - a.stat().st_size > 4 * 200 * 200 * 0.99
+    state = torch.load(a, weights_only=True)["state_dict"]
+    assert state["0.weight"].untyped_storage().data_ptr() == (
+        state["1.weight"].untyped_storage().data_ptr()
+    )
+    assert torch.equal(state["1.weight"], tied[0].weight)
+    # Views of one storage at other offsets or shapes are not merged.
+    base = torch.arange(12.0)
+    views = {"x": base[:6], "y": base[6:], "z": base.view(3, 4), "e": base[:0], "f": base[6:6]}
+    got = torch.load(checkpoint.save_state(tmp_path / "v.pt", views, SPEC), weights_only=True)
+    for k, v in views.items():
+        assert torch.equal(got["state_dict"][k], v), k
