@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 import compresskit as ck
-from compresskit.compressor import ExportSection, PruneSection, QuantizeSection
-from compresskit.compressor import archive
+from compresskit.compressor import ExportSection, PruneSection, QuantizeSection, archive
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

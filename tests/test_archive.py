@@ -181,12 +181,12 @@ def test_a_tensor_too_big_for_this_machine_is_not_called_damaged(monkeypatch):
         archive.decode(data, "big.dcz")
 
 
-def _v3(names, directory, words=np.zeros(0, np.uint32)):
+def _v3(names, directory):
     """A format-3 file from its parts, with a valid checksum (crafted records)."""
     from compresskit.compressor import dcz3
 
     header = dcz3.deflate(archive._header_text(SPEC, {}, names))
-    return dcz3.assemble(3, header, len(names), directory, words)
+    return dcz3.assemble(3, header, len(names), directory, np.zeros(0, np.uint32))
 
 
 def test_a_tied_tensor_is_stored_once_and_decodes_to_the_one_tensor():
