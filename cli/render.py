@@ -350,8 +350,8 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
         if over:
             out.print(
                 f"  larger than its P+Q figure ({over['pq_bytes']:,} bytes): the archive's fixed "
-                f"bytes (header, code tables, framing: {over['fixed_bytes']:,}) outweigh what "
-                "Huffman coding saves on a model this small"
+                f"bytes (header, codebooks, dense tensors, framing: {over['fixed_bytes']:,}) "
+                "outweigh what entropy coding saves on a model this small"
             )
     for kind, o in report.get("onnx", {}).items():
         out.print(

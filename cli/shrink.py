@@ -395,6 +395,7 @@ JSON_KEYS = (
     "mobile",
     "mobile_fixed_batch",
     "int8_not_written",
+    "data",
     "teacher",
     "student",
     "hint",

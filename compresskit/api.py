@@ -196,7 +196,9 @@ def _load(
     net = ck.build_model(resolved, allow_import=named == resolved.name)
     del ck  # its weights and optimizer state are copied into `net`
     data_mod.check_fits(net, ds, resolved.name)
-    return net, resolved, ds, {"data": data_mod.recorded_spec(ds.spec), "source": str(path)}
+    # The file's name, not its path: the metadata travels in the archive and model.pt, which
+    # should not carry the build machine's folders, nor change size with them.
+    return net, resolved, ds, {"data": data_mod.recorded_spec(ds.spec), "source": path.name}
 
 
 def shrink(
@@ -257,7 +259,7 @@ def shrink(
     # its own draws from the recipe).
     with torch.random.fork_rng(devices=[]):
         net, resolved, ds, meta = _load(model, data, spec, model_kwargs, trust_model)
-    _check_finite(net, meta["source"])
+    _check_finite(net, str(inputs[0]) if inputs else meta["source"])
     hooks = _hooks(ds, recipe, progress)
     report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
     return ShrinkReport.from_report(report, out)

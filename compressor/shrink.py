@@ -166,12 +166,15 @@ def shrink(
         ts = time.perf_counter()
         report["histogram"] = _quantize(model, q, recipe.train.seed, hooks, base_loss)
         if recipe.huffman.enabled:
-            dense = prefer_dense_(model, recipe, prices)
-            if dense:
-                hooks.info(f"stored dense ({q.dense}), smaller than shared: {', '.join(dense)}")
+            prefer_dense_(model, recipe, prices)
         stages.append(_stage("quantize", ts, model))
 
     entries, layer_info = _entries(model, recipe, prices)
+    # Named once the records are chosen: `prefer_dense_` rounds a codebook to float16 where
+    # dense looked smaller, and the rounded codebook may then code smaller shared.
+    encodings = [(i["layer"], i.get("encoding", "shared")) for i in layer_info.values()]
+    if dense := [f"{layer} ({e.split()[-1]})" for layer, e in encodings if e != "shared"]:
+        hooks.info(f"stored dense, smaller than shared: {', '.join(dense)}")
     _account(stages, entries, layer_info, baseline["bytes"], recipe)
     if recipe.huffman.enabled:
         ts = time.perf_counter()

@@ -14,6 +14,7 @@ from torch import nn
 
 import compresskit as ck
 from compresskit.compressor import ExportSection, PruneSection, QuantizeSection, archive
+from compresskit.distrib import Events
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -460,3 +461,24 @@ def test_a_recipe_naming_a_tied_layer_says_it_is_tied(tmp_path, monkeypatch):
     recipe = FAST.replace(prune=PruneSection(sparsity={"b": 0.5}, rounds=1, retrain_epochs=1))
     with pytest.raises(ck.InputError, match="names layer 'b', whose weight is tied"):
         ck.shrink(tiednets.Tied(), "digits", recipe, out=tmp_path / "o", spec="tiednets:Tied")
+
+
+def test_the_stored_dense_line_names_the_layers_the_archive_stores_dense(tmp_path):
+    # It named the layers whose codebook was rounded to float16 for a dense record, though
+    # some of them then coded smaller shared (the demo's conv2: "dense", stored shared).
+    lines: list[str] = []
+
+    class Listen(Events):
+        def info(self, message: str) -> None:
+            lines.append(message)
+
+    run = ck.train("lenet5", "digits", ck.TrainConfig(epochs=1), out=tmp_path / "t.pt")
+    recipe = FAST.replace(quantize=QuantizeSection(conv_bits=8, fc_bits=8, finetune_epochs=1))
+    report = ck.shrink(run, "digits", recipe, out=tmp_path / "o", progress=Listen())
+    rows = json.loads((report.out / "report.json").read_text())["layers"]
+    dense = [
+        f"{r['layer']} ({r['encoding'].split()[-1]})" for r in rows if r["encoding"] != "shared"
+    ]
+    said = [m for m in lines if m.startswith("stored dense")]
+    assert dense, "the test needs a layer stored dense"
+    assert said == [f"stored dense, smaller than shared: {', '.join(dense)}"]

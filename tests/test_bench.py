@@ -622,3 +622,14 @@ def test_a_file_given_twice_is_measured_once(run, shrunk, monkeypatch):
     result = run("bench", relative, shrunk / "model.fp32.onnx", "--batch", "1", *FAST, "--json")
     assert result.exit_code == 0, result.stderr
     assert [r["model"] for r in result.json()["results"]] == ["model.fp32.onnx"]
+
+
+def test_timing_inputs_are_the_datas_test_inputs_when_given():
+    # Random noise had timed LeNet-5's max-pooling 6x slower than digits do.
+    from compresskit.models import load_data
+
+    data = load_data("digits")
+    x = latency.inputs(None, 5, data, np.random.default_rng(0))
+    assert np.array_equal(x, data.x_test[:5].numpy())
+    big = latency.inputs(None, len(data.x_test) + 3, data, np.random.default_rng(0))
+    assert np.array_equal(big[-3:], data.x_test[:3].numpy()) and big.flags["C_CONTIGUOUS"]

@@ -83,6 +83,11 @@ def test_shrink_json_and_files(trained):
         assert c["ci_points"][0] <= c["points"] <= c["ci_points"][1]
     a = report["archive"]
     assert a["path"] == str(out / "model.dcz") and a["bytes"] == (out / "model.dcz").stat().st_size
+    assert report["data"] == json.loads((out / "report.json").read_text())["data"]  # README
+    # The archive names its checkpoint by file name: no folder of the build machine in it.
+    from compresskit.compressor import archive
+
+    assert archive.read(out / "model.dcz").metadata["source"] == "lenet300.pt"
     assert a["ratio"] == pytest.approx(report["baseline"]["bytes"] / a["bytes"])
     assert a["bytes"] <= 1.02 * a["entropy_bound_bytes"]
     for s in report["stages"]:  # every stage against the same dense FP32 baseline
