@@ -129,8 +129,9 @@ def markdown(
         "",
         "Bits are per kept weight; index bits are the relative-index (gap) code, escapes "
         "included. Size is the layer's archive record against its FP32 dense bytes. A shared "
-        "layer is stored dense where that record is smaller (both priced; the dense one "
-        "estimated, marked ≈, where it is plainly the larger).",
+        "layer is stored dense where that record is smaller (both priced, each coded alone "
+        "with the range coder's final flush, so up to 4 bytes over its share of the archive; "
+        "the dense one estimated, marked ≈, where it is plainly the larger).",
         "",
         *([tied_note(report) + ".", ""] if report.get("tied") else []),
         *_sensitivity_lines(report),
