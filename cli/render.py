@@ -298,6 +298,8 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
         out.print(note)
     if note := report_mod.tied_note(report):
         out.print(f"note: {note}")
+    if note := report_mod.uncovered_note(report):
+        out.print(f"note: {note}")
     base = report["baseline"]
     table = Table(title="compress shrink", **_LIGHT)
     for col in ("stage", "bytes", "ratio", "test acc", "Δ points", "95% CI (paired)"):

@@ -402,6 +402,7 @@ JSON_KEYS = (
     "transfer",
     "channels",
     "layers",
+    "uncovered",
     "budget",
     "files",
     "environment",

@@ -234,6 +234,9 @@ def shrink_to_folder(
         _explain_archive(report)
         if tied := prune.tied_weights(model):  # left dense: see prune.tied_weights
             report["tied"] = tied
+        embeddings = recipe.prune.embeddings or recipe.quantize.embeddings
+        if uncovered := prune.uncovered_weights(model, embeddings):
+            report["uncovered"] = uncovered
         if data is not None:
             report["data"] = {
                 "spec": data.spec,

@@ -134,6 +134,26 @@ def tied_weights(model: nn.Module) -> list[list[str]]:
     return [group for group in keys.values() if len(group) > 1]
 
 
+def uncovered_weights(model: nn.Module, embeddings: bool = False) -> list[dict[str, Any]]:
+    """Weight matrices (2 or more dimensions) that no layer of `weight_layers` holds and no
+    tie explains, by module in model order: an LSTM's or GRU's gates, a ConvTranspose, a bare
+    nn.Parameter, an embedding left out. The pipeline stores them dense, and the report names
+    them, so a user whose model is mostly such layers sees why its ratio is small."""
+    covered = {layer.key for layer in weight_layers(model, embeddings).values()}
+    covered |= tied_keys(model)
+    out: dict[str, dict[str, Any]] = {}
+    for mname, module in model.named_modules():
+        for pname, p in module._parameters.items():
+            key = f"{mname}.{pname}" if mname else pname
+            if p is None or p.dim() < 2 or key in covered:
+                continue
+            entry = out.setdefault(
+                mname, {"module": mname or "(model)", "type": type(module).__name__, "weights": 0}
+            )
+            entry["weights"] += p.numel()
+    return list(out.values())
+
+
 def tied_keys(model: nn.Module) -> set[str]:
     """Every state_dict key of `tied_weights`' groups."""
     return {key for group in tied_weights(model) for key in group}

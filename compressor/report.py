@@ -134,6 +134,7 @@ def markdown(
         "the dense one estimated, marked ≈, where it is plainly the larger).",
         "",
         *([tied_note(report) + ".", ""] if report.get("tied") else []),
+        *([uncovered_note(report) + ".", ""] if report.get("uncovered") else []),
         *_sensitivity_lines(report),
         *_plot_lines(report, plots),
         "## Recipe",
@@ -178,7 +179,26 @@ def _vs_bound(ratio: float) -> str:
     """What the archive's ratio to its streams' order-0 entropy says."""
     if ratio < 1:
         return "below 1: context models beat order 0"
+    if round(ratio, 4) == 1:
+        return "at the bound"
     return "above 1: what codebooks, dense tensors and framing add to the streams' bound"
+
+
+def uncovered_note(report: dict[str, Any]) -> str:
+    """One line naming the weight matrices no stage compresses ("" when none)."""
+    rows = report.get("uncovered")
+    if not rows:
+        return ""
+    total = sum(r["weights"] for r in rows)
+    share = total / max(report["baseline"]["parameters"], 1)
+    names = ", ".join(f"{r['module']} ({r['type']}, {r['weights']:,})" for r in rows[:6])
+    more = f" and {len(rows) - 6} more" if len(rows) > 6 else ""
+    embedding = any(r["type"] == "Embedding" for r in rows)
+    return (
+        f"kept dense, {total:,} weights ({share:.0%} of the model) in layers pruning and sharing "
+        f"do not cover (Linear, Conv1d/2d/3d, MultiheadAttention"
+        f"{'; embeddings with prune.embeddings = true' if embedding else ''}): {names}{more}"
+    )
 
 
 def tied_note(report: dict[str, Any]) -> str:
