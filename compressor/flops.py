@@ -2,8 +2,9 @@
 so a benchmark can report MACs, FLOPs and the GFLOP/s a runtime achieves.
 
 Only the layers that dominate inference count: convolutions and matrix products (Conv,
-Linear, MultiheadAttention's projections and its two attention products; in ONNX Conv,
-ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger, QLinearMatMul). Elementwise work (bias
+Linear, MultiheadAttention's projections and its two attention products, LSTM/GRU/RNN gates at
+every step; in ONNX Conv, ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger, QLinearMatMul,
+LSTM, GRU, RNN). Elementwise work (bias
 adds, BatchNorm, LayerNorm, activations, softmax, pooling, quantize/dequantize) and embedding
 look-ups (a Gather, no arithmetic) are not MACs and are left out on both sides, so
 `torch_macs(model) == onnx_macs(exported file)`; a QDQ INT8 file counts the same as its FP32
@@ -32,6 +33,7 @@ from compresskit.models.errors import InputError, one_line
 
 # ONNX op -> index of its weight input (the tensor whose shape gives the work per output).
 CONV_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3}
+RNN_OPS = ("LSTM", "GRU", "RNN")
 # ONNX op -> index of its right-hand input.
 MATMUL_OPS = {"MatMul": 1, "MatMulInteger": 1, "QLinearMatMul": 3}
 
@@ -72,6 +74,21 @@ def _attention_macs(module: nn.MultiheadAttention, args: tuple, kwargs: dict) ->
     return project + attend + batch * lq * e * e
 
 
+def _rnn_macs(module: nn.RNNBase, x: torch.Tensor) -> int:
+    """An LSTM's, GRU's or RNN's MACs: every step of every sequence multiplies the input and
+    the hidden state by each layer's and direction's matrices (weight_ih, weight_hh and an
+    LSTM's projection weight_hr), whose sizes already hold the gates. A PackedSequence counts
+    its real steps."""
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        steps = int(x.batch_sizes.sum())
+    elif x.dim() == 2:  # unbatched (T, F)
+        steps = x.shape[0]
+    else:
+        steps = x.shape[0] * x.shape[1]
+    per_step = sum(p.numel() for n, p in module.named_parameters() if n.startswith("weight_"))
+    return steps * per_step
+
+
 def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
     """MACs of one forward pass of `model` on `example` (at the example's batch size;
     float images or int64 token ids, whatever the model reads).
@@ -98,6 +115,9 @@ def module_macs(model: nn.Module, example: torch.Tensor) -> dict[str, int]:
         )
         counts[names[module]] = counts.get(names[module], 0) + macs
 
+    def rnn_hook(module, args, _output):
+        counts[names[module]] = counts.get(names[module], 0) + _rnn_macs(module, args[0])
+
     def attention_hook(module, args, kwargs, _output):
         counts[names[module]] = counts.get(names[module], 0) + _attention_macs(module, args, kwargs)
 
@@ -110,6 +130,8 @@ def module_macs(model: nn.Module, example: torch.Tensor) -> dict[str, int]:
                 handles.append(m.register_forward_hook(hook))
             elif isinstance(m, nn.MultiheadAttention):
                 handles.append(m.register_forward_hook(attention_hook, with_kwargs=True))
+            elif isinstance(m, nn.RNNBase):
+                handles.append(m.register_forward_hook(rnn_hook))
         model.eval()
         with torch.no_grad():
             model(example)
@@ -177,6 +199,19 @@ def _node_macs(node, shapes: dict[str, tuple[int, ...]], path: Path) -> int:
             )
         return shapes[name]
 
+    if op in RNN_OPS:
+        # X is (seq, batch, input), or (batch, seq, input) with layout = 1; W and R hold every
+        # direction's gates: each step multiplies by both. Steps from X, or from Y, (seq,
+        # directions, batch, hidden) or with layout = 1 (batch, seq, directions, hidden), when
+        # inference leaves X's shape open (a Reshape the exporter computes).
+        w, r = shape(node.input[1]), shape(node.input[2])
+        layout = next((at.i for at in node.attribute if at.name == "layout"), 0)
+        if node.input[0] in shapes:
+            steps = math.prod(shapes[node.input[0]][:2])
+        else:
+            y = shape(node.output[0])
+            steps = y[0] * (y[1] if layout else y[2])
+        return steps * (math.prod(w) + math.prod(r))
     out = shape(node.output[0])
     if op in CONV_OPS:
         # W is (M, C/group, k1, k2, ...): each output element costs prod(W.shape[1:]) MACs,
@@ -184,10 +219,11 @@ def _node_macs(node, shapes: dict[str, tuple[int, ...]], path: Path) -> int:
         w = shape(node.input[CONV_OPS[op]])
         return math.prod(out) * math.prod(w[1:])
     if op == "Gemm":
-        a = shape(node.input[0])
-        trans_a = any(at.name == "transA" and at.i for at in node.attribute)
-        k = a[0] if trans_a else a[1]
-        return math.prod(out) * k  # Y is (M, N); transB only changes B's layout
+        # K from B, a weight whose shape is always known (A's may not be: a Gather inference
+        # leaves open), (K, N) or with transB (N, K).
+        b = shape(node.input[1])
+        trans_b = any(at.name == "transB" and at.i for at in node.attribute)
+        return math.prod(out) * (b[1] if trans_b else b[0])  # Y is (M, N)
     # MatMul family: Y holds the broadcast batch dims and (M, N); each element is a length-K
     # dot product, K being A's last dim (a 1-D A is a vector of length K).
     a = shape(node.input[0])
@@ -223,7 +259,7 @@ def onnx_macs(path: Path | str, batch: int, sample: tuple[int, ...] | None = Non
         msg = one_line(e, 160)
         raise InputError(f"{path}: shape inference failed at batch {batch} ({msg})") from None
     shapes = _shapes(model)
-    counted = {*CONV_OPS, "Gemm", *MATMUL_OPS}
+    counted = {*CONV_OPS, "Gemm", *MATMUL_OPS, *RNN_OPS}
     return int(
         sum(
             _node_macs(node, shapes, path)

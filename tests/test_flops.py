@@ -196,3 +196,32 @@ def test_onnx_macs_refuses_bad_input(tmp_path):
         F.onnx_macs(junk, 1)
     with pytest.raises(InputError, match="batch"):
         F.onnx_macs(junk, 0)
+
+
+class _Recurrent(nn.Module):
+    """A 2-layer bidirectional LSTM (or GRU) over (N, 1, T, F) inputs, then a Linear head on
+    the last step (the Gather before the Gemm leaves its input's shape open in ONNX)."""
+
+    def __init__(self, cell=nn.LSTM, batch_first=True):
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = cell(6, 5, num_layers=2, bidirectional=True, batch_first=batch_first)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):
+        x = x.flatten(1, 2)  # (N, T, F)
+        out, _ = self.rnn(x if self.batch_first else x.transpose(0, 1))
+        return self.head(out[:, -1] if self.batch_first else out[-1])
+
+
+@pytest.mark.parametrize("cell, gates", [(nn.LSTM, 4), (nn.GRU, 3)])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_recurrent_layers_by_hand(tmp_path, cell, gates, batch_first):
+    # An LSTM classifier counted its head alone: bench said 0.0 GFLOP/s, 0% of the peak.
+    steps, hidden = 7, 5
+    per_step = 2 * gates * hidden * (6 + hidden) + 2 * gates * hidden * (2 * hidden + hidden)
+    want = 3 * steps * per_step + 3 * 10 * 3  # 3 sequences, then the head
+    model = _Recurrent(cell, batch_first)
+    assert F.torch_macs(model, torch.rand(3, 1, steps, 6)) == want
+    path = _export(model, tmp_path / "r.onnx", (1, steps, 6))
+    assert F.onnx_macs(path, 3) == want
