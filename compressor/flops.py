@@ -2,9 +2,11 @@
 so a benchmark can report MACs, FLOPs and the GFLOP/s a runtime achieves.
 
 Only the layers that dominate inference count: convolutions and matrix products (Conv,
-Linear, MultiheadAttention's projections and its two attention products, LSTM/GRU/RNN gates at
-every step; in ONNX Conv, ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger, QLinearMatMul,
-LSTM, GRU, RNN). Elementwise work (bias
+ConvTranspose, Linear, MultiheadAttention's projections and its two attention products,
+LSTM/GRU/RNN gates at every step; in ONNX Conv, ConvTranspose, ConvInteger, QLinearConv, Gemm,
+MatMul, MatMulInteger, QLinearMatMul, LSTM, GRU, RNN). A transposed convolution counts what it
+computes: every input element times every weight of its group, (in / groups) x out x kernel per
+input position, whatever its stride, padding or output padding crop or add. Elementwise work (bias
 adds, BatchNorm, LayerNorm, activations, softmax, pooling, quantize/dequantize) and embedding
 look-ups (a Gather, no arithmetic) are not MACs and are left out on both sides, so
 `torch_macs(model) == onnx_macs(exported file)`; a QDQ INT8 file counts the same as its FP32
@@ -15,8 +17,7 @@ FLOPs = 2 x MACs (one multiply and one add per MAC), the convention of most pape
 Limits: `torch_macs` sees layers through their `forward` (hooks), so a bare `torch.matmul` in a
 user's `forward`, or a layer whose weight is used without calling it, is not counted
 (nn.MultiheadAttention is counted as a whole: its out_proj is such a layer); attention over
-padded keys counts every key, as the exported graph computes them; transposed convolutions are not counted on either side; `onnx_macs`
-reads the main graph only (no If/Loop bodies).
+padded keys counts every key, as the exported graph computes them; `onnx_macs` reads the main graph only (no If/Loop bodies).
 
 onnx is imported inside functions, so `import compressor.flops` stays light.
 """
@@ -33,6 +34,9 @@ from compresskit.models.errors import InputError, one_line
 
 # ONNX op -> index of its weight input (the tensor whose shape gives the work per output).
 CONV_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3}
+# ConvTranspose's weight is (C, M / group, k1, ...): each input element scatters into
+# prod(W.shape[1:]) outputs, so its MACs follow the input, not the output.
+TRANSPOSED_OPS = {"ConvTranspose": 1}
 RNN_OPS = ("LSTM", "GRU", "RNN")
 # ONNX op -> index of its right-hand input.
 MATMUL_OPS = {"MatMul": 1, "MatMulInteger": 1, "QLinearMatMul": 3}
@@ -50,6 +54,13 @@ def _conv_macs(module: nn.Module, output: torch.Tensor) -> int:
     # Each output element sums over (in_channels / groups) x kernel products.
     per_out = module.in_channels // module.groups * math.prod(module.kernel_size)
     return output.numel() * per_out
+
+
+def _transposed_macs(module: nn.Module, x: torch.Tensor) -> int:
+    # Each input element is multiplied by out_channels / groups x kernel weights (the weight
+    # is (in, out / groups, k...)); an unbatched input (C, ...) is one sample.
+    per_in = module.out_channels // module.groups * math.prod(module.kernel_size)
+    return x.numel() * per_in
 
 
 def _linear_macs(module: nn.Module, output: torch.Tensor) -> int:
@@ -93,7 +104,8 @@ def torch_macs(model: nn.Module, example: torch.Tensor) -> int:
     """MACs of one forward pass of `model` on `example` (at the example's batch size;
     float images or int64 token ids, whatever the model reads).
 
-    Counted with forward hooks on Conv1d/2d/3d, Linear and MultiheadAttention modules,
+    Counted with forward hooks on Conv1d/2d/3d, ConvTranspose1d/2d/3d, Linear,
+    MultiheadAttention and LSTM/GRU/RNN modules,
     parametrized ones included (a parametrization subclasses the layer's class). A module
     called twice counts twice. The model runs once without autograd in eval mode; its
     train/eval flags are restored after, so BatchNorm statistics are left as they were.
@@ -115,6 +127,9 @@ def module_macs(model: nn.Module, example: torch.Tensor) -> dict[str, int]:
         )
         counts[names[module]] = counts.get(names[module], 0) + macs
 
+    def transposed_hook(module, args, _output):
+        counts[names[module]] = counts.get(names[module], 0) + _transposed_macs(module, args[0])
+
     def rnn_hook(module, args, _output):
         counts[names[module]] = counts.get(names[module], 0) + _rnn_macs(module, args[0])
 
@@ -125,8 +140,10 @@ def module_macs(model: nn.Module, example: torch.Tensor) -> dict[str, int]:
     flags = {m: m.training for m in model.modules()}
     try:
         for m in model.modules():
-            is_conv = isinstance(m, nn.modules.conv._ConvNd) and not m.transposed
-            if is_conv or isinstance(m, nn.Linear):
+            is_conv = isinstance(m, nn.modules.conv._ConvNd)
+            if is_conv and m.transposed:
+                handles.append(m.register_forward_hook(transposed_hook))
+            elif is_conv or isinstance(m, nn.Linear):
                 handles.append(m.register_forward_hook(hook))
             elif isinstance(m, nn.MultiheadAttention):
                 handles.append(m.register_forward_hook(attention_hook, with_kwargs=True))
@@ -212,6 +229,10 @@ def _node_macs(node, shapes: dict[str, tuple[int, ...]], path: Path) -> int:
             y = shape(node.output[0])
             steps = y[0] * (y[1] if layout else y[2])
         return steps * (math.prod(w) + math.prod(r))
+    if op in TRANSPOSED_OPS:
+        return math.prod(shape(node.input[0])) * math.prod(
+            shape(node.input[TRANSPOSED_OPS[op]])[1:]
+        )
     out = shape(node.output[0])
     if op in CONV_OPS:
         # W is (M, C/group, k1, k2, ...): each output element costs prod(W.shape[1:]) MACs,
@@ -236,7 +257,7 @@ def onnx_macs(path: Path | str, batch: int, sample: tuple[int, ...] | None = Non
 
     Symbolic (or 0) input dims become `batch` (the first) or `sample`'s, then `onnx.shape_inference` (with data
     propagation, for exporters that compute Reshape targets from Shape) gives every shape.
-    Counts Conv, ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger and QLinearMatMul nodes
+    Counts Conv, ConvTranspose, ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger and QLinearMatMul nodes
     of the main graph; in a QDQ file DequantizeLinear -> Conv is still one Conv, counted once.
     """
     import onnx
@@ -259,7 +280,7 @@ def onnx_macs(path: Path | str, batch: int, sample: tuple[int, ...] | None = Non
         msg = one_line(e, 160)
         raise InputError(f"{path}: shape inference failed at batch {batch} ({msg})") from None
     shapes = _shapes(model)
-    counted = {*CONV_OPS, "Gemm", *MATMUL_OPS, *RNN_OPS}
+    counted = {*CONV_OPS, *TRANSPOSED_OPS, "Gemm", *MATMUL_OPS, *RNN_OPS}
     return int(
         sum(
             _node_macs(node, shapes, path)
