@@ -850,6 +850,26 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
     return None
 
 
+def _layout_hint(data: Dataset) -> str:
+    """How float arrays reach a model, for a model that did not take them: every stage and
+    exporter sees one 4-D layout, so (N, F) features arrive as (N, 1, 1, F) and a 3-D array
+    (N, T, F), images or sequences alike, as (N, 1, T, F)."""
+    shape = tuple(data.in_shape)
+    if data.is_tokens or len(shape) != 3 or shape[0] != 1:
+        return ""
+    if shape[1] == 1:  # a Linear applied to (N, 1, 1, F) keeps the two 1-sized dimensions
+        return (
+            f"; --data gives (N, F) features as (N, 1, 1, {shape[2]}): begin forward with "
+            "x = x.flatten(1)"
+        )
+    if not str(data.spec).startswith("npz:"):
+        return ""  # built-in images: nothing to say beyond their shape
+    return (
+        f"; --data gives 3-D arrays (N, T, F) as (N, 1, {shape[1]}, {shape[2]}): a model of "
+        "sequences begins forward with x = x[:, 0]"
+    )
+
+
 def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
     """Fail with one line when `data` cannot go through `model` (arguments, shape, token ids
     beyond its vocabulary, or class count).
@@ -893,6 +913,7 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
             out = model(data.x_train[:2])
     except Exception as e:  # the model's own code decides what it raises
         detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        hint = hint or _layout_hint(data)
         raise InputError(
             f"--data {data.spec!r}: {what} of shape {tuple(data.in_shape)} do not fit model "
             f"{model_name} ({type(e).__name__}: {detail[:200]}){hint}"
@@ -901,13 +922,7 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
         model.train(was_training)
     if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != 2:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        if not data.is_tokens and tuple(data.in_shape[:2]) == (1, 1):
-            # (N, F) features arrive as (N, 1, 1, F), one shape for every stage and exporter;
-            # a Linear applied to that keeps the two 1-sized dimensions
-            hint = (
-                f"; --data gives (N, F) features as (N, 1, 1, {data.in_shape[2]}): begin "
-                "forward with x = x.flatten(1)"
-            )
+        hint = hint or _layout_hint(data)
         raise InputError(
             f"model {model_name} returns {got} for a batch of 2; "
             f"a classifier returns one tensor of shape (batch, classes){hint}"

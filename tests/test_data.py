@@ -198,6 +198,40 @@ def test_a_model_of_flat_features_is_told_how_they_arrive(tmp_path):
     check_fits(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(20, 3)), data, "mine")
 
 
+class _LastStep(torch.nn.Module):
+    """An LSTM classifier over (N, T, F), reading x[:, 0] when told its input is (N, 1, T, F)."""
+
+    def __init__(self, squeeze: bool):
+        super().__init__()
+        self.squeeze = squeeze
+        self.rnn = torch.nn.LSTM(5, 4, batch_first=True)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x[:, 0] if self.squeeze else x)
+        return self.head(out[:, -1])
+
+
+def test_a_model_of_sequences_is_told_how_they_arrive(tmp_path):
+    """A 3-D npz x (N, T, F) reaches a model as (N, 1, T, F); an LSTM failed on it with
+    torch's "input.size(-1) must be equal to input_size" and no word on the layout."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 7, 5)).astype("float32")
+    np.savez(tmp_path / "s.npz", x=x, y=np.arange(40) % 3)
+    data = load(f"npz:{tmp_path / 's.npz'}")
+    assert data.in_shape == (1, 7, 5)
+    with pytest.raises(InputError, match=r"as \(N, 1, 7, 5\): a model of sequences begins"):
+        check_fits(_LastStep(squeeze=False), data, "mine")
+    check_fits(_LastStep(squeeze=True), data, "mine")
+
+
+def test_built_in_images_get_no_sequence_hint(tmp_path):
+    data = load("digits")
+    with pytest.raises(InputError) as e:
+        check_fits(torch.nn.Sequential(torch.nn.Linear(3, 2)), data, "mine")
+    assert "sequences" not in str(e.value)
+
+
 # --- token ids ------------------------------------------------------------------------------
 
 
