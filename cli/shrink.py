@@ -380,7 +380,9 @@ def _plan(
     else:
         ds = data_mod.load_recorded(ck.metadata.get("data"), model_path, want)
     spec = ck.spec_for(model, zoo.parse_kwargs(kwargs), ds.in_shape, ds.num_classes)
-    return shrink_plan(ck.build_model(spec, allow_import=model == spec.name), recipe)
+    return shrink_plan(
+        ck.build_model(spec, allow_import=model == spec.name), recipe, ds.x_train[:2]
+    )
 
 
 JSON_KEYS = (

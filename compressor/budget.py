@@ -264,13 +264,15 @@ def edges(verdicts: list[tuple[float, bool]]) -> tuple[float | None, float | Non
     return passed, (min(fails) if fails else None)
 
 
-def base_sparsity(model: nn.Module, recipe: Recipe) -> dict[str, float] | float:
+def base_sparsity(
+    model: nn.Module, recipe: Recipe, example: torch.Tensor | None = None
+) -> dict[str, float] | float:
     """The sparsity the scale search scales: the recipe's prune.sparsity, "default" resolved on
     `model` by layer role; a number stays one (prune.scope "global" needs one), a table as
     given (the layers it leaves out stay unpruned)."""
     p = recipe.prune
     if p.sparsity == "default":
-        return shrink_mod.default_sparsity(model, p.embeddings)
+        return shrink_mod.default_sparsity(model, p.embeddings, example)
     if isinstance(p.sparsity, dict):
         return {k: float(v) for k, v in p.sparsity.items()}
     return float(p.sparsity)
@@ -679,8 +681,9 @@ def _search_layers(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: 
 def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _Trials):
     """Bisect one factor on every layer's kept fraction (module docstring); returns the
     record's maker."""
-    base = base_sparsity(model, recipe)
     hooks, judge = trials.hooks, trials.judge
+    example = hooks.val_data[0][:2] if hooks.val_data is not None else None
+    base = base_sparsity(model, recipe, example)
     layers = list(prune.weight_layers(model, recipe.prune.embeddings))
 
     def per_layer(sparsity: dict[str, float] | float) -> dict[str, float]:
@@ -707,7 +710,9 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
             {"step": k, "scale": SCALE_STEP**k, "sparsity": sparsity},
         )
         k = next_step(*edges([(t["step"], t["within_budget"]) for t in trials.records]))
-    rows = {row["layer"]: row for row in shrink_mod.plan(model, _scaled_recipe(recipe, base))}
+    rows = {
+        row["layer"]: row for row in shrink_mod.plan(model, _scaled_recipe(recipe, base), example)
+    }
 
     def record(won: dict[str, Any]) -> dict[str, Any]:
         kept = per_layer(won["sparsity"])

@@ -74,16 +74,59 @@ class Hooks:
     trained: Callable[[], dict[str, Any]] | None = None
 
 
-def default_sparsity(model: nn.Module, embeddings: bool = False) -> dict[str, float]:
+def call_order(model: nn.Module, example: torch.Tensor | None) -> list[str]:
+    """The names of the modules `model`'s forward calls on `example` (two samples are
+    enough), in the order it first calls them. Without an example, or when the forward
+    raises, every module in registration order: the order `__init__` built them, which a
+    model free to define its head first need not follow."""
+    names = [n for n, _ in model.named_modules()]
+    if example is None:
+        return names
+    called: dict[str, None] = {}
+    handles = [
+        m.register_forward_pre_hook(lambda _m, _a, n=n: called.setdefault(n))
+        for n, m in model.named_modules()
+    ]
+    flags = {m: m.training for m in model.modules()}
+    try:
+        model.eval()  # BatchNorm statistics stay as they were
+        with torch.no_grad():
+            model(example)
+    except Exception:  # the model's own code; check_fits reports a forward that fails
+        return names
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in flags.items():
+            m.training = training
+    return list(called)
+
+
+def default_sparsity(
+    model: nn.Module, embeddings: bool = False, example: torch.Tensor | None = None
+) -> dict[str, float]:
     """Per-layer fraction to prune, by the layer's role, after the paper's LeNet tables
     (LeNet-300-100 kept 8/9/26%, LeNet-5 66/12/8/19%): first conv 0.35, other convs 0.85,
     depthwise convs 0.5, hidden fully connected 0.92, output layer 0.75. Attention projections
     (MultiheadAttention's q/k/v and out_proj) and embeddings 0.5: magnitude pruning of BERT
     lost nothing at 30-40% and degraded it beyond (Gordon et al. 2020), far from the 90% a
-    LeNet layer takes."""
+    LeNet layer takes.
+
+    "First" and "output" are in the order the forward calls the layers on `example` (inputs
+    of the model, a couple of samples), else in registration order (`call_order`): a model
+    that registered its head before its body had its head pruned as a hidden layer. The first
+    conv is the first conv the forward runs, whatever its input channels (before, any conv of
+    at most 3 input channels counted, and a first Conv1d over 8 features lost 85%). A layer
+    the forward never calls takes a hidden layer's fraction."""
     out = {}
     found = kmeans.layers(model, embeddings)
-    linears = [n for n, layer in found.items() if layer.kind == "linear"]
+    rank = {n: i for i, n in enumerate(call_order(model, example))}
+    # Layers the forward never calls take the hidden layers' fractions.
+    ordered = sorted(
+        (n for n in found if found[n].module in rank), key=lambda n: rank[found[n].module]
+    )
+    linears = [n for n in ordered if found[n].kind == "linear"]
+    first = next((n for n in ordered if found[n].kind == "conv"), None)
     for name, layer in found.items():
         m = model.get_submodule(layer.module)
         if layer.kind == "linear":
@@ -93,7 +136,7 @@ def default_sparsity(model: nn.Module, embeddings: bool = False) -> dict[str, fl
         ):
             out[name] = 0.5  # attention, an embedding, or a depthwise conv
         else:
-            out[name] = 0.35 if m.in_channels <= 3 else 0.85
+            out[name] = 0.35 if name == first else 0.85
     return out
 
 
@@ -203,11 +246,19 @@ def _accuracy(model: nn.Module, hooks: Hooks, correct: torch.Tensor | None) -> f
     return int(correct.sum()) / len(correct)  # exact, as `evaluate` counts (not a float32 mean)
 
 
-def plan(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
+def _example(hooks: Hooks) -> torch.Tensor | None:
+    """Two validation inputs, for the order a forward calls the layers in (`call_order`)."""
+    return hooks.val_data[0][:2] if hooks.val_data is not None else None
+
+
+def plan(
+    model: nn.Module, recipe: Recipe, example: torch.Tensor | None = None
+) -> list[dict[str, Any]]:
     """What `recipe` will do to each of `model`'s layers, before any work (`--dry-run`): its
     weights, the fraction pruning will remove and the bits weight sharing will give it. A
     sparsity decided during the run ("auto", `prune.quality`, an accuracy budget) reads as how
-    it will be decided."""
+    it will be decided. `example`: a couple of the model's inputs, which order the layers'
+    roles in the default sparsity (`default_sparsity`), as the run will."""
     check_fits_recipe(model, recipe)
     p, q = recipe.prune, recipe.quantize
     search = (
@@ -216,7 +267,7 @@ def plan(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
     searched = search == "layers"  # sparsity and bits per layer; "scale": one factor
     found = kmeans.layers(model, p.embeddings or q.embeddings)
     if p.sparsity == "default":
-        fractions: Any = default_sparsity(model, p.embeddings)
+        fractions: Any = default_sparsity(model, p.embeddings, example)
     else:
         fractions = p.sparsity
     qcfg = kmeans.QuantizeConfig(conv_bits=q.conv_bits, fc_bits=q.fc_bits, bits=dict(q.bits))
@@ -299,7 +350,7 @@ def _prune(
     sens = None
     sparsity = p.sparsity
     if sparsity == "default":
-        sparsity = default_sparsity(model, p.embeddings)
+        sparsity = default_sparsity(model, p.embeddings, _example(hooks))
     elif sparsity == "auto":
         sens = prune.sensitivity(model, hooks.val_accuracy, p.budget, progress=_every(hooks.info))
         sparsity = sens.proposal

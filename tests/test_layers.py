@@ -363,3 +363,52 @@ def test_fine_tuning_step_changes_only_kept_weights():
         assert torch.equal(w, torch.where(s.mask, s.codebook.detach()[s.index], 0.0))
         assert not torch.signbit(w[~s.mask]).any()
     assert np.isfinite(s.codebook.detach().numpy()).all()
+
+
+class _HeadFirst(nn.Module):
+    """Registers its classifier before its body, and its first conv reads 8 channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 3)
+        self.hidden = nn.Linear(32, 16)
+        self.conv2 = nn.Conv1d(8, 8, 3, padding=1)
+        self.conv1 = nn.Conv1d(8, 8, 3, padding=1)
+        self.side = nn.Linear(4, 4)  # never called
+
+    def forward(self, x):  # (N, 8, 4)
+        h = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.head(torch.relu(self.hidden(h.flatten(1))))
+
+
+def test_default_sparsity_takes_roles_from_the_forward_order():
+    # By registration order the head was pruned as a hidden layer (0.92) and the hidden layer
+    # as the output (0.75); the first conv, of 8 input channels, lost 85% as a later conv.
+    model = _HeadFirst()
+    x = torch.rand(2, 8, 4)
+    assert shrink.call_order(model, x) == ["", "conv1", "conv2", "hidden", "head"]
+    want = {
+        "head": 0.75,
+        "hidden": 0.92,
+        "conv2": 0.85,
+        "conv1": 0.35,
+        "side": 0.92,
+    }
+    assert shrink.default_sparsity(model, example=x) == want
+    # Without inputs, registration order: documented, and what --dry-run without data shows.
+    blind = shrink.default_sparsity(model)
+    assert blind["conv2"] == 0.35 and blind["side"] == 0.75
+    # A forward that fails on the example falls back to registration order.
+    assert shrink.default_sparsity(model, example=torch.rand(2, 3)) == blind
+    # The dry-run plan and the pruning stage read the same order.
+    r = recipe.resolve({})
+    rows = {row["layer"]: row["sparsity"] for row in shrink.plan(model, r, x)}
+    assert rows == want
+    assert model.training  # the forward left the model's mode alone
+
+
+def test_default_sparsity_of_zoo_models_is_unchanged_by_the_order():
+    for name in ("lenet5", "lenet300"):
+        model = tiny(name) if name != "lenet300" else tiny("mlp")
+        x = torch.rand(2, *model.in_shape)
+        assert shrink.default_sparsity(model, example=x) == shrink.default_sparsity(model)
