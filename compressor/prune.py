@@ -138,7 +138,9 @@ def uncovered_weights(model: nn.Module, embeddings: bool = False) -> list[dict[s
     """Weight matrices (2 or more dimensions) that no layer of `weight_layers` holds and no
     tie explains, by module in model order: an LSTM's or GRU's gates, a ConvTranspose, a bare
     nn.Parameter, an embedding left out. The pipeline stores them dense, and the report names
-    them, so a user whose model is mostly such layers sees why its ratio is small."""
+    them, so a user whose model is mostly such layers sees why its ratio is small. Each row:
+    module ("(model)" for the model's own parameters), its type, its weights, and the
+    state_dict keys of those parameters."""
     covered = {layer.key for layer in weight_layers(model, embeddings).values()}
     covered |= tied_keys(model)
     out: dict[str, dict[str, Any]] = {}
@@ -148,9 +150,16 @@ def uncovered_weights(model: nn.Module, embeddings: bool = False) -> list[dict[s
             if p is None or p.dim() < 2 or key in covered:
                 continue
             entry = out.setdefault(
-                mname, {"module": mname or "(model)", "type": type(module).__name__, "weights": 0}
+                mname,
+                {
+                    "module": mname or "(model)",
+                    "type": type(module).__name__,
+                    "weights": 0,
+                    "parameters": [],
+                },
             )
             entry["weights"] += p.numel()
+            entry["parameters"].append(key)
     return list(out.values())
 
 

@@ -184,6 +184,19 @@ def _vs_bound(ratio: float) -> str:
     return "above 1: what codebooks, dense tensors and framing add to the streams' bound"
 
 
+def _dense_as(report: dict[str, Any]) -> str:
+    """How the recipe stores tensors it does not share: "float16" or "float32"."""
+    return (report.get("recipe") or {}).get("quantize", {}).get("dense", "float16")
+
+
+def _uncovered_label(row: dict[str, Any]) -> str:
+    # A layer reads by its module ("rnn (LSTM, 1,536)"); the model's own bare parameters by
+    # their names ("pos_embed, cls_token (MyNet, 9)"), not as "(model)".
+    keys = row.get("parameters") or []
+    name = ", ".join(keys) if row["module"] == "(model)" and keys else row["module"]
+    return f"{name} ({row['type']}, {row['weights']:,})"
+
+
 def uncovered_note(report: dict[str, Any]) -> str:
     """One line naming the weight matrices no stage compresses ("" when none)."""
     rows = report.get("uncovered")
@@ -191,12 +204,12 @@ def uncovered_note(report: dict[str, Any]) -> str:
         return ""
     total = sum(r["weights"] for r in rows)
     share = total / max(report["baseline"]["parameters"], 1)
-    names = ", ".join(f"{r['module']} ({r['type']}, {r['weights']:,})" for r in rows[:6])
+    names = ", ".join(_uncovered_label(r) for r in rows[:6])
     more = f" and {len(rows) - 6} more" if len(rows) > 6 else ""
     embedding = any(r["type"] == "Embedding" for r in rows)
     return (
-        f"kept dense, {total:,} weights ({share:.0%} of the model) in layers pruning and sharing "
-        f"do not cover (Linear, Conv1d/2d/3d, MultiheadAttention"
+        f"stored dense ({_dense_as(report)}), {total:,} weights ({share:.0%} of the model) in "
+        f"layers pruning and sharing do not cover (Linear, Conv1d/2d/3d, MultiheadAttention"
         f"{'; embeddings with prune.embeddings = true' if embedding else ''}): {names}{more}"
     )
 
@@ -208,8 +221,8 @@ def tied_note(report: dict[str, Any]) -> str:
         return ""
     names = "; ".join(" = ".join(g) for g in groups)
     return (
-        f"kept dense, tied (one tensor under several names, which pruning or sharing each "
-        f"layer on its own would untie): {names}"
+        f"stored dense ({_dense_as(report)}), tied (one tensor under several names, which "
+        f"pruning or sharing each layer on its own would untie): {names}"
     )
 
 

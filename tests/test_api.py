@@ -147,7 +147,7 @@ def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(tmp_
     assert acc == pytest.approx(report.test_accuracy, abs=1e-6)
     saved = json.loads((report.out / "report.json").read_text())
     assert saved["tied"] == [["a.weight", "b.weight"]]
-    assert "kept dense, tied" in (report.out / "report.md").read_text()
+    assert "stored dense (float16), tied" in (report.out / "report.md").read_text()
 
 
 @pytest.mark.parametrize(

@@ -448,16 +448,32 @@ def test_weights_no_layer_covers_are_named_for_the_report():
     net = Net()
     got = prune.uncovered_weights(net)
     assert got == [
-        {"module": "(model)", "type": "Net", "weights": 9},
-        {"module": "rnn", "type": "LSTM", "weights": 4 * 16 * 8 + 4 * 16 * 16},
-        {"module": "up", "type": "ConvTranspose2d", "weights": 4 * 4 * 9},
+        {"module": "(model)", "type": "Net", "weights": 9, "parameters": ["scale"]},
+        {
+            "module": "rnn",
+            "type": "LSTM",
+            "weights": 4 * 16 * 8 + 4 * 16 * 16,
+            "parameters": ["rnn.weight_ih_l0", "rnn.weight_hh_l0"],
+        },
+        {
+            "module": "up",
+            "type": "ConvTranspose2d",
+            "weights": 4 * 4 * 9,
+            "parameters": ["up.weight"],
+        },
     ]  # the embedding is tied (its own note), the head and the norm are covered or 1-D
     del net.tied
-    assert {"module": "emb", "type": "Embedding", "weights": 400} in prune.uncovered_weights(net)
+    emb = {"module": "emb", "type": "Embedding", "weights": 400, "parameters": ["emb.weight"]}
+    assert emb in prune.uncovered_weights(net)
     assert "emb" not in {r["module"] for r in prune.uncovered_weights(net, embeddings=True)}
     note = report_mod.uncovered_note(
         {"uncovered": prune.uncovered_weights(net), "baseline": {"parameters": 10_000}}
     )
-    assert note.startswith("kept dense, 2,089 weights (21% of the model)")
+    assert note.startswith("stored dense (float16), 2,089 weights (21% of the model)")
     assert "embeddings with prune.embeddings = true" in note and "rnn (LSTM, 1,536)" in note
+    assert ": scale (Net, 9), emb" in note  # the model's own parameter by its name
+    as32 = {"recipe": {"quantize": {"dense": "float32"}}}
+    assert report_mod.uncovered_note(
+        {"uncovered": prune.uncovered_weights(net), "baseline": {"parameters": 10_000}, **as32}
+    ).startswith("stored dense (float32), 2,089")
     assert report_mod.uncovered_note({"baseline": {"parameters": 1}}) == ""
