@@ -922,6 +922,12 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
         model.train(was_training)
     if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != 2:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        if isinstance(out, dict | tuple | list):
+            # bench scores a "logits" entry of several outputs; training needs the one tensor
+            hint = (
+                "; train and shrink need the logits alone: return them from forward (a "
+                "Hugging Face model: .logits), keeping other outputs for your own code"
+            )
         hint = hint or _layout_hint(data)
         raise InputError(
             f"model {model_name} returns {got} for a batch of 2; "

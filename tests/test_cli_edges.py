@@ -62,7 +62,11 @@ def _one_line(result, code, message):
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["--model", "odd_models:ReturnsTuple"], 2, "returns tuple"),
+        (
+            ["--model", "odd_models:ReturnsTuple"],
+            2,
+            "returns tuple for a batch of 2; a classifier returns one tensor of shape (batch, classes); train and shrink need the logits alone",
+        ),
         (["--model", "odd_models:ForwardRaises"], 2, "ValueError: bad input in my model"),
         (["--model", "odd_models:FailsInTraining"], 1, "IndexError: index 7 is out of bounds"),
         (["--model", "vgg", "--model-kwargs", '{"width": -1}'], 2, "could not be built"),

@@ -328,10 +328,12 @@ def scored_output(names: list[str], path) -> int:
     for i, n in enumerate(names):
         if n.lower() == "logits":
             return i
+    onnx = str(path).endswith((".onnx", ".ort"))
+    how = "export with output_names naming it" if onnx else "return a dict with that key"
     raise InputError(
         f"{path}: {len(names)} outputs ({', '.join(names)}) and none named 'logits'; "
-        "compress bench scores a model's only output or the one named logits: name it so "
-        f"(ONNX output_names, or a dict key){_alone(path)}"
+        "compress bench scores a model's only output or the one named logits: "
+        f"{how}{_alone(path)}"
     )
 
 
