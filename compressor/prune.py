@@ -14,6 +14,7 @@ the same values at a dense model's speed.
 Layers (`weight_layers`) are (module, parameter) pairs, named as recipes and reports name them:
 
     Linear, Conv1d/2d/3d (grouped, depthwise)  `weight`           name: the module's, "fc1"
+    ConvTranspose1d/2d/3d (kind "conv")        `weight`           "decoder.up1"
     MultiheadAttention's packed q/k/v          `in_proj_weight`   "encoder.blocks.0.attn.in_proj"
     ... with kdim/vdim != embed_dim            `q_proj_weight`..  "...attn.q_proj", k_proj, v_proj
     MultiheadAttention's out_proj (a Linear)   `weight`           "...attn.out_proj"
@@ -38,7 +39,17 @@ from torch.nn.utils import parametrize
 
 from compresskit.models.errors import InputError
 
-PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# A ConvTranspose weight is (in, out / groups, k...): magnitude masks and k-means do not care
+# which axis is which, and the archive stores any shape.
+PRUNABLE = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 
 

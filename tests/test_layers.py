@@ -412,3 +412,55 @@ def test_default_sparsity_of_zoo_models_is_unchanged_by_the_order():
         model = tiny(name) if name != "lenet300" else tiny("mlp")
         x = torch.rand(2, *model.in_shape)
         assert shrink.default_sparsity(model, example=x) == shrink.default_sparsity(model)
+
+
+class _Decoder(nn.Module):
+    """Transposed convolutions, 1-d, 2-d and grouped, between a conv and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Conv2d(1, 8, 3, stride=2, padding=1)  # 8x8 -> 4x4
+        self.up = nn.ConvTranspose2d(8, 12, 4, stride=2, padding=1, groups=2)  # -> 8x8
+        self.up1d = nn.ConvTranspose1d(12, 4, 3, stride=2, padding=1)  # 64 -> 127
+        self.head = nn.Linear(4 * 127, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.up(torch.relu(self.enc(x))))
+        return self.head(torch.relu(self.up1d(h.flatten(2))).flatten(1))
+
+
+def test_transposed_convolutions_are_pruned_shared_and_stored(tmp_path):
+    # A decoder's ConvTranspose layers were stored dense as "uncovered": an encoder-decoder
+    # classifier whose decoder held 44% of the weights came out at 4.3x; pruned and shared,
+    # 13.3x.
+    torch.manual_seed(0)
+    model = _Decoder()
+    x = torch.rand(4, 1, 8, 8)
+    assert {n: la.kind for n, la in kmeans.layers(model).items()} == {
+        "enc": "conv",
+        "up": "conv",
+        "up1d": "conv",
+        "head": "linear",
+    }
+    assert prune.uncovered_weights(model) == []
+    hooks = shrink.Hooks(
+        retrain=lambda *a, **k: None,
+        test_accuracy=lambda m: 0.5,
+        val_accuracy=lambda m: 0.5,
+        val_data=(x, torch.zeros(4, dtype=torch.int64)),
+    )
+    r = recipe.resolve(
+        {"prune": {"rounds": 1, "retrain_epochs": 0}, "quantize": {"finetune_epochs": 0}}
+    )
+    rep = shrink.shrink(model, {"name": "mine:Decoder", "kwargs": {}}, r, hooks, tmp_path)
+    rows = {row["layer"]: row for row in rep["layers"]}
+    # default sparsity by role: the first conv 35%, the transposed ones as later convs 85%
+    assert rows["up"]["kept"] == round(0.15 * 8 * 6 * 16)
+    assert rows["up1d"]["kept"] == round(0.15 * 12 * 4 * 3)
+    assert "uncovered" not in rep or not rep["uncovered"]
+    decoded = archive.read(tmp_path / "model.dcz").state_dict
+    for key, value in prune.bake_(copy.deepcopy(model)).state_dict().items():
+        assert torch.equal(decoded[key], value), key
+    up = decoded["up.weight"]
+    assert up.shape == (8, 6, 4, 4) and kmeans.distinct_values(up) <= 2**8
+    assert float((up == 0).float().mean()) == pytest.approx(0.85, abs=0.01)
