@@ -15,6 +15,7 @@ Layers (`weight_layers`) are (module, parameter) pairs, named as recipes and rep
 
     Linear, Conv1d/2d/3d (grouped, depthwise)  `weight`           name: the module's, "fc1"
     ConvTranspose1d/2d/3d (kind "conv")        `weight`           "decoder.up1"
+    LSTM/GRU/RNN, each layer and direction     `weight_ih_l0`..   "rnn.weight_ih_l0", ..._reverse
     MultiheadAttention's packed q/k/v          `in_proj_weight`   "encoder.blocks.0.attn.in_proj"
     ... with kdim/vdim != embed_dim            `q_proj_weight`..  "...attn.q_proj", k_proj, v_proj
     MultiheadAttention's out_proj (a Linear)   `weight`           "...attn.out_proj"
@@ -57,8 +58,9 @@ NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 class Layer:
     """One weight tensor that pruning and sharing work on: parameter `param` of `module`.
 
-    kind: "conv", "linear", "attention" (MultiheadAttention's projections, out_proj included)
-    or "embedding"; it picks default bits, gap widths and sparsities.
+    kind: "conv", "linear", "attention" (MultiheadAttention's projections, out_proj included),
+    "recurrent" (an LSTM's, GRU's or RNN's matrices) or "embedding"; it picks default bits,
+    gap widths and sparsities.
     """
 
     name: str
@@ -102,6 +104,15 @@ def _layers_of(name: str, module: nn.Module, parent: nn.Module | None, embedding
         else:
             kind = "conv"
         return [layer("weight", kind)]
+    if isinstance(module, nn.RNNBase):
+        # Each layer's and direction's input, hidden (and an LSTM's projection) matrix, gates
+        # packed in rows: one Layer each, "rnn.weight_ih_l0". The module's forward re-reads
+        # them when their tensors change, so a mask's or a codebook's value is what it uses.
+        return [
+            layer(p, "recurrent")
+            for p in module._flat_weights_names
+            if p.startswith("weight_") and getattr(module, p, None) is not None
+        ]
     if embeddings and isinstance(module, nn.Embedding):
         return [layer("weight", "embedding")]
     return []

@@ -170,7 +170,7 @@ class PruneSection:
     enabled: bool = True
     # "default": per-layer fractions by role (see compressor.shrink.default_sparsity);
     # "auto": the sensitivity analysis proposes them within `budget`; a fraction; or a table
-    # {layer = fraction} (layers it does not name get the default).
+    # {layer = fraction} (layers it does not name stay unpruned, as the dry-run plan shows).
     sparsity: str | float | dict[str, float] | None = "default"
     quality: float | None = None
     scope: str = "layer"  # "layer" | "global" (one threshold over all layers)

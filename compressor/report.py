@@ -209,7 +209,8 @@ def uncovered_note(report: dict[str, Any]) -> str:
     embedding = any(r["type"] == "Embedding" for r in rows)
     return (
         f"stored dense ({_dense_as(report)}), {total:,} weights ({share:.0%} of the model) in "
-        f"layers pruning and sharing do not cover (Linear, Conv and ConvTranspose, MultiheadAttention"
+        f"layers pruning and sharing do not cover (Linear, Conv, ConvTranspose, LSTM/GRU/RNN, "
+        f"MultiheadAttention"
         f"{'; embeddings with prune.embeddings = true' if embedding else ''}): {names}{more}"
     )
 
