@@ -42,6 +42,7 @@ from compresskit.compressor.recipe import (
     Recipe,
     budget_search,
 )
+from compresskit.models.data import shipped_spec
 from compresskit.models.errors import InputError, StageError
 
 GAP_BITS_SEARCH = range(1, 13)
@@ -231,6 +232,8 @@ def shrink(
         ts = time.perf_counter()
         path = out_dir / archive_name
         meta = {**(metadata or {}), "test_accuracy": stages[-1]["test_accuracy"]}
+        if "data" in meta:  # a shipped file names the data without the build machine's folders
+            meta["data"] = shipped_spec(meta["data"])
         written = archive.write(path, entries, spec, meta, _format(recipe))
         decoded = archive.read(path)
         _check_bit_identical(model, decoded.state_dict)

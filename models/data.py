@@ -200,6 +200,14 @@ def recorded_spec(spec: str) -> str:
     return spec if named is None else f"{named[0]}:{os.path.abspath(named[1])}"
 
 
+def shipped_spec(spec: object) -> object:
+    """`spec` as an archive records it: npz:FILE and mnist:DIR by the file's or folder's name
+    alone (`npz:train.npz`), so a shipped file carries no folder of the build machine; built-in
+    data, and anything that does not parse, as given."""
+    named = _spec_path(spec)
+    return spec if named is None else f"{named[0]}:{named[1].name}"
+
+
 def load_recorded(spec: object, source: object, input_name: str | None = None) -> Dataset:
     """`load` the data spec a checkpoint `source` records (digits when it records none);
     failing, say where the spec came from (the user gave no --data) and how to give other

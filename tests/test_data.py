@@ -388,3 +388,12 @@ def test_too_little_data_keeps_no_validation_split_and_says_so(tmp_path):
     assert d.decision_split()[0] is d.x_train
     assert "too few to hold out a validation split (needs 20)" in d.split_note
     assert "16 train / 0 val / 4 test" in d.describe()
+
+
+def test_an_archive_records_data_by_name(tmp_path):
+    from compresskit.models.data import shipped_spec
+
+    assert shipped_spec(f"npz:{tmp_path / 'a' / 'train.npz'}") == "npz:train.npz"
+    assert shipped_spec(f"mnist:{tmp_path / 'mnist'}/") == "mnist:mnist"
+    assert shipped_spec("digits") == "digits" and shipped_spec("tokens:16:64") == "tokens:16:64"
+    assert shipped_spec(None) is None
