@@ -165,7 +165,17 @@ def _load(
                 "differ from the one given; pass the model_kwargs it was built with"
             )
         # The stages change the model in place; the caller's stays as it was.
-        net = copy.deepcopy(model)
+        try:
+            net = copy.deepcopy(model)
+        except RuntimeError as e:  # torch's own words name the old weight_norm hook
+            if "weight_norm" not in str(e):
+                raise
+            raise InputError(
+                f"model {resolved.name}: a layer computes its weight with the old "
+                "torch.nn.utils.weight_norm hook, which torch cannot copy; fold it as for "
+                "inference (torch.nn.utils.remove_weight_norm(layer)) in a model built without "
+                "it, and shrink that model (README: weight-normed layers)"
+            ) from None
         data_mod.check_fits(net, ds, resolved.name)
         meta = {"data": data_mod.recorded_spec(ds.spec), "source": f"<{type(model).__name__}>"}
         return net, resolved, ds, meta

@@ -107,6 +107,8 @@ class SharedWeights(nn.Module):
     update a parameter without bumping its version; it has at most 4,096 entries).
     """
 
+    compress_own = True  # not a parametrization of the user's (`prune.foreign_weights`)
+
     def __init__(
         self,
         codebook: torch.Tensor,

@@ -185,6 +185,34 @@ def uncovered_weights(model: nn.Module, embeddings: bool = False) -> list[dict[s
     return list(out.values())
 
 
+def foreign_weights(model: nn.Module, embeddings: bool = False) -> dict[str, str]:
+    """Layers whose weight is not a plain parameter for compress to mask and share: {layer
+    name: what computes it}. A parametrization of the user's own (torch's parametrize-based
+    `weight_norm`, `spectral_norm`, `orthogonal`), stacked under a mask, would be folded into
+    the baked weight and the checkpoint would no longer load into the user's class; the old
+    hook-based `torch.nn.utils.weight_norm` recomputes `weight` from `weight_g` and `weight_v`
+    before every forward, so a mask on it would be overwritten. compress's own
+    parametrizations (a mask, shared weights) are not foreign."""
+    out: dict[str, str] = {}
+    for layer in weight_layers(model, embeddings).values():
+        module = model.get_submodule(layer.module)
+        if parametrize.is_parametrized(module, layer.param):
+            theirs = [
+                type(p).__name__
+                for p in module.parametrizations[layer.param]
+                if not getattr(p, "compress_own", False)
+            ]
+            if theirs:
+                out[layer.name] = ", ".join(theirs)
+        elif layer.param not in module._parameters:
+            hooks = [
+                getattr(h, "__class__", type(h)).__name__
+                for h in module._forward_pre_hooks.values()
+            ]
+            out[layer.name] = next((h for h in hooks if h != "function"), "a computed weight")
+    return out
+
+
 def tied_keys(model: nn.Module) -> set[str]:
     """Every state_dict key of `tied_weights`' groups."""
     return {key for group in tied_weights(model) for key in group}
@@ -241,6 +269,8 @@ class Mask(nn.Module):
     not finite is stopped as diverged). Cost: the cached mask, 4 bytes a weight until `bake_`.
     Inside `zeroed_training`, `passthrough` is set and the forward returns the original itself.
     """
+
+    compress_own = True  # not a parametrization of the user's (`foreign_weights`)
 
     def __init__(self, mask: torch.Tensor) -> None:
         super().__init__()

@@ -320,9 +320,22 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
     if (p.enabled or q.enabled) and not kmeans.layers(model, p.embeddings or q.embeddings):
         tied = prune.tied_weights(model)
         raise InputError(
-            "the model has no prunable layers (Linear, Conv or MultiheadAttention"
+            "the model has no prunable layers (Linear, Conv, ConvTranspose, LSTM/GRU/RNN or "
+            "MultiheadAttention"
             + (f"; tied weights are kept dense: {', '.join(g[0] for g in tied)}" if tied else "")
             + "): nothing to compress"
+        )
+    if (p.enabled or q.enabled) and (
+        foreign := prune.foreign_weights(model, p.embeddings or q.embeddings)
+    ):
+        names = ", ".join(f"{n} ({how})" for n, how in list(foreign.items())[:4])
+        more = f" and {len(foreign) - 4} more" if len(foreign) > 4 else ""
+        raise InputError(
+            f"layers {names}{more} compute their weight from other parameters (weight norm or "
+            "the like), which compress cannot prune or share; fold it as for inference "
+            "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight'), or "
+            "torch.nn.utils.remove_weight_norm for the old hook) in a model built without it, "
+            "and shrink that model (README: weight-normed layers)"
         )
     named = []
     if isinstance(p.sparsity, dict):

@@ -482,3 +482,76 @@ def test_the_stored_dense_line_names_the_layers_the_archive_stores_dense(tmp_pat
     said = [m for m in lines if m.startswith("stored dense")]
     assert dense, "the test needs a layer stored dense"
     assert said == [f"stored dense, smaller than shared: {', '.join(dense)}"]
+
+
+WEIGHT_NORMED = """\
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations, weight_norm
+
+
+class Net(nn.Module):
+    def __init__(self, weight_norm=True, old_hook=False, num_classes=10):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 48)
+        self.out = nn.Linear(48, num_classes)
+        if old_hook:
+            self.fc1 = globals()["weight_norm"](self.fc1)  # torch.nn.utils.weight_norm
+        elif weight_norm:
+            self.fc1 = parametrizations.weight_norm(self.fc1)
+
+    def forward(self, x):
+        return self.out(self.fc1(x.flatten(1)).relu())
+"""
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm. is deprecated:FutureWarning")
+def test_weight_normed_layers_are_refused_and_the_readme_fold_works(tmp_path, monkeypatch):
+    # shrink died with "AttributeError: 'ParametrizationList' object has no attribute
+    # 'original'" (unexpected, exit 1) on a weight-normed TCN.
+    (tmp_path / "wnnets.py").write_text(WEIGHT_NORMED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import wnnets
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    for kwargs, how in (
+        ({}, r"layers fc1 \(_WeightNorm\) compute their weight"),
+        ({"old_hook": True}, "old torch.nn.utils.weight_norm hook, which torch cannot copy"),
+    ):
+        net = wnnets.Net(**kwargs)
+        with pytest.raises(ck.InputError, match=how):
+            ck.shrink(
+                net, "digits", FAST, out=tmp_path / "no", spec="wnnets:Net", model_kwargs=kwargs
+            )
+        assert not (tmp_path / "no").exists()
+    # From a weights file (the CLI's route) the model is built, not copied: the layer is named.
+    torch.save(wnnets.Net(old_hook=True).state_dict(), tmp_path / "w.pt")
+    with pytest.raises(ck.InputError, match=r"layers fc1 \(WeightNorm\) compute their weight"):
+        ck.shrink(
+            tmp_path / "w.pt",
+            "digits",
+            FAST,
+            out=tmp_path / "no",
+            spec="wnnets:Net",
+            model_kwargs={"old_hook": True},
+        )
+    # The README's route: fold the norm, then shrink a model built without it.
+    net = wnnets.Net()
+    ck.train(net, "digits", ck.TrainConfig(epochs=2))
+    for m in net.modules():
+        if parametrize.is_parametrized(m, "weight"):
+            parametrize.remove_parametrizations(m, "weight")
+    report = ck.shrink(
+        net,
+        "digits",
+        FAST,
+        out=tmp_path / "o",
+        spec="wnnets:Net",
+        model_kwargs={"weight_norm": False},
+    )
+    assert report.ratio > 5
+    back = ck.decode(report.out / "model.dcz", tmp_path / "back.pt")
+    state = torch.load(tmp_path / "back.pt", weights_only=True)["state_dict"]
+    assert "fc1.weight" in state and float((state["fc1.weight"] == 0).float().mean()) > 0.5
+    assert back is not None
