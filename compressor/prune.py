@@ -16,6 +16,7 @@ Layers (`weight_layers`) are (module, parameter) pairs, named as recipes and rep
     Linear, Conv1d/2d/3d (grouped, depthwise)  `weight`           name: the module's, "fc1"
     ConvTranspose1d/2d/3d (kind "conv")        `weight`           "decoder.up1"
     LSTM/GRU/RNN, each layer and direction     `weight_ih_l0`..   "rnn.weight_ih_l0", ..._reverse
+    LSTMCell/GRUCell/RNNCell                   `weight_ih`, `_hh` "cell.weight_ih", "cell.weight_hh"
     MultiheadAttention's packed q/k/v          `in_proj_weight`   "encoder.blocks.0.attn.in_proj"
     ... with kdim/vdim != embed_dim            `q_proj_weight`..  "...attn.q_proj", k_proj, v_proj
     MultiheadAttention's out_proj (a Linear)   `weight`           "...attn.out_proj"
@@ -113,6 +114,8 @@ def _layers_of(name: str, module: nn.Module, parent: nn.Module | None, embedding
             for p in module._flat_weights_names
             if p.startswith("weight_") and getattr(module, p, None) is not None
         ]
+    if isinstance(module, nn.RNNCellBase):  # LSTMCell, GRUCell, RNNCell: read in forward
+        return [layer(p, "recurrent") for p in ("weight_ih", "weight_hh")]
     if embeddings and isinstance(module, nn.Embedding):
         return [layer("weight", "embedding")]
     return []

@@ -476,12 +476,16 @@ class _Recurrent(nn.Module):
         super().__init__()
         self.lstm = nn.LSTM(6, 16, num_layers=2, bidirectional=True, proj_size=8, batch_first=True)
         self.gru = nn.GRU(16, 12, batch_first=True)
+        self.cell = nn.GRUCell(12, 12)  # stepped in Python over the GRU's outputs
         self.head = nn.Linear(12, 3)
 
     def forward(self, x):  # (N, 1, T, F)
         h, _ = self.lstm(x[:, 0])
         h, _ = self.gru(h)
-        return self.head(h[:, -1])
+        state = h[:, 0]
+        for t in range(h.shape[1]):
+            state = self.cell(h[:, t], state)
+        return self.head(state)
 
 
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
@@ -498,20 +502,21 @@ def test_recurrent_layers_are_pruned_shared_and_stored(tmp_path):
         for d in ("", "_reverse")
         for m in ("ih", "hh", "hr")
     ]
-    assert sorted(found) == sorted([*lstm, "gru.weight_ih_l0", "gru.weight_hh_l0", "head"])
+    cells = ["cell.weight_ih", "cell.weight_hh"]
+    assert sorted(found) == sorted([*lstm, "gru.weight_ih_l0", "gru.weight_hh_l0", *cells, "head"])
     assert {found[n].kind for n in found if n != "head"} == {"recurrent"}
     assert prune.uncovered_weights(model) == []
     assert shrink.default_sparsity(model, example=x) == {
-        **dict.fromkeys([*lstm, "gru.weight_ih_l0", "gru.weight_hh_l0"], 0.9),
+        **dict.fromkeys([*lstm, "gru.weight_ih_l0", "gru.weight_hh_l0", *cells], 0.9),
         "head": 0.75,
     }
     # The masked and shared values are what the LSTM computes with (it re-reads its weights
     # when their tensors change), and baking keeps that.
     prune.prune_(model, prune.PruneConfig(sparsity=0.5))
     kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=3))
-    w = model.lstm.weight_hh_l0_reverse
-    assert float((w == 0).float().mean()) == pytest.approx(0.5, abs=0.02)
-    assert kmeans.distinct_values(w) <= 8
+    for w in (model.lstm.weight_hh_l0_reverse, model.cell.weight_hh):
+        assert float((w == 0).float().mean()) == pytest.approx(0.5, abs=0.02)
+        assert kmeans.distinct_values(w) <= 8
     with torch.no_grad():
         ref = model(x)
         plain = prune.bake_(copy.deepcopy(model))
