@@ -154,6 +154,9 @@ def _pruner(
     # q/k/v projections with a fixed head size: never cut their width here (whole heads go
     # in _remove_heads); their inputs still follow the embedding width.
     qkv = [modules[n] for projs, _ in thin.attention(model).values() for n in projs]
+    # Recurrent layers keep their hidden width: torch-pruning's handler assumes an LSTM's four
+    # gates (a GRU's three made it index past the weight) and one layer, one direction.
+    recurrent = [m for m in modules.values() if isinstance(m, nn.RNNBase | nn.RNNCellBase)]
     try:
         with thin.tracing(model):
             return tp.pruner.MetaPruner(
@@ -166,7 +169,7 @@ def _pruner(
                 if ratios is None
                 else {modules[n]: r for n, r in ratios.items() if r > 0},
                 iterative_steps=steps,
-                ignored_layers=[modules[n] for n in ignored] + qkv,
+                ignored_layers=[modules[n] for n in ignored] + qkv + recurrent,
                 round_to=cfg.round_to or None,
                 num_heads=heads,
             )
@@ -174,9 +177,17 @@ def _pruner(
         raise
     except Exception as e:
         detail = one_line(e)
+        names = {m: n for n, m in modules.items()}
+        fix = (
+            f"recurrent layers ({', '.join(names[m] for m in recurrent)}) keep their width, and "
+            "torch-pruning cuts a GRU's or RNN's inputs in no model: keep the layer that feeds "
+            "them whole with channels.ignore = ['name'], or set channels.enabled = false"
+            if recurrent
+            else "exclude the module it stops at with channels.ignore = ['name']"
+        )
         raise InputError(
             f"channels: torch-pruning cannot follow this model's graph ({type(e).__name__}: "
-            f"{detail}); exclude the module it stops at with channels.ignore = ['name']"
+            f"{detail}); {fix}"
         ) from None
 
 

@@ -560,3 +560,39 @@ def test_shrink_with_sensitivity_scope_reports_latency_before_and_after(run, tmp
     assert "| batch | precision | unthinned ms | thinned ms | speed-up |" in md
     assert "sensitivity analysis" in md and "Time goal (channels.target_latency 85%)" in md
     assert not any(p.name.startswith(".unthinned") for p in out.iterdir())
+
+
+class _Recurrent(nn.Module):
+    """A Linear feeding a GRU (or a 2-layer bidirectional LSTM), then a head."""
+
+    def __init__(self, cell: str = "GRU"):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        kw = {"num_layers": 2, "bidirectional": True} if cell == "LSTM" else {}
+        self.rnn = getattr(nn, cell)(32, 16, batch_first=True, **kw)
+        self.head = nn.Linear(16 * (2 if cell == "LSTM" else 1), 4)
+
+    def forward(self, x):  # (N, 1, T, F)
+        h, _ = self.rnn(torch.relu(self.inp(x[:, 0])))
+        return self.head(h[:, -1])
+
+
+def test_recurrent_layers_keep_their_width_or_the_refusal_says_so():
+    # A GRU made torch-pruning index past its weight (it assumes an LSTM's four gates): an
+    # "unexpected" IndexError. Recurrent layers now keep their hidden width; an LSTM's input
+    # follows the layer that feeds it, and a GRU's, which torch-pruning cannot cut, is refused
+    # with the fix.
+    torch.manual_seed(0)
+    cfg = channels.ChannelsConfig(target_macs=0.8, rounds=1, retrain_epochs=0)
+    model, x = _Recurrent("LSTM"), torch.rand(4, 1, 6, 8)
+    record = channels.thin_(model, x[:2], cfg)
+    cut = {r["name"]: r["after"] for r in record["layers"]}
+    assert cut["inp"] < 32 and model.rnn.input_size == cut["inp"]
+    assert model.rnn.hidden_size == 16 and model(x).shape == (4, 4)
+    for d in ("", "_reverse"):
+        assert getattr(model.rnn, f"weight_ih_l0{d}").shape == (4 * 16, cut["inp"])
+    model = _Recurrent("GRU")
+    with pytest.raises(InputError, match=r"recurrent layers \(rnn\) keep their width.*ignore"):
+        channels.thin_(model, x[:2], cfg)
+    record = channels.thin_(model, x[:2], dataclasses.replace(cfg, ignore=("inp",)))
+    assert model.rnn.weight_ih_l0.shape == (3 * 16, 32) and model(x).shape == (4, 4)
