@@ -708,6 +708,8 @@ def _export(
         "fp32_nodes": sel.fp32_nodes,
         "int8_nodes": sel.int8_nodes,
         "quantizable_nodes": choice.quantizable,
+        # LSTM/GRU/RNN and ConvTranspose nodes: FP32 in any INT8 file (no QDQ INT8 kernel)
+        "fp32_only_nodes": export.fp32_only_nodes(fp32),
         "latency_ms_batch1": sel.latency_ms,
     }
     if choice.model is None:

@@ -466,6 +466,12 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
             f"agreement {int8['check_agreement']:.2%} on {_checked_on(int8)}"
             f"{_expected(int8)} (floor {int8['min_agreement']:.2%} for both).",
         ]
+        if fixed := int8.get("fp32_only_nodes"):
+            kinds = ", ".join(f"{n} {op}" for op, n in fixed.items())
+            lines.append(
+                f"FP32 in any INT8 file: {kinds} (LSTM/GRU/RNN and ConvTranspose have no "
+                "QDQ INT8 kernel in ONNX Runtime)."
+            )
         lat = int8.get("latency_ms_batch1")
         if lat and not int8["int8_nodes"]:  # no INT8 file: its "int8" figure is the FP32 one's
             lines.append(f"Batch-1 latency on ORT CPU (1 thread): FP32 {lat['fp32']:.3f} ms.")

@@ -555,3 +555,44 @@ def test_weight_normed_layers_are_refused_and_the_readme_fold_works(tmp_path, mo
     state = torch.load(tmp_path / "back.pt", weights_only=True)["state_dict"]
     assert "fc1.weight" in state and float((state["fc1.weight"] == 0).float().mean()) > 0.5
     assert back is not None
+
+
+DECODER = """\
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.enc = nn.Conv2d(1, 8, 3, stride=2, padding=1)  # 8x8 -> 4x4
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)  # -> 8x8
+        self.rnn = nn.GRU(32, 16, batch_first=True)  # the 8 rows of 4 x 8 features
+        self.out = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        h = torch.relu(self.up(torch.relu(self.enc(x))))  # (N, 4, 8, 8)
+        seq = h.permute(0, 2, 1, 3).flatten(2)  # (N, 8, 32)
+        y, _ = self.rnn(seq)
+        return self.out(y[:, -1])
+"""
+
+
+def test_nodes_int8_cannot_cover_are_named(tmp_path, monkeypatch):
+    # An encoder-decoder's INT8 file said "3 of 3 nodes in INT8" with its ConvTranspose and
+    # recurrent nodes in FP32 unmentioned: the file a user ships was mostly FP32.
+    (tmp_path / "decnets.py").write_text(DECODER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import decnets
+
+    torch.manual_seed(0)
+    net = decnets.Net()
+    ck.train(net, "digits", ck.TrainConfig(epochs=2))
+    recipe = FAST.replace(export=ExportSection(ort=False))
+    report = ck.shrink(net, "digits", recipe, out=tmp_path / "o", spec="decnets:Net")
+    int8 = report.report["onnx"].get("int8") or report.report["int8_not_written"]
+    assert int8["fp32_only_nodes"] == {"ConvTranspose": 1, "GRU": 1}
+    md = (report.out / "report.md").read_text()
+    assert "FP32 in any INT8 file: 1 ConvTranspose, 1 GRU" in md
+    layers = {row["layer"] for row in report.report["layers"]}
+    assert {"up", "rnn.weight_ih_l0", "rnn.weight_hh_l0"} <= layers  # pruned and shared

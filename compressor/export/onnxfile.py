@@ -502,6 +502,23 @@ def _lean_preprocess(fp32: Path, out: Path) -> None:
     onnx.save(model, str(out))
 
 
+# Compute nodes the INT8 file keeps in FP32 whatever the chooser decides: ORT's QDQ quantizer
+# leaves LSTM/GRU/RNN alone, and ORT's CPU provider has no INT8 ConvTranspose kernel (a QDQ
+# one runs dequantize -> FP32 -> quantize, slower than FP32 alone).
+FP32_ONLY = ("ConvTranspose", "LSTM", "GRU", "RNN")
+
+
+def fp32_only_nodes(path: Path) -> dict[str, int]:
+    """{op type: count} of the file's `FP32_ONLY` nodes (main graph), for the report."""
+    import onnx
+
+    counts: dict[str, int] = {}
+    for n in onnx.load(str(path)).graph.node:
+        if n.op_type in FP32_ONLY and n.domain in ("", "ai.onnx"):
+            counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return counts
+
+
 def quantizable_nodes(path: Path) -> list[str]:
     import onnx
 
