@@ -97,6 +97,15 @@ def test_a_module_instance_is_copied_never_changed(tmp_path):
     assert decoded["parameters"] == sum(p.numel() for p in net.parameters())
 
 
+def _user_module(tmp_path, monkeypatch, name: str, source: str):
+    """A user's own model code, importable as `name` (what spec="name:Class" imports)."""
+    import importlib
+
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module(name)
+
+
 TIED = """\
 from torch import nn
 
@@ -117,9 +126,7 @@ class Tied(nn.Module):
 def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(tmp_path, monkeypatch):
     # Each layer used to get its own mask and codebook, so a and b came back different: the
     # archive, model.pt and the ONNX file computed something the user's model cannot load.
-    (tmp_path / "tiednets.py").write_text(TIED)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import tiednets
+    tiednets = _user_module(tmp_path, monkeypatch, "tiednets", TIED)
 
     torch.manual_seed(0)
     net = tiednets.Tied()
@@ -454,9 +461,7 @@ def test_numpy_numbers_in_a_train_config_are_python_numbers_in_its_checkpoint(tm
 
 
 def test_a_recipe_naming_a_tied_layer_says_it_is_tied(tmp_path, monkeypatch):
-    (tmp_path / "tiednets.py").write_text(TIED)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import tiednets
+    tiednets = _user_module(tmp_path, monkeypatch, "tiednets", TIED)
 
     recipe = FAST.replace(prune=PruneSection(sparsity={"b": 0.5}, rounds=1, retrain_epochs=1))
     with pytest.raises(ck.InputError, match="names layer 'b', whose weight is tied"):
@@ -509,9 +514,7 @@ class Net(nn.Module):
 def test_weight_normed_layers_are_refused_and_the_readme_fold_works(tmp_path, monkeypatch):
     # shrink died with "AttributeError: 'ParametrizationList' object has no attribute
     # 'original'" (unexpected, exit 1) on a weight-normed TCN.
-    (tmp_path / "wnnets.py").write_text(WEIGHT_NORMED)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import wnnets
+    wnnets = _user_module(tmp_path, monkeypatch, "wnnets", WEIGHT_NORMED)
     from torch.nn.utils import parametrize
 
     torch.manual_seed(0)
@@ -581,9 +584,7 @@ class Net(nn.Module):
 def test_nodes_int8_cannot_cover_are_named(tmp_path, monkeypatch):
     # An encoder-decoder's INT8 file said "3 of 3 nodes in INT8" with its ConvTranspose and
     # recurrent nodes in FP32 unmentioned: the file a user ships was mostly FP32.
-    (tmp_path / "decnets.py").write_text(DECODER)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import decnets
+    decnets = _user_module(tmp_path, monkeypatch, "decnets", DECODER)
 
     torch.manual_seed(0)
     net = decnets.Net()

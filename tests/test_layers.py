@@ -414,6 +414,21 @@ def test_default_sparsity_of_zoo_models_is_unchanged_by_the_order():
         assert shrink.default_sparsity(model, example=x) == shrink.default_sparsity(model)
 
 
+def _shrink_untrained(model, x, name, out, metadata=None):
+    """The whole pipeline with no training: one prune round, no fine-tuning, `x` as the
+    validation inputs (which order the layers' roles)."""
+    hooks = shrink.Hooks(
+        retrain=lambda *a, **k: None,
+        test_accuracy=lambda m: 0.5,
+        val_accuracy=lambda m: 0.5,
+        val_data=(x, torch.zeros(len(x), dtype=torch.int64)),
+    )
+    r = recipe.resolve(
+        {"prune": {"rounds": 1, "retrain_epochs": 0}, "quantize": {"finetune_epochs": 0}}
+    )
+    return shrink.shrink(model, {"name": name, "kwargs": {}}, r, hooks, out, metadata)
+
+
 class _Decoder(nn.Module):
     """Transposed convolutions, 1-d, 2-d and grouped, between a conv and a head."""
 
@@ -443,17 +458,8 @@ def test_transposed_convolutions_are_pruned_shared_and_stored(tmp_path):
         "head": "linear",
     }
     assert prune.uncovered_weights(model) == []
-    hooks = shrink.Hooks(
-        retrain=lambda *a, **k: None,
-        test_accuracy=lambda m: 0.5,
-        val_accuracy=lambda m: 0.5,
-        val_data=(x, torch.zeros(4, dtype=torch.int64)),
-    )
-    r = recipe.resolve(
-        {"prune": {"rounds": 1, "retrain_epochs": 0}, "quantize": {"finetune_epochs": 0}}
-    )
     meta = {"data": f"npz:{tmp_path / 'parts' / 'x.npz'}"}
-    rep = shrink.shrink(model, {"name": "mine:Decoder", "kwargs": {}}, r, hooks, tmp_path, meta)
+    rep = _shrink_untrained(model, x, "mine:Decoder", tmp_path, meta)
     # the shipped file names the data by file name, no folder of the build machine
     assert archive.read(tmp_path / "model.dcz").metadata["data"] == "npz:x.npz"
     rows = {row["layer"]: row for row in rep["layers"]}
@@ -526,16 +532,7 @@ def test_recurrent_layers_are_pruned_shared_and_stored(tmp_path):
         assert torch.equal(dense(x), ref)  # nothing but the stored values
     # Through the pipeline: the archive decodes to the model it measured.
     model = _Recurrent()
-    hooks = shrink.Hooks(
-        retrain=lambda *a, **k: None,
-        test_accuracy=lambda m: 0.5,
-        val_accuracy=lambda m: 0.5,
-        val_data=(x, torch.zeros(4, dtype=torch.int64)),
-    )
-    r = recipe.resolve(
-        {"prune": {"rounds": 1, "retrain_epochs": 0}, "quantize": {"finetune_epochs": 0}}
-    )
-    rep = shrink.shrink(model, {"name": "mine:Recurrent", "kwargs": {}}, r, hooks, tmp_path)
+    rep = _shrink_untrained(model, x, "mine:Recurrent", tmp_path)
     rows = {row["layer"]: row for row in rep["layers"]}
     assert rows["lstm.weight_ih_l1_reverse"]["kept"] == round(0.1 * 4 * 16 * 16)
     assert not rep.get("uncovered")
