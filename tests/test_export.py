@@ -72,14 +72,13 @@ def test_the_file_holds_no_source_location_of_the_exporting_machine(tmp_path):
     assert str(Path(__file__).resolve().parent).encode() not in raw
     assert b"def forward" not in raw and b"self.head" not in raw
     keys = {p.key for n in onnx.load(str(path)).graph.node for p in n.metadata_props}
-    assert not keys & set(E.SOURCE_LOCATIONS)
-    assert "pkg.torch.onnx.name_scopes" in keys
+    assert keys == {"pkg.torch.onnx.name_scopes"}  # not namespace, class_hierarchy, rules
     # the function itself, on a graph with the entries and a subgraph (If branches)
     from onnx import helper
 
     def node(name):
         n = helper.make_node("Identity", ["x"], [name], name=name)
-        for key in [*E.SOURCE_LOCATIONS, "namespace"]:
+        for key in [*E.SOURCE_LOCATIONS, "namespace", *E.KEPT_METADATA]:
             prop = n.metadata_props.add()
             prop.key, prop.value = key, "/home/me/src/net.py"
         return n
@@ -87,11 +86,10 @@ def test_the_file_holds_no_source_location_of_the_exporting_machine(tmp_path):
     branch = helper.make_graph([node("b")], "b", [], [])
     top = helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)
     model = helper.make_model(helper.make_graph([node("a"), top], "g", [], []))
-    assert E.drop_source_locations(model) == 6
-    assert [p.key for p in model.graph.node[0].metadata_props] == ["namespace"]
-    assert [p.key for p in model.graph.node[1].attribute[0].g.node[0].metadata_props] == [
-        "namespace"
-    ]
+    assert E.drop_source_locations(model) == 9
+    kept = list(E.KEPT_METADATA)
+    assert [p.key for p in model.graph.node[0].metadata_props] == kept
+    assert [p.key for p in model.graph.node[1].attribute[0].g.node[0].metadata_props] == kept
 
 
 def test_ir9_for_older_runtimes(tmp_path):
