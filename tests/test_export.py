@@ -220,6 +220,39 @@ def test_shared_conv_with_folded_batchnorm_keeps_its_values_per_channel(tmp_path
     assert checks["conv.weight"]["distinct_values"] > 4
 
 
+def test_a_uint8_table_with_a_zero_point_keeps_its_zeros(tmp_path):
+    # ORT quantized a text model's embedding table as uint8 with zero point 123: its padding
+    # row's zeros read as 123 and the file's weight check said NO for a table kept intact.
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    emb = nn.Embedding(6, 4, padding_idx=0)
+    model = nn.Sequential(emb)
+    w = emb.weight.detach().numpy()
+    scale = float(np.abs(w).max()) / 100
+    q = np.clip(np.round(w / scale) + 123, 0, 255).astype(np.uint8)
+    inits = [
+        numpy_helper.from_array(q, "0.weight_quantized"),
+        numpy_helper.from_array(np.array(scale, np.float32), "0.weight_scale"),
+        numpy_helper.from_array(np.array(123, np.uint8), "0.weight_zero_point"),
+    ]
+    dq = helper.make_node(
+        "DequantizeLinear", ["0.weight_quantized", "0.weight_scale", "0.weight_zero_point"], ["t"]
+    )
+    gather = helper.make_node("Gather", ["t", "ids"], ["y"])
+    graph = helper.make_graph(
+        [dq, gather],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 4])],
+        inits,
+    )
+    path = tmp_path / "t.onnx"
+    onnx.save(helper.make_model(graph), str(path))
+    check = E.weight_invariants(path, model, {})["0.weight"]
+    assert check["int8"] and check["zeros_kept"] and check["ok"], check
+
+
 def test_an_opset_the_runtime_cannot_load_is_refused_before_any_work():
     E.runtime_runs(18)  # what we export by default loads
     with pytest.raises(E.InputError, match="opset 99: ONNX Runtime .* cannot run it"):

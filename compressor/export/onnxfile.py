@@ -657,10 +657,13 @@ def _find_weight(
     shape, t_shape = tuple(w.shape), tuple(w.shape[::-1])
 
     def fit(key: str, arr: np.ndarray):
+        quantized = arr.dtype in (np.int8, np.uint8)
+        if quantized:
+            arr = _less_zero_point(inits, key, arr)
         if arr.shape == shape:
-            return arr, arr.dtype == np.int8, key
+            return arr, quantized, key
         if w.ndim == 2 and arr.shape == t_shape:
-            return arr.T, arr.dtype == np.int8, key
+            return arr.T, quantized, key
         return None
 
     for base in (name, alias):
@@ -671,7 +674,7 @@ def _find_weight(
                 return hit
     for key, arr in inits.items():
         if key.replace("/", ".").endswith(name) and arr.shape == shape:
-            return arr, arr.dtype == np.int8, key
+            return fit(key, arr)
     ref = w.numpy()
     for key, arr in inits.items():
         if key in claimed or arr.dtype != ref.dtype:
@@ -680,6 +683,21 @@ def _find_weight(
         if hit is not None and np.array_equal(hit[0], ref):
             return hit
     return None
+
+
+def _less_zero_point(inits: dict[str, np.ndarray], key: str, q: np.ndarray) -> np.ndarray:
+    """A quantized initializer as integers whose 0 is the real 0: less its zero point. ORT
+    quantizes an embedding table that feeds INT8 compute as uint8 with a zero point (123 on a
+    text model's), and its pruned zeros read as 123 until the point is taken off."""
+    zp = inits.get(key.removesuffix("_quantized") + "_zero_point")
+    if zp is None or not np.any(zp):
+        return q
+    values = q.astype(np.int32)
+    if zp.size == 1:
+        return values - int(zp.reshape(-1)[0])
+    if zp.shape[0] == q.shape[0]:  # per output channel, along axis 0
+        return values - zp.astype(np.int32).reshape(-1, *([1] * (q.ndim - 1)))
+    return q  # another axis: left as it is, the check then reads the raw integers
 
 
 def ort_baselines(
