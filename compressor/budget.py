@@ -87,7 +87,7 @@ def coarseness(max_drop: float, n_val: int) -> str | None:
     return (
         f"--max-drop {max_drop:g} allows {allowed} of {n_val:,} validation samples: a sample or "
         "two decides each trial, so the size kept varies from run to run; "
-        f"{need:,} or more validation samples (an npz with x_val/y_val) resolve "
+        f"{need:,} or more validation samples (an npz with x_val/y_val, or input_ids_val) resolve "
         f"{RESOLVING_SAMPLES} samples"
     )
 
@@ -114,7 +114,7 @@ def check_validation(max_drop: float, n_val: int, where: str) -> None:
         raise InputError(
             f"--max-drop needs at least {MIN_VAL_SAMPLES} validation samples; {where} has "
             f"{n_val} (every 10th training sample is held out: give {10 * MIN_VAL_SAMPLES} or "
-            "more training samples, or an npz with x_val/y_val)"
+            "more training samples, or an npz with x_val/y_val, or input_ids_val)"
         )
     if max_drop > 0 and allowed_loss(max_drop, n_val) < 1:
         need = math.ceil(100 / max_drop)

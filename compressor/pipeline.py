@@ -859,7 +859,7 @@ def decode_to_checkpoint(
                 f"{path}: the archive holds model {spec.name}, not {allow_import}; pass "
                 f"--model {spec.name}, or leave --model out to decode its tensors"
             )
-        if spec.is_import_path and allow_import != spec.name:
+        if spec.needs_consent and allow_import != spec.name:
             rebuilt = False
             return None
         try:

@@ -18,6 +18,13 @@ STAGE_NAMES = {"prune": "P", "quantize": "P+Q", "huffman": "P+Q+H"}
 _RANK = {"no": 0, "partial": 1, "yes": 2}
 
 
+def _fell(points: float) -> str:
+    """A change in points as words: "fell 0.16 points", "rose 0.16 points", not "dropped -0.16"."""
+    if points == 0:
+        return "did not move"
+    return f"{'fell' if points > 0 else 'rose'} {abs(points):.2f} points"
+
+
 def _kb(n: int) -> str:
     return f"{n / 1000:.1f} KB"
 
@@ -275,7 +282,7 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
         f"validation drop {b['val_drop']:+.2f} points measured ({won['lost']} samples, paired "
         f"95% interval [{lo:+.2f}, {hi:+.2f}]; "
         + ("" if scale else f"the curves predicted {b['predicted_drop']:.2f} before retraining; ")
-        + f"the mean probability of the right class dropped {b['val_soft_drop']:+.2f} points), "
+        + f"the mean probability of the right class {_fell(b['val_soft_drop'])}), "
         f"{verdict}."
     )
     if scale:

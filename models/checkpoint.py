@@ -102,7 +102,7 @@ class Checkpoint:
                 f"{self.path}: a bare state_dict does not name its model; pass --model NAME "
                 "(spec= in Python)"
             )
-        if spec is self.spec and spec.is_import_path and not allow_import:
+        if spec is self.spec and spec.needs_consent and not allow_import:
             raise InputError(
                 f"{self.path}: names model code {spec.name}; pass --model {spec.name} "
                 "to allow importing it (in Python: spec= naming it, or trust_model=True)"

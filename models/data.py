@@ -890,7 +890,10 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
     rows = embedding_rows(model)
     hint = ""  # when the data and the model look like different kinds of input
     if not data.is_tokens and rows is not None:
-        hint = "; the model looks up token ids (it has an nn.Embedding): give token data"
+        hint = (
+            "; the model looks up token ids (it has an nn.Embedding): store them in the npz "
+            "as int64 input_ids (input_ids_test), not x, which holds images"
+        )
     elif data.is_tokens and rows is None:
         hint = "; it has no nn.Embedding to look token ids up in: give it float inputs"
     want = getattr(model, "in_shape", None)

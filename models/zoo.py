@@ -69,6 +69,10 @@ def available() -> dict[str, str]:
     return dict(sorted(_ABOUT.items()))
 
 
+# Import paths a checkpoint may name without the user's consent: compress's own builders.
+TRUSTED_BUILDERS = "compresskit.models.hf:"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What to build: a zoo name or an import path `pkg.module:Class` (or `:function`), plus the
@@ -111,6 +115,14 @@ class ModelSpec:
     @property
     def is_import_path(self) -> bool:
         return ":" in self.name
+
+    @property
+    def needs_consent(self) -> bool:
+        """Whether building it imports code a file named: a user's import path, not a zoo
+        name and not compress's own model builders (`compresskit.models.hf:bert`). Only that
+        module is exempt: another callable of the package, named by a crafted file, could be
+        one that is not a model builder."""
+        return self.is_import_path and not self.name.startswith(TRUSTED_BUILDERS)
 
 
 MAX_SPEC_VALUES = 10_000  # values in a model spec's kwargs, nested ones counted

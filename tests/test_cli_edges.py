@@ -567,3 +567,20 @@ def test_crafted_inputs_get_messages_that_say_what_is_wrong(run, tmp_path):
     result = run("shrink", tmp_path / "m.pt", "--recipe", tmp_path / "r.toml", "--dry-run")
     _one_line(result, 2, "train.seed = 9999999999")
     assert "(4,000 characters) is impossible" in result.stderr and len(result.stderr) < 300
+
+
+def test_compress_own_model_builders_need_no_consent(run, tmp_path, monkeypatch):
+    # A checkpoint of the README's own zoo code (compresskit.models.hf:bert) was refused
+    # without --model; only that module is exempt, never another callable of the package.
+    from compresskit.models import zoo
+
+    assert not zoo.ModelSpec("compresskit.models.hf:bert", {}).needs_consent
+    for name in ("compresskit.cli.main:main", "compresskit.models.fileio:atomic_path", "a.b:C"):
+        assert zoo.ModelSpec(name, {}).needs_consent
+    assert not zoo.ModelSpec("lenet5", {}).needs_consent
+    pytest.importorskip("transformers")
+    out = tmp_path / "bert.pt"
+    args = ("--data", "tokens:16:64", "--epochs", "1", "--out", out, "-q")
+    assert run("train", "--model", "compresskit.models.hf:bert", *args).exit_code == 0
+    result = run("train", "--data", "tokens:16:64", "--epochs", "2", "--out", out, "--resume", "-q")
+    assert result.exit_code == 0, result.stderr

@@ -544,7 +544,10 @@ def _skip(v, reason: str) -> dict[str, Any]:
 def _accuracy(variants, data, skipped, progress) -> tuple[dict[int, dict[str, float]], str]:
     """Test accuracy of each variant on its own runtime, and its top-1 agreement with the first
     variant that ran (named in the result, since a skipped first one moves it)."""
-    progress(f"accuracy on {data.spec} ({len(data.y_test)} test images)")
+    progress(
+        f"accuracy on {data.spec} ({len(data.y_test)} test "
+        f"{'sequences' if data.is_tokens else 'images'})"
+    )
     x, y = data.x_test.numpy(), data.y_test.numpy()
     out: dict[int, dict[str, float]] = {}
     reference = reference_name = None
