@@ -332,3 +332,29 @@ def test_every_opset_names_inputs_and_outputs_alike(tmp_path):
         assert proto.opset_import[0].version == opset
         names[opset] = ([i.name for i in proto.graph.input], [o.name for o in proto.graph.output])
     assert names[13] == names[18] and names[18][0] == ["x"]
+
+
+class _Tokens3d(nn.Module):
+    """A square Linear on (N, T, F) inputs: the exporter stores its weight transposed, under
+    a generated name (a MatMul's right-hand side), as BERT's 128 x 128 query weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):  # (N, 1, T, F)
+        return self.head(torch.relu(self.query(x[:, 0])).mean(1))
+
+
+def test_a_square_weight_stored_transposed_is_found(tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    model = _Tokens3d().eval()
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=2))
+    path = E.export_onnx(model, torch.rand(2, 1, 4, 16), tmp_path / "m.onnx", E.ExportConfig())
+    names = {i.name for i in onnx.load(str(path)).graph.initializer}
+    check = E.weight_invariants(path, model, {"query": 2, "head": 2})["query.weight"]
+    assert "query.weight" not in names  # stored transposed, under a generated name
+    assert check["found"] and check["ok"], (check, names)

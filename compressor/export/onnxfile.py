@@ -682,6 +682,10 @@ def _find_weight(
         hit = fit(key, arr)
         if hit is not None and np.array_equal(hit[0], ref):
             return hit
+        # A square matrix fits both ways: BERT's 128 x 128 query weight, stored transposed,
+        # was compared as it stood and read "not found" in every file.
+        if w.ndim == 2 and arr.shape == shape == t_shape and np.array_equal(arr.T, ref):
+            return arr.T, False, key
     return None
 
 
