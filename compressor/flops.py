@@ -256,7 +256,8 @@ def onnx_macs(path: Path | str, batch: int, sample: tuple[int, ...] | None = Non
     (and, where the file leaves them symbolic, of `sample` shape after the batch).
 
     Symbolic (or 0) input dims become `batch` (the first) or `sample`'s, then `onnx.shape_inference` (with data
-    propagation, for exporters that compute Reshape targets from Shape) gives every shape.
+    propagation, for exporters that compute Reshape targets from Shape) gives every shape, and
+    ONNX Runtime's symbolic shape inference the ones it leaves open.
     Counts Conv, ConvTranspose, ConvInteger, QLinearConv, Gemm, MatMul, MatMulInteger and QLinearMatMul nodes
     of the main graph; in a QDQ file DequantizeLinear -> Conv is still one Conv, counted once.
     """
@@ -274,6 +275,7 @@ def onnx_macs(path: Path | str, batch: int, sample: tuple[int, ...] | None = Non
             f"{path}: not an ONNX model ({type(e).__name__}); give an .onnx file"
         ) from None
     _fix_batch(model, batch, sample)
+    fixed = model
     try:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception as e:
@@ -281,10 +283,24 @@ def onnx_macs(path: Path | str, batch: int, sample: tuple[int, ...] | None = Non
         raise InputError(f"{path}: shape inference failed at batch {batch} ({msg})") from None
     shapes = _shapes(model)
     counted = {*CONV_OPS, *TRANSPOSED_OPS, "Gemm", *MATMUL_OPS, *RNN_OPS}
-    return int(
-        sum(
-            _node_macs(node, shapes, path)
-            for node in model.graph.node
-            if node.op_type in counted and node.domain in ("", "ai.onnx")
-        )
-    )
+    nodes = [n for n in model.graph.node if n.op_type in counted and n.domain in ("", "ai.onnx")]
+    if any(name and name not in shapes for n in nodes for name in (*n.input, *n.output)):
+        shapes = {**_symbolic_shapes(fixed), **shapes}
+    return int(sum(_node_macs(node, shapes, path) for node in nodes))
+
+
+def _symbolic_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Shapes from ONNX Runtime's symbolic shape inference, where ONNX's own leaves some open
+    (a Hugging Face BERT's attention MatMuls, after Reshapes it computes from Shape ops: bench
+    showed no MACs for its ONNX files). {} when it fails too; the caller then names the value
+    it lacks."""
+    import contextlib
+    import io
+
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints what it cannot infer
+            return _shapes(SymbolicShapeInference.infer_shapes(model, auto_merge=True))
+    except Exception:  # another exporter's graph it cannot follow
+        return {}

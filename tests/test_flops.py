@@ -262,3 +262,76 @@ def test_transposed_convolutions_by_hand(tmp_path):
     path = _export(model, tmp_path / "ed.onnx", (1, 8, 8))
     assert F.onnx_macs(path, 1) == want
     assert F.onnx_macs(path, 5) == 5 * want
+
+
+class _HeadsByShape(nn.Module):
+    """Attention as Hugging Face writes it: heads split by a view whose sizes come from the
+    input's shape, then bare matmuls (which torch_macs cannot see, a documented limit)."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads, self.q, self.k = heads, nn.Linear(d, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):  # (N, 1, T, d)
+        x = x[:, 0]
+        b, t, d = x.shape
+        split = (b, t, self.heads, d // self.heads)
+        q = self.q(x).view(split).permute(0, 2, 1, 3)
+        k = self.k(x).view(split).permute(0, 2, 1, 3)
+        att = torch.softmax(q @ k.transpose(-1, -2), -1)  # (N, heads, T, T)
+        mixed = (att @ q).permute(0, 2, 1, 3).reshape(b, t, d)
+        return self.head(mixed.mean(1))
+
+
+def test_matmuls_behind_computed_reshapes_are_counted(tmp_path):
+    # bench showed no MACs for a Hugging Face BERT's ONNX files: ONNX's shape inference left
+    # its attention MatMuls open, and ONNX Runtime's symbolic inference now fills them in.
+    t, d = 5, 8
+    projections = 2 * t * d * d  # q and k
+    attention = 2 * t * t * d  # Q K^T and A V over both heads: head_dim x heads = d
+    want = projections + attention + d * 3
+    model = _HeadsByShape()
+    assert F.torch_macs(model, torch.rand(1, 1, t, d)) == want - attention  # bare matmuls unseen
+    path = _export(model, tmp_path / "h.onnx", (1, t, d))
+    assert F.onnx_macs(path, 1, (1, t, d)) == want
+    assert F.onnx_macs(path, 4, (1, t, d)) == 4 * want
+
+
+def test_shapes_onnx_leaves_open_come_from_onnx_runtime(tmp_path, monkeypatch):
+    # A Hugging Face BERT's padding mask (Expand, GatherND) stops ONNX's shape inference
+    # before its attention MatMuls, and bench showed no MACs for its ONNX files. ONNX
+    # Runtime's symbolic shape inference fills in what ONNX's leaves open.
+    model = _HeadsByShape()
+    path = _export(model, tmp_path / "h.onnx", (1, 5, 8))
+    want = F.onnx_macs(path, 2, (1, 5, 8))
+    import onnx
+
+    real, calls = onnx.shape_inference.infer_shapes, []
+
+    def shapes_lost(proto, *args, **kwargs):
+        # flops' own call gets what ONNX gives on BERT: no intermediate shapes; ONNX
+        # Runtime's inference, which calls it too, gets the real one
+        calls.append(1)
+        return proto if len(calls) == 1 else real(proto, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", shapes_lost)
+    assert F.onnx_macs(path, 2, (1, 5, 8)) == want
+    calls.clear()
+    monkeypatch.setattr(F, "_symbolic_shapes", lambda proto: {})
+    with pytest.raises(InputError, match="unknown after shape inference"):
+        F.onnx_macs(path, 2, (1, 5, 8))
+
+
+def test_hugging_face_bert_counts_its_attention_in_onnx(tmp_path):
+    pytest.importorskip("transformers")
+    from compresskit.models import hf
+
+    model = hf.bert().eval()
+    path = E.export_onnx(
+        model, torch.ones(2, 16, dtype=torch.int64), tmp_path / "b.onnx", E.ExportConfig()
+    )
+    seen = F.torch_macs(model, torch.ones(1, 16, dtype=torch.int64))
+    layers, heads_dim = model.net.config.num_hidden_layers, model.net.config.hidden_size
+    attention = layers * 2 * 16 * 16 * heads_dim  # Q K^T and A V: bare matmuls torch misses
+    assert F.onnx_macs(path, 1, (16,)) == seen + attention
