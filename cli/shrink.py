@@ -454,7 +454,7 @@ def run_shrink(
 @click.command(
     epilog="""\b
 Example:
-  compress decode lenet300-shrunk/student.dcz --out lenet300-decoded.pt
+  compress decode lenet300-shrunk/model.dcz --out lenet300-decoded.pt
 """
 )
 @click.argument("archive_path", metavar="MODEL.dcz", type=click.Path(path_type=Path))
@@ -484,6 +484,7 @@ Example:
     default=None,
     help="Refuse the archive unless its SHA-256 is this (the sha256 in report.json).",
 )
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @json_option
 @log_option
 def decode(
@@ -492,6 +493,7 @@ def decode(
     model: str | None,
     max_elements: int | None,
     sha256: str | None,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Rebuild a .pt checkpoint from a .dcz archive, bit for bit.
@@ -502,7 +504,7 @@ def decode(
     """
     out = out or archive_path.with_suffix(".decoded.pt")
     result = pipeline.decode_to_checkpoint(
-        archive_path, out, allow_import=model, max_elements=max_elements, sha256=sha256
+        archive_path, out, allow_import=model, max_elements=max_elements, sha256=sha256, force=force
     )
     if as_json:
         emit_json(result)

@@ -348,8 +348,10 @@ def decode(
     model: str | None = None,
     max_elements: int | None = None,
     sha256: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Rebuild a .pt checkpoint from a .dcz archive, bit for bit (as `compress decode`).
+    """Rebuild a .pt checkpoint from a .dcz archive, bit for bit (as `compress decode`); an
+    existing `out` is replaced only with `force`.
 
     `model`: the "pkg.module:callable" the archive names, to import it and check the tensors
     build it (without it the tensors are decoded and no code is imported). `sha256`: refuse
@@ -358,5 +360,5 @@ def decode(
     archive = Path(archive)
     target = Path(out) if out is not None else archive.with_suffix(".decoded.pt")
     return pipeline.decode_to_checkpoint(
-        archive, target, allow_import=model, max_elements=max_elements, sha256=sha256
+        archive, target, allow_import=model, max_elements=max_elements, sha256=sha256, force=force
     )

@@ -833,8 +833,10 @@ def decode_to_checkpoint(
     allow_import: str | None = None,
     max_elements: int | None = None,
     sha256: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Rebuild a checkpoint from a .dcz archive, bit for bit.
+    """Rebuild a checkpoint from a .dcz archive, bit for bit. An existing `out` is replaced
+    only with `force` (a user's unrelated file was silently overwritten).
 
     A zoo model, or a user's model whose code `allow_import` names, is first built on the meta
     device (which allocates nothing); every record must have one of its names and shapes
@@ -846,6 +848,8 @@ def decode_to_checkpoint(
     when it is loaded with consent (`rebuilt` False in the result).
     """
     check_writable(out, inputs=[path])
+    if out.exists() and not force:
+        raise InputError(f"{out} exists; pass --force to replace it, or another --out")
     rebuilt = True
 
     def expect(header_spec: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:

@@ -274,6 +274,22 @@ def test_decode_reproduces_the_weights_bit_for_bit(run, trained):
     assert result.json()["checkpoint"] == str(folder / "decoded.pt")
 
 
+def test_decode_replaces_an_existing_file_only_with_force(run, trained, tmp_path):
+    # A user's unrelated file given as --out was silently replaced by a checkpoint.
+    _, out, _ = trained
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes")
+    result = run("decode", out / "model.dcz", "--out", mine)
+    assert result.exit_code == 2 and "exists; pass --force" in result.stderr
+    assert mine.read_text() == "my notes"
+    result = run("decode", out / "model.dcz", "--out", mine, "--force")
+    assert result.exit_code == 0, result.stderr
+    assert (
+        checkpoint.load(mine).state_dict.keys()
+        == checkpoint.load(out / "model.pt").state_dict.keys()
+    )
+
+
 def test_dry_run_prints_the_default_recipe(run):
     result = run("shrink", "nothing.pt", "--dry-run")
     assert result.exit_code == 0
