@@ -462,6 +462,11 @@ def _diagnose(path: Path) -> str:
         return "the file is empty"
     if head == b"\x89DCZ" or path.suffix == ".dcz":  # compressor.archive.MAGIC's first bytes
         return "a compress archive (.dcz), not a checkpoint; rebuild one with `compress decode`"
+    if path.suffix in (".onnx", ".ort"):  # bench runs these; shrink and train need weights
+        return (
+            "an ONNX Runtime model, not a checkpoint; pass the .pt it was exported from "
+            "(compress bench runs ONNX files)"
+        )
     return "not a torch.save file (wrong format); pass a .pt written by torch.save"
 
 

@@ -186,9 +186,14 @@ def resolve(name: str) -> Callable[..., nn.Module]:
     if ":" not in name:
         _load_zoo()
         if name not in _ZOO:
+            import difflib
+
             known = ", ".join(sorted(_ZOO))
+            close = difflib.get_close_matches(name, _ZOO, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
             raise InputError(
-                f"unknown model {name!r}; zoo models: {known}; or give your own as pkg.module:Class"
+                f"unknown model {name!r}{hint}; zoo models: {known}; or give your own as "
+                "pkg.module:Class"
             )
         return _ZOO[name]
     module_name, _, attr = name.partition(":")

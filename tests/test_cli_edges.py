@@ -399,6 +399,15 @@ def test_an_archive_given_as_a_checkpoint_points_to_decode(run, tmp_path):
         _one_line(result, 2, "a compress archive (.dcz), not a checkpoint; rebuild one with")
 
 
+def test_an_onnx_file_given_as_a_checkpoint_points_to_its_pt(run, tmp_path):
+    # "not a torch.save file (wrong format)" left a user to guess that shrink wants the .pt.
+    (tmp_path / "model.fp32.onnx").write_bytes(b"\x08\x08\x12\x07pytorch")
+    result = run("shrink", tmp_path / "model.fp32.onnx", "--out", tmp_path / "o", "-q")
+    _one_line(result, 2, "an ONNX Runtime model, not a checkpoint; pass the .pt it was exported")
+    result = run("train", "--model", "lenet30", "--epochs", "1", "--out", tmp_path / "m.pt")
+    _one_line(result, 2, "unknown model 'lenet30' (did you mean lenet300?)")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
