@@ -35,13 +35,6 @@ stdout = Console(
 )
 
 
-def _fp32_only(counts: dict[str, int]) -> str:
-    """{op type: count} in words: "2 ConvTranspose, 1 LSTM nodes"."""
-    return ", ".join(f"{n} {op}" for op, n in counts.items()) + (
-        " nodes" if sum(counts.values()) > 1 else " node"
-    )
-
-
 def rank0_progress(quiet: bool, log: str | None) -> TrainProgress:
     """Rank 0's progress, made inside its own process when a run spawns several: what it says
     goes to the terminal and to --log-file, as a one-process run's does."""
@@ -377,7 +370,11 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
                 f"(floor {o['min_agreement']:.2%}){timed}"
             )
             if fixed := o.get("fp32_only_nodes"):
-                out.print(f"  {_fp32_only(fixed)} stay FP32 (no QDQ INT8 kernel in ONNX Runtime)")
+                nodes = "nodes" if sum(fixed.values()) > 1 else "node"
+                out.print(
+                    f"  {report_mod.node_counts(fixed)} {nodes} stay FP32 (no QDQ INT8 kernel "
+                    "in ONNX Runtime)"
+                )
             h = o["host_kernels"]
             out.print(
                 f"  on this CPU's optimized kernels: top-1 agreement with FP32 "

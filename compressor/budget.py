@@ -682,7 +682,7 @@ def _search_scale(model: nn.Module, recipe: Recipe, cfg: BudgetConfig, trials: _
     """Bisect one factor on every layer's kept fraction (module docstring); returns the
     record's maker."""
     hooks, judge = trials.hooks, trials.judge
-    example = hooks.val_data[0][:2] if hooks.val_data is not None else None
+    example = shrink_mod.example_inputs(hooks)
     base = base_sparsity(model, recipe, example)
     layers = list(prune.weight_layers(model, recipe.prune.embeddings))
 

@@ -119,22 +119,21 @@ def module_macs(model: nn.Module, example: torch.Tensor) -> dict[str, int]:
     counts: dict[str, int] = {}
     names = {m: n for n, m in model.named_modules()}
 
-    def hook(module, _inputs, output):
-        macs = (
-            _linear_macs(module, output)
-            if isinstance(module, nn.Linear)
-            else _conv_macs(module, output)
-        )
+    def add(module: nn.Module, macs: int) -> None:
         counts[names[module]] = counts.get(names[module], 0) + macs
 
+    def hook(module, _inputs, output):
+        linear = isinstance(module, nn.Linear)
+        add(module, (_linear_macs if linear else _conv_macs)(module, output))
+
     def transposed_hook(module, args, _output):
-        counts[names[module]] = counts.get(names[module], 0) + _transposed_macs(module, args[0])
+        add(module, _transposed_macs(module, args[0]))
 
     def rnn_hook(module, args, _output):
-        counts[names[module]] = counts.get(names[module], 0) + _rnn_macs(module, args[0])
+        add(module, _rnn_macs(module, args[0]))
 
     def attention_hook(module, args, kwargs, _output):
-        counts[names[module]] = counts.get(names[module], 0) + _attention_macs(module, args, kwargs)
+        add(module, _attention_macs(module, args, kwargs))
 
     handles = []
     flags = {m: m.training for m in model.modules()}

@@ -847,9 +847,7 @@ def decode_to_checkpoint(
     checked against the file) and written as a checkpoint naming the same code, which builds
     when it is loaded with consent (`rebuilt` False in the result).
     """
-    check_writable(out, inputs=[path])
-    if out.exists() and not force:
-        raise InputError(f"{out} exists; pass --force to replace it, or another --out")
+    check_writable(out, inputs=[path], replace=force)
     rebuilt = True
 
     def expect(header_spec: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:

@@ -208,10 +208,7 @@ def foreign_weights(model: nn.Module, embeddings: bool = False) -> dict[str, str
             if theirs:
                 out[layer.name] = ", ".join(theirs)
         elif layer.param not in module._parameters:
-            hooks = [
-                getattr(h, "__class__", type(h)).__name__
-                for h in module._forward_pre_hooks.values()
-            ]
+            hooks = [type(h).__name__ for h in module._forward_pre_hooks.values()]
             out[layer.name] = next((h for h in hooks if h != "function"), "a computed weight")
     return out
 

@@ -25,6 +25,11 @@ def _fell(points: float) -> str:
     return f"{'fell' if points > 0 else 'rose'} {abs(points):.2f} points"
 
 
+def node_counts(counts: dict[str, int]) -> str:
+    """{op type: count} in words: "2 ConvTranspose, 1 LSTM"."""
+    return ", ".join(f"{n} {op}" for op, n in counts.items())
+
+
 def _kb(n: int) -> str:
     return f"{n / 1000:.1f} KB"
 
@@ -474,9 +479,8 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
             f"{_expected(int8)} (floor {int8['min_agreement']:.2%} for both).",
         ]
         if fixed := int8.get("fp32_only_nodes"):
-            kinds = ", ".join(f"{n} {op}" for op, n in fixed.items())
             lines.append(
-                f"FP32 in any INT8 file: {kinds} (LSTM/GRU/RNN and ConvTranspose have no "
+                f"FP32 in any INT8 file: {node_counts(fixed)} (LSTM/GRU/RNN and ConvTranspose have no "
                 "QDQ INT8 kernel in ONNX Runtime)."
             )
         lat = int8.get("latency_ms_batch1")

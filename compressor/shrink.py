@@ -257,7 +257,7 @@ def _accuracy(model: nn.Module, hooks: Hooks, correct: torch.Tensor | None) -> f
     return int(correct.sum()) / len(correct)  # exact, as `evaluate` counts (not a float32 mean)
 
 
-def _example(hooks: Hooks) -> torch.Tensor | None:
+def example_inputs(hooks: Hooks) -> torch.Tensor | None:
     """Two validation inputs, for the order a forward calls the layers in (`call_order`)."""
     return hooks.val_data[0][:2] if hooks.val_data is not None else None
 
@@ -374,7 +374,7 @@ def _prune(
     sens = None
     sparsity = p.sparsity
     if sparsity == "default":
-        sparsity = default_sparsity(model, p.embeddings, _example(hooks))
+        sparsity = default_sparsity(model, p.embeddings, example_inputs(hooks))
     elif sparsity == "auto":
         sens = prune.sensitivity(model, hooks.val_accuracy, p.budget, progress=_every(hooks.info))
         sparsity = sens.proposal

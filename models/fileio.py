@@ -22,10 +22,14 @@ from compresskit.models.errors import InputError
 
 
 def check_writable(
-    path: str | os.PathLike, flag: str = "--out", inputs: Iterable[str | os.PathLike] = ()
+    path: str | os.PathLike,
+    flag: str = "--out",
+    inputs: Iterable[str | os.PathLike] = (),
+    replace: bool = True,
 ) -> Path:
     """Fail early, before any long work, when `path` cannot be written, or is one of the
-    files the same call reads (`inputs`: writing there would replace it).
+    files the same call reads (`inputs`: writing there would replace it), or exists and
+    `replace` is False (the command's --force not given).
 
     Probes by creating a file rather than with `os.access`, which says yes to root for
     read-only mounts and no for ACL-granted users.
@@ -43,6 +47,8 @@ def check_writable(
         raise InputError(f"{flag} {path}: exists and is not a regular file; choose another path")
     if path.is_dir():
         raise InputError(f"{flag} {path}: is a folder; give a file name, e.g. {path / 'model.pt'}")
+    if path.exists() and not replace:
+        raise InputError(f"{flag} {path}: exists; pass --force to replace it, or another path")
     if not parent.exists():
         raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first")
     if not parent.is_dir():
