@@ -555,9 +555,9 @@ def test_weight_normed_layers_are_refused_and_the_readme_fold_works(tmp_path, mo
     )
     assert report.ratio > 5
     back = ck.decode(report.out / "model.dcz", tmp_path / "back.pt")
+    assert back["checkpoint"] == str(tmp_path / "back.pt")
     state = torch.load(tmp_path / "back.pt", weights_only=True)["state_dict"]
     assert "fc1.weight" in state and float((state["fc1.weight"] == 0).float().mean()) > 0.5
-    assert back is not None
 
 
 DECODER = """\
