@@ -133,7 +133,7 @@ def train_summary(result: TrainResult, out: Path) -> None:
         )
     stdout.print(table)
     stdout.print(
-        f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs, "
+        f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epoch{'s' * (result.epochs != 1)}, "
         f"{result.seconds:.1f}s training; checkpoint: {out}"
     )
     ps = result.strategy
@@ -369,6 +369,12 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
                 f"target {o['target']}; agreement with FP32 {o['top1_agreement_fp32']:.2%} "
                 f"(floor {o['min_agreement']:.2%}){timed}"
             )
+            if rows := o.get("int8_tables"):
+                out.print(
+                    f"  embedding tables as int8 rows (a scale each): {report_mod.table_counts(rows)}"
+                )
+            if why := o.get("int8_tables_fp32"):
+                out.print(f"  embedding tables: {why}")
             if fixed := o.get("fp32_only_nodes"):
                 nodes = "nodes" if sum(fixed.values()) > 1 else "node"
                 out.print(

@@ -20,7 +20,7 @@ from compresskit.cli.main import (
 )
 from compresskit.distrib import launch
 from compresskit.distrib import train as run_train
-from compresskit.distrib.job import TrainJob, default_out, run_ensemble
+from compresskit.distrib.job import TrainJob, default_out, ensemble_out, run_ensemble
 from compresskit.distrib.paramserver import PSConfig
 from compresskit.distrib.pipeline import BALANCES, PipelineConfig
 from compresskit.distrib.pipeline import SCHEDULES as PIPELINE_SCHEDULES
@@ -121,6 +121,12 @@ Examples:
     "--resume",
     is_flag=True,
     help="Continue from --out's checkpoint (with its settings) if it exists.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Train afresh over an earlier checkpoint at --out (without it, an existing --out is "
+    "refused: --resume continues it).",
 )
 @click.option(
     "--checkpoint-every",
@@ -288,6 +294,7 @@ def train(
     precision: str,
     out: Path | None,
     resume: bool,
+    force: bool,
     checkpoint_every: int,
     workers: int,
     ensemble: int,
@@ -356,6 +363,7 @@ def train(
     )
     kwargs = parse_kwargs(model_kwargs)
     out = out or default_out(model)
+    _check_fresh(out, ensemble, resume, force)
     log = log_path()
     if log is not None and os.path.abspath(log) == os.path.abspath(out):  # the default --out
         raise InputError(f"--log-file {log} is the checkpoint --out writes; log to another path")
@@ -515,6 +523,23 @@ def _pipeline_config(
     return PipelineConfig(
         stages=stages, microbatches=microbatches, schedule=schedule, split=names, balance=balance
     )
+
+
+def _check_fresh(out: Path, ensemble: int, resume: bool, force: bool) -> None:
+    """An earlier checkpoint at --out is replaced only on purpose: a re-run of last week's
+    command had silently trained the teacher afresh over hours of work."""
+    if resume and force:
+        raise InputError("--resume continues --out's checkpoint, --force starts over it: give one")
+    if resume or force:
+        return
+    paths = [out] if ensemble == 1 else [ensemble_out(out, k) for k in range(max(ensemble, 0))]
+    for path in paths:
+        if path.is_file():
+            what = "--resume continues it, " if ensemble == 1 else ""
+            raise InputError(
+                f"--out {path}: holds an earlier checkpoint; {what}--force trains afresh over it, "
+                "or give another --out"
+            )
 
 
 def _ensemble(job: TrainJob, members: int, factory, as_json: bool) -> None:

@@ -82,6 +82,11 @@ def default_out(model: str) -> Path:
     return Path(f"{model.rsplit(':', 1)[-1].rsplit('.', 1)[-1].lower()}.pt")
 
 
+def ensemble_out(out: Path, k: int) -> Path:
+    """Member `k`'s checkpoint in an ensemble written to `out`: teacher.pt -> teacher-0.pt."""
+    return out.with_name(f"{out.stem}-{k}{out.suffix}")
+
+
 def train(
     model: str | nn.Module,
     data: str | Dataset = "digits",
@@ -529,7 +534,7 @@ def run_ensemble(
     jobs = [
         dataclasses.replace(
             job,
-            out=job.out.with_name(f"{job.out.stem}-{k}{job.out.suffix}"),
+            out=ensemble_out(job.out, k),
             config=dataclasses.replace(job.config, seed=job.config.seed + k),
             workers=1,
         )

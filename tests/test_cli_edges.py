@@ -593,3 +593,20 @@ def test_compress_own_model_builders_need_no_consent(run, tmp_path, monkeypatch)
     assert run("train", "--model", "compresskit.models.hf:bert", *args).exit_code == 0
     result = run("train", "--data", "tokens:16:64", "--epochs", "2", "--out", out, "--resume", "-q")
     assert result.exit_code == 0, result.stderr
+
+
+def test_train_keeps_an_earlier_checkpoint_unless_told(run, tmp_path):
+    """A re-run of last week's command had trained afresh over the teacher, exit 0."""
+    out = tmp_path / "teacher.pt"
+    args = ("train", "--model", "lenet300", "--epochs", "1", "--out", out, "-q")
+    assert run(*args).exit_code == 0
+    before = out.read_bytes()
+    _one_line(run(*args), 2, "holds an earlier checkpoint; --resume continues it, --force")
+    assert out.read_bytes() == before
+    _one_line(run(*args, "--force", "--resume"), 2, "give one")
+    assert run(*args, "--force", "--seed", "1").exit_code == 0
+    assert out.read_bytes() != before  # trained afresh with another seed
+    # an ensemble checks every member it would write
+    (tmp_path / "teacher-1.pt").write_bytes(before)
+    _one_line(run(*args, "--ensemble", "2"), 2, "teacher-1.pt: holds an earlier checkpoint")
+    assert not (tmp_path / "teacher-0.pt").exists()  # refused before any training
