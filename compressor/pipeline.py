@@ -710,6 +710,9 @@ def _export(
         "quantizable_nodes": choice.quantizable,
         # LSTM/GRU/RNN and ConvTranspose nodes: FP32 in any INT8 file (no QDQ INT8 kernel)
         "fp32_only_nodes": export.fp32_only_nodes(fp32),
+        # embedding tables stored as int8 rows with a scale each: {initializer: elements}
+        "int8_tables": choice.tables,
+        **({"int8_tables_fp32": choice.tables_fp32} if choice.tables_fp32 else {}),
         "latency_ms_batch1": sel.latency_ms,
     }
     if choice.model is None:

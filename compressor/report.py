@@ -30,6 +30,11 @@ def node_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {op}" for op, n in counts.items())
 
 
+def table_counts(tables: dict[str, int]) -> str:
+    """{initializer: elements} in words: "tokens.weight (64,000)"."""
+    return ", ".join(f"{name} ({n:,})" for name, n in tables.items())
+
+
 def _kb(n: int) -> str:
     return f"{n / 1000:.1f} KB"
 
@@ -478,6 +483,12 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
             f"agreement {int8['check_agreement']:.2%} on {_checked_on(int8)}"
             f"{_expected(int8)} (floor {int8['min_agreement']:.2%} for both).",
         ]
+        if rows := int8.get("int8_tables"):
+            lines.append(
+                f"Embedding tables stored as int8 rows with an FP32 scale each: {table_counts(rows)}."
+            )
+        if why := int8.get("int8_tables_fp32"):
+            lines.append(f"Embedding tables: {why}.")
         if fixed := int8.get("fp32_only_nodes"):
             lines.append(
                 f"FP32 in any INT8 file: {node_counts(fixed)} (LSTM/GRU/RNN and ConvTranspose have no "

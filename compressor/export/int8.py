@@ -77,6 +77,7 @@ saturation: `auto` turns it on for `host` builds on such CPUs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,7 @@ import numpy as np
 
 from compresskit import _datapass
 from compresskit.compressor import stats
+from compresskit.compressor.export import tables
 from compresskit.compressor.export.biascorr import (
     apply_bias_shifts,
     apply_bias_shifts_,
@@ -272,6 +274,9 @@ class Choice:
     semantics: str  # "reference" (mobile) or "host"
     reason: str = ""  # why no INT8 file, when model is None
     ties: int = 0  # check samples whose FP32 top two classes tie (either counts as agreeing)
+    # embedding tables stored as int8 rows (`tables`): {initializer: elements}
+    tables: dict[str, int] = field(default_factory=dict)
+    tables_fp32: str = ""  # why tables that could be 8-bit stay FP32, when they do
 
 
 def choose(
@@ -302,6 +307,7 @@ def choose(
     # early and stops (`outputs_above`); agreement and MSE do not depend on the order.
     fragile = np.argsort(top2_gap(reference), kind="stable")
     check_x, reference = check_x[fragile], reference[fragile]
+    rows_fp32 = _table_rows(q, reference, check_x, cfg)
     started = [
         _select(q, s, reference, check_x, timing_x, cfg, fp32, ir_version)
         for s in (scheme_for(cfg, rr), ORT_DEFAULT)
@@ -338,7 +344,9 @@ def choose(
             best = selections[1]
     else:
         best = max(selections, key=preference)
-    shipped = best.model if best.int8_nodes else None
+    # A file whose compute all went back to FP32 still ships when its tables are 8-bit.
+    rows = tables.int8_rows(best.model) if best.model is not None else {}
+    shipped = best.model if best.int8_nodes or rows else None
     reason = "" if shipped is not None else no_int8_reason(best, cfg.min_agreement)
     return Choice(
         shipped,
@@ -349,6 +357,36 @@ def choose(
         "host" if host else "reference",
         reason,
         ties(reference),
+        rows,
+        rows_fp32,
+    )
+
+
+def _table_rows(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
+    """Whether the FP32 embedding tables go into every candidate as int8 rows (`tables`):
+    yes ("") when the FP32 graph with only its tables in 8 bits holds the floor, else why
+    not. A table the quantizer stores in 8 bits itself (inside an INT8 region) stays so.
+    Decided before the compute nodes, so the fallback search judges them with the tables as
+    shipped: decided after, a textcls file whose search had stopped at the floor's edge
+    missed it (its 95% lower bound) and kept its 64,000-weight table FP32."""
+    probe = copy.deepcopy(q.model)
+    rows = tables.quantize_tables(probe)
+    if not rows:
+        return ""
+    got = outputs(session(probe.SerializeToString(), optimized=cfg.target == "host"), x, q.batch)
+    if meets(got, reference, cfg.min_agreement):
+        q.tables = True
+        return ""
+    counted, (expected, low) = agreement(got, reference), expected_agreement(got, reference)
+    missed = (
+        f"top-1 agreement with FP32 {counted:.4f}"
+        if counted < cfg.min_agreement
+        else f"top-1 agreement with FP32 {counted:.4f} on the check inputs, expected on new "
+        f"inputs {expected:.4f} with a 95% lower bound of {low:.4f}"
+    )
+    return (
+        f"{', '.join(rows)} stay FP32: with only them as int8 rows the file's {missed}, below "
+        f"min_agreement {cfg.min_agreement}"
     )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from compresskit import _datapass
-from compresskit.compressor.export import compat, protos
+from compresskit.compressor.export import compat, protos, tables
 from compresskit.compressor.export.checks import activation_batch
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
@@ -176,6 +176,9 @@ class Quantizer:
             del calibrator  # and its session, before the file it maps goes
         self.model = _shape_inferred(prepared)
         self.calib = calib  # bias correction measures on the same inputs
+        # FP32 embedding tables left in a built file become int8 rows (`tables`); set by
+        # `int8.choose` when they hold the floor on their own
+        self.tables = False
 
     def build(self, scheme: Scheme, exclude: Sequence[str] = (), ir_version: int | None = None):
         """The QDQ model with `exclude` in FP32 (reading FP32 tensors, `read_fp32`), orphan
@@ -210,6 +213,8 @@ class Quantizer:
         strip_orphan_qdq(out, self.model)
         if exclude:
             drop_unused(out.graph)
+        if self.tables:
+            tables.quantize_tables(out)
         compat.keep_used_opsets(out)
         if ir_version is not None:
             out.ir_version = ir_version
