@@ -55,6 +55,10 @@ class ShrinkReport:
     archive_bytes   the Huffman-coded .dcz; `ratio` = dense_bytes / archive_bytes
     baseline_accuracy, test_accuracy   the test set before and after (fractions)
     findings        guardrail findings (compressor.guard): one dict per problem, [] when none
+
+    In a notebook: `r.load_model()` is the compressed model (NAME.pt: pruned and shared
+    weights, dense layout), `r.archive` / `r.onnx` the files' paths, `r.layers` the per-layer
+    table (one dict per layer: kept fraction, bits, bytes), `r.to_json()` the whole record.
     """
 
     name: str
@@ -90,19 +94,54 @@ class ShrinkReport:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The whole record, JSON-ready: what report.json in `out` holds."""
-        return self.report
+        """The whole record, JSON-ready: what report.json in `out` holds (a copy: editing it
+        leaves this report as it was)."""
+        return copy.deepcopy(self.report)
+
+    @property
+    def archive(self) -> Path | None:
+        """The .dcz archive (`compresskit.decode` reads it back), or None when not written."""
+        a = self.report.get("archive")
+        return self.out / Path(a["path"]).name if a else None
+
+    @property
+    def onnx(self) -> dict[str, Path]:
+        """{"fp32": path, "int8": path} of the ONNX files written ("int8" absent when refused)."""
+        return {k: self.out / Path(v["path"]).name for k, v in self.report.get("onnx", {}).items()}
+
+    @property
+    def layers(self) -> list[dict[str, Any]]:
+        """One dict per compressed layer: name, weights, kept fraction, bits, bytes."""
+        return copy.deepcopy(self.report.get("layers", []))
+
+    def load_model(self) -> nn.Module:
+        """The compressed model, NAME.pt in `out` rebuilt (its code imported: this run built
+        it from the same code) with the pruned and shared weights in a dense layout."""
+        ck = checkpoint.load(self.out / f"{self.name}.pt", train_state=False)
+        return ck.build_model(allow_import=True)
+
+    def __repr__(self) -> str:
+        ratio = f"{self.ratio:.1f}x" if self.ratio else "no archive"
+        return (
+            f"ShrinkReport({self.name!r} in {os.fspath(self.out)!r}: {ratio}, test accuracy "
+            f"{self.baseline_accuracy:.4f} -> {self.test_accuracy:.4f}, ship {self.ship!r}, "
+            f"{len(self.findings)} findings)"
+        )
 
 
 def _dataset(data: str | Dataset | None, default: str, input_name: str | None) -> Dataset:
+    data = data_mod.as_dataset(data)
     if isinstance(data, Dataset):
         return data
     if data is None:
         data = default
+    if isinstance(data, Recipe):
+        raise InputError("data is a Recipe: the order is shrink(model, data, recipe)")
     if not isinstance(data, str):
         raise InputError(
             f"data {brief(data)}: give a data spec such as 'digits', 'npz:FILE' or 'mnist:DIR', "
-            "or a Dataset from compresskit.load_data"
+            "in-memory (x, y) arrays, a TensorDataset, or a Dataset (compresskit.load_data, "
+            "Dataset.from_arrays)"
         )
     return data_mod.load(data, input_name)
 
@@ -110,12 +149,32 @@ def _dataset(data: str | Dataset | None, default: str, input_name: str | None) -
 def _recipe(recipe: Recipe | None) -> Recipe:
     if recipe is None:
         return Recipe()
+    if isinstance(recipe, Dataset | str | tuple):
+        raise InputError(
+            f"recipe is {brief(recipe)}, not a compresskit.Recipe: the order is shrink(model, "
+            "data, recipe); a recipe file loads with Recipe.load(path)"
+        )
     if not isinstance(recipe, Recipe):
         raise InputError(
             f"recipe is {type(recipe).__name__}, not a compresskit.Recipe; build one with "
             "Recipe(...), Recipe.from_dict({...}) or Recipe.load(path)"
         )
     return recipe
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile's and (Distributed)DataParallel's wrappers: their
+    weight names carry `_orig_mod.` / `module.`, and a spec naming the user's class then
+    read as 'weights differ'."""
+    while True:
+        if type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), nn.Module
+        ):
+            model = model._orig_mod
+        elif isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
 
 
 def _model_name(spec: str | ModelSpec | None) -> str | None:
@@ -136,6 +195,7 @@ def _load(
             f"model_kwargs) or a ModelSpec, not {type(spec).__name__}"
         )
     if isinstance(model, nn.Module):
+        model = _unwrapped(model)
         floats = {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
         if floats - {"torch.float32"}:
             # the archive, k-means and the ONNX export work in float32; a float64 model on
@@ -160,9 +220,15 @@ def _load(
             shapes = {k: tuple(v.shape) for k, v in zoo.build(resolved).state_dict().items()}
         have = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if shapes is not None and shapes != have:
+            diff = sorted(set(shapes) ^ set(have)) or sorted(
+                k for k in shapes if shapes[k] != have.get(k)
+            )
+            first = diff[0]
             raise InputError(
                 f"spec {resolved.name!r} with {resolved.kwargs} builds a model whose weights "
-                "differ from the one given; pass the model_kwargs it was built with"
+                f"differ from the one given (first: {first} is {shapes.get(first, 'absent')} "
+                f"there, {have.get(first, 'absent')} here); pass the model_kwargs it was "
+                "built with"
             )
         # The stages change the model in place; the caller's stays as it was.
         try:
@@ -230,8 +296,11 @@ def shrink(
                 `TrainResult` `train` returned, or an `nn.Module` with `spec` (a zoo name or
                 "pkg.module:callable", plus `model_kwargs`) naming how to rebuild it; a module
                 is copied, never changed
-    data        a data spec ("digits", "npz:FILE", "mnist:DIR", "tokens") or a Dataset from
-                `compresskit.load_data`; default: the data the checkpoint was trained on
+    data        a data spec ("digits", "npz:FILE", "mnist:DIR", "tokens"), a Dataset
+                (`compresskit.load_data`, `Dataset.from_arrays`), or in-memory data: an
+                (x, y) pair of arrays or tensors, a TensorDataset, a DataLoader over one
+                (split as `Dataset.from_arrays` does); default: the data the checkpoint was
+                trained on
     recipe      a `compresskit.Recipe` (default: `Recipe()`, the paper's settings)
     out         the folder for NAME.dcz, NAME.pt, NAME.fp32/int8.onnx, NAME.int8.ort,
                 report.json/.md and plots; it must be new or empty unless `force`
@@ -272,7 +341,8 @@ def shrink(
     _check_finite(net, str(inputs[0]) if inputs else meta["source"])
     hooks = _hooks(ds, recipe, progress)
     report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
-    return ShrinkReport.from_report(report, out)
+    # absolute: the report's paths still work after the notebook changes folder
+    return ShrinkReport.from_report(report, Path(os.path.abspath(out)))
 
 
 def _check_finite(net: nn.Module, source: str) -> None:
@@ -357,6 +427,9 @@ def decode(
     build it (without it the tensors are decoded and no code is imported). `sha256`: refuse
     the archive unless its SHA-256 is this. Returns the record `compress decode --json` prints.
     """
+    for what, value in (("archive", archive), ("out", out)):
+        if not (isinstance(value, str | os.PathLike) or (what == "out" and value is None)):
+            raise InputError(f"{what} {brief(value)}: give a file path (a str or Path)")
     archive = Path(archive)
     target = Path(out) if out is not None else archive.with_suffix(".decoded.pt")
     return pipeline.decode_to_checkpoint(

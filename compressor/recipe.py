@@ -285,6 +285,19 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _native(v: Any) -> Any:
+    """`v` with numpy scalars as Python numbers; `v` itself when it holds none."""
+    if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0:
+        return v.item()
+    if isinstance(v, list | tuple):
+        items = [_native(x) for x in v]
+        return type(v)(items) if any(a is not b for a, b in zip(items, v, strict=True)) else v
+    if isinstance(v, dict):
+        items = {k: _native(x) for k, x in v.items()}
+        return items if any(items[k] is not v[k] for k in v) else v
+    return v
+
+
 def _held(v: Any) -> Any:
     """A file's value as a section holds it: lists as tuples, tables copied."""
     if isinstance(v, list | tuple):
@@ -332,6 +345,11 @@ class Recipe:
                     f"recipe: {name} is {type(value).__name__}, not a {cls.__name__}; build it "
                     f"as {cls.__name__}(...) or the whole recipe with Recipe.from_dict({{...}})"
                 )
+            # numpy scalars (a notebook's np.int64(4) bits) as the Python numbers they hold:
+            # np.int64 was refused as "not a whole number" while np.float64 passed
+            native = {f.name: _native(getattr(value, f.name)) for f in fields(value)}
+            if any(native[k] is not getattr(value, k) for k in native):
+                object.__setattr__(self, name, dataclasses.replace(value, **native))
         if self.version != VERSION:
             raise InputError(
                 f"recipe: version {self.version!r}; this compress reads version {VERSION}"

@@ -357,9 +357,15 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
                 f"drop it from {where}"
             )
         if layer not in found:
+            module = dict(model.named_modules()).get(layer)
+            what = (
+                "which the model lacks"
+                if module is None
+                else f"a {type(module).__name__}, which is not pruned or shared (its "
+                "weights stay dense)"
+            )
             raise InputError(
-                f"recipe {where} names layer {layer!r}, which the model lacks; "
-                f"layers: {', '.join(found)}"
+                f"recipe {where} names layer {layer!r}, {what}; layers: {', '.join(found)}"
             )
 
 

@@ -37,7 +37,7 @@ from compresskit.distrib.trainer import (
     optimizer_for,
 )
 from compresskit.models import checkpoint, data, zoo
-from compresskit.models.data import SPECS_HELP, Dataset, spec_files
+from compresskit.models.data import SPECS_HELP, Dataset, as_dataset, spec_files
 from compresskit.models.errors import InputError, brief
 from compresskit.models.fileio import check_writable
 
@@ -120,8 +120,9 @@ def train(
             other processes or from a file, so `out`, `resume`, `model_kwargs`, workers > 1
             and the other strategies need the model by name.
         data: a data spec as `--data` takes it ("digits", "digits:28", "mnist:DIR",
-            "npz:FILE", "tokens[:L[:V]]") or a `compresskit.models.data.Dataset` already
-            loaded.
+            "npz:FILE", "tokens[:L[:V]]"), a `compresskit.models.data.Dataset` already
+            loaded, or in-memory data: (x, y) arrays or tensors, a TensorDataset, a
+            DataLoader over one (split by `Dataset.from_arrays`'s rules).
         config: how to train (epochs, batch size, optimizer, learning rate, seed, ...): a
             `TrainConfig`; the default trains 10 epochs with Adam.
         model_kwargs: constructor keyword arguments for a model given by name.
@@ -170,10 +171,12 @@ def train(
             f"config must be a compresskit.distrib.TrainConfig, got {type(config).__name__}; "
             "e.g. TrainConfig(epochs=5, batch_size=64)"
         )
+    data = as_dataset(data)  # (x, y) arrays, a TensorDataset or a DataLoader over one
     if not isinstance(data, str | Dataset):
         raise InputError(
-            f"data must be a data spec ({SPECS_HELP}) or a "
-            f"compresskit.models.data.Dataset, got {type(data).__name__}"
+            f"data must be a data spec ({SPECS_HELP}), in-memory (x, y) arrays, a "
+            f"TensorDataset, or a compresskit Dataset (Dataset.from_arrays), got "
+            f"{type(data).__name__}"
         )
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise InputError(

@@ -597,3 +597,31 @@ def test_nodes_int8_cannot_cover_are_named(tmp_path, monkeypatch):
     assert "FP32 in any INT8 file: 1 ConvTranspose, 1 GRU" in md
     layers = {row["layer"] for row in report.report["layers"]}
     assert {"up", "rnn.weight_ih_l0", "rnn.weight_hh_l0"} <= layers  # pruned and shared
+
+
+def test_in_memory_data_a_compiled_module_and_what_the_report_hands_back(tmp_path):
+    """A notebook user: a torch.compile'd module, their own (x, y) numpy arrays, and a report
+    that gives the compressed model and the files' paths, wherever the notebook goes next."""
+    digits = ck.load_data("digits")
+    x = np.concatenate([digits.x_train.numpy(), digits.x_val.numpy()]).astype(np.float64)
+    y = np.concatenate([digits.y_train.numpy(), digits.y_val.numpy()]).astype(np.int32)
+    torch.manual_seed(0)
+    net = ck.train("lenet300", digits, ck.TrainConfig(epochs=1), out=tmp_path / "t.pt").model
+    report = ck.shrink(torch.compile(net), (x, y), FAST, out=tmp_path / "o", spec="lenet300")
+    assert report.out.is_absolute() and report.archive == report.out / "model.dcz"
+    assert report.archive.is_file() and report.onnx == {}  # FAST exports nothing
+    # float64 images and int32 labels were converted; every 5th sample became the test split
+    assert report.to_json()["data"]["test"] == len(y[4::5])
+    model = report.load_model()
+    saved = torch.load(report.out / "model.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    assert {r["layer"] for r in report.layers} == {"fc1", "fc2", "fc3"}
+    record = report.to_json()
+    record["name"] = "edited"
+    assert report.report["name"] == "model"  # a copy: the report stays as it was
+    assert re.fullmatch(r"ShrinkReport\('model' in '.*': [\d.]+x, test accuracy .*", repr(report))
+    # arguments swapped: named as such
+    with pytest.raises(ck.InputError, match=r"the order is shrink\(model, data, recipe\)"):
+        ck.shrink(net, FAST, "digits", out=tmp_path / "p", spec="lenet300")
+    with pytest.raises(ck.InputError, match="archive None: give a file path"):
+        ck.decode(None)

@@ -1,8 +1,11 @@
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from compresskit.models import InputError, ModelSpec, build
+from compresskit.models import data as D
 from compresskit.models.data import check_fits, load, read_idx
 from tests.conftest import blobs, write_idx
 
@@ -397,3 +400,69 @@ def test_an_archive_records_data_by_name(tmp_path):
     assert shipped_spec(f"mnist:{tmp_path / 'mnist'}/") == "mnist:mnist"
     assert shipped_spec("digits") == "digits" and shipped_spec("tokens:16:64") == "tokens:16:64"
     assert shipped_spec(None) is None
+
+
+def _parts(n=300, classes=10):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(n, 1, 8, 8, generator=g), torch.arange(n) % classes
+    return x, y
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"y_train": torch.arange(150) % 10}, "train split: 200 inputs but 150 labels"),
+        ({"y_train": (torch.arange(200) % 10).float()}, "labels are int64 (N,) class numbers"),
+        ({"x_train": np.zeros((200, 1, 8, 8), np.float32)}, "not a torch.Tensor; build it with"),
+        ({"num_classes": 5}, "labels reach [0, 9] but num_classes is 5"),
+        ({"x_test": torch.rand(100, 1, 4, 4)}, "x_test is torch.float32 (1, 4, 4) per sample"),
+        ({"x_train": torch.rand(200, 1, 8, 8).double()}, "x_train is torch.float64"),
+        ({"num_classes": True}, "give a whole number"),
+    ],
+)
+def test_a_dataset_built_by_hand_is_checked(change, message):
+    """200 images with 150 labels had trained to the end; numpy fields and float labels
+    failed deep inside training, and a label beyond num_classes blamed model_kwargs."""
+    x, y = _parts()
+    fields = dict(
+        spec="mine",
+        x_train=x[:200],
+        y_train=y[:200],
+        x_test=x[200:],
+        y_test=y[200:],
+        num_classes=10,
+        x_val=x[:0],
+        y_val=y[:0],
+    )
+    D.Dataset(**fields)  # as given: fine
+    with pytest.raises(InputError, match=re.escape(message)):
+        D.Dataset(**{**fields, **change})
+
+
+def test_from_arrays_splits_converts_and_names_itself_in_errors():
+    x, y = _parts(classes=7)  # 7: every class in training (every 5th sample is test)
+    d = D.Dataset.from_arrays(x.numpy().astype(np.float64), y.numpy().astype(np.int32))
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (216, 24, 60)
+    assert d.x_train.dtype == torch.float32 and d.num_classes == 7
+    assert torch.equal(d.x_test, x[4::5])  # every 5th sample, as an npz without x_test
+    given = D.Dataset.from_arrays(x[:200], y[:200], x_test=x[200:], y_test=y[200:], num_classes=12)
+    assert len(given.y_test) == 100 and given.num_classes == 12
+    ids = torch.randint(1, 50, (100, 6))
+    assert D.Dataset.from_arrays(ids, torch.arange(100) % 2).is_tokens  # signed (N, L): ids
+    assert not D.Dataset.from_arrays(ids.numpy().astype(np.uint8), torch.arange(100) % 2).is_tokens
+    for args, kwargs, message in [
+        ((x, y[:10]), {}, "Dataset.from_arrays: x has 300 images but y has 10 labels"),
+        ((x, y), {"x_test": x}, "give both x_test and y_test, or neither"),
+        ((x, y * 0.5), {}, "Dataset.from_arrays: labels y must be whole numbers"),
+        ((x, y), {"num_classes": 0}, "num_classes 0: give a whole number, 1 or more"),
+        ((None, y), {}, "x is None"),
+    ]:
+        with pytest.raises(InputError, match=re.escape(message)):
+            D.Dataset.from_arrays(*args, **kwargs)
+    # and the other in-memory forms a notebook has
+    from torch.utils.data import DataLoader, TensorDataset
+
+    for form in ((x, y), TensorDataset(x, y), DataLoader(TensorDataset(x, y), batch_size=8)):
+        assert torch.equal(D.as_dataset(form).x_test, d.x_test)
+    with pytest.raises(InputError, match="a TensorDataset of 3 tensors"):
+        D.as_dataset(TensorDataset(x, y, y))

@@ -476,3 +476,18 @@ def test_weights_no_layer_covers_are_named_for_the_report():
         {"uncovered": prune.uncovered_weights(net), "baseline": {"parameters": 10_000}, **as32}
     ).startswith("stored dense (float32), 1,945")
     assert report_mod.uncovered_note({"baseline": {"parameters": 1}}) == ""
+
+
+def test_a_recipe_naming_a_layer_that_is_not_pruned_says_so():
+    """'which the model lacks' had been said of a BatchNorm the model has."""
+    from compresskit.compressor.recipe import PruneSection, Recipe
+    from compresskit.compressor.shrink import check_fits_recipe
+
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 2))
+    for layer, message in [
+        ("1", "names layer '1', a BatchNorm2d, which is not pruned or shared"),
+        ("9", "names layer '9', which the model lacks; layers: 0, 3"),
+    ]:
+        recipe = Recipe(prune=PruneSection(sparsity={layer: 0.5}))
+        with pytest.raises(InputError, match=message):
+            check_fits_recipe(model, recipe)

@@ -99,3 +99,16 @@ def test_from_dict_refuses_unknown_keys_and_wrong_types():
         Recipe.from_dict([1, 2])  # type: ignore[arg-type]
     with pytest.raises(InputError, match="recipe format 'ini'"):
         Recipe().dumps("ini")
+
+
+def test_numpy_scalars_are_held_as_python_numbers():
+    """A notebook's np.int64(4) bits were refused as 'not a whole number' while np.float64
+    sparsity passed and stayed a numpy scalar in the recipe."""
+    import numpy as np
+
+    r = Recipe(
+        quantize=QuantizeSection(fc_bits=np.int64(4)),
+        prune=PruneSection(sparsity={"fc1": np.float64(0.8)}),
+    )
+    assert type(r.quantize.fc_bits) is int and type(r.prune.sparsity["fc1"]) is float
+    assert Recipe.from_dict(json.loads(r.dumps("json"))) == r
