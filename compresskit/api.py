@@ -248,9 +248,10 @@ def _load(
     path = getattr(model, "checkpoint", model)  # a TrainResult names the file it wrote
     if path is None and hasattr(model, "checkpoint"):
         raise InputError(
-            f"this {type(model).__name__} wrote no checkpoint (trained without out=); pass its "
-            "model with spec= naming how to build it, shrink(run.model, data, spec=...), or "
-            "train with out="
+            f"this {type(model).__name__} wrote no checkpoint (a module instance trains in "
+            "place, without one); pass its model with spec= naming how to build it: "
+            "shrink(run.model, data, spec='zoo name' or '__main__:YourClass' or "
+            "'pkg.module:callable')"
         )
     if not isinstance(path, str | Path):
         raise InputError(

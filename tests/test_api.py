@@ -181,7 +181,7 @@ def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(tmp_
                 "digits",
                 out=d / "o",
             ),
-            "wrote no checkpoint (trained without out=)",
+            "wrote no checkpoint (a module instance trains in place, without one)",
         ),
         (
             # a recipe (perhaps from a file) never picks the student's code on its own
