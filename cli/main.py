@@ -42,7 +42,16 @@ class OutPath(click.Path):
         problem = link_problem(os.fsdecode(value))
         if problem:
             self.fail(f"{os.fsdecode(value)} {problem}", param, ctx)
-        given = _also_given(os.fsdecode(value), param.opts if param is not None else [])
+        text = os.fsdecode(value)
+        if not self.dir_okay and text.endswith((os.sep, "/")):
+            # Path("newdir/") is "newdir": a file of that name had been written
+            self.fail(
+                f"{text} ends in a separator (a folder); give a file name, e.g. "
+                f"{text.rstrip(os.sep + '/')}/model.pt",
+                param,
+                ctx,
+            )
+        given = _also_given(text, param.opts if param is not None else [])
         if given is not None:
             # decode --out the archive, bench --report the checkpoint, --log-file an input:
             # each replaced (or truncated) the very file the command was about to read

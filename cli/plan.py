@@ -14,7 +14,7 @@ from compresskit.cli.main import OutPath, emit_json, json_option, log_option
 from compresskit.distrib.plan import LABELS, STRATEGIES, Plan, PlanRequest, make_plan
 from compresskit.distrib.trainer import OPTIMIZERS
 from compresskit.models.data import SPECS_HELP
-from compresskit.models.zoo import parse_kwargs
+from compresskit.models.zoo import available, parse_kwargs
 
 SHORT = {"allreduce": "all-reduce", "ps": "param server", "pipeline": "pipeline"}
 
@@ -34,7 +34,7 @@ Examples:
     "--model",
     default="lenet300",
     show_default=True,
-    help="Zoo name (lenet300, lenet5, vgg, mobilenet, mlp) or pkg.module:Class.",
+    help=f"Zoo name ({', '.join(available())}) or pkg.module:Class (a class or a factory).",
 )
 @click.option("--model-kwargs", default=None, metavar="JSON", help="Constructor kwargs (JSON).")
 @click.option("--data", default="digits", show_default=True, metavar="SPEC", help=SPECS_HELP + ".")

@@ -25,9 +25,10 @@ from compresskit.distrib.paramserver import PSConfig
 from compresskit.distrib.pipeline import BALANCES, PipelineConfig
 from compresskit.distrib.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from compresskit.distrib.trainer import DEFAULT_LR, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
+from compresskit.models import checkpoint
 from compresskit.models.data import SPECS_HELP
 from compresskit.models.errors import InputError
-from compresskit.models.zoo import parse_kwargs
+from compresskit.models.zoo import available, parse_kwargs
 
 PS_STRATEGIES = ("ps-sync", "ps-async", "ps-ssp")
 
@@ -70,7 +71,7 @@ Examples:
     "--model",
     default="lenet300",
     show_default=True,
-    help="Zoo name (lenet300, lenet5, vgg, mobilenet, mlp) or pkg.module:Class.",
+    help=f"Zoo name ({', '.join(available())}) or pkg.module:Class (a class or a factory).",
 )
 @click.option(
     "--model-kwargs",
@@ -534,12 +535,19 @@ def _check_fresh(out: Path, ensemble: int, resume: bool, force: bool) -> None:
         return
     paths = [out] if ensemble == 1 else [ensemble_out(out, k) for k in range(max(ensemble, 0))]
     for path in paths:
-        if path.is_file():
-            what = "--resume continues it, " if ensemble == 1 else ""
-            raise InputError(
-                f"--out {path}: holds an earlier checkpoint; {what}--force trains afresh over it, "
-                "or give another --out"
+        # empty or not a torch file: the library's own check says what it is
+        if not path.is_file() or not path.stat().st_size or not checkpoint.is_torch_file(path):
+            continue
+        ck = checkpoint.load(path)
+        if isinstance(ck.train_state, dict) and "config" in ck.train_state:
+            what = "an earlier training checkpoint; " + (
+                "--resume continues it, " if ensemble == 1 else ""
             )
+        else:  # a state_dict, a shrink output: nothing to resume
+            what = "weights without training state (nothing to resume); "
+        raise InputError(
+            f"--out {path}: holds {what}--force trains afresh over it, or give another --out"
+        )
 
 
 def _ensemble(job: TrainJob, members: int, factory, as_json: bool) -> None:

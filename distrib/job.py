@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import math
 import os
 import random
 import time
@@ -362,6 +363,7 @@ def run(
     check_writable(job.out, inputs=spec_files(job.data))
     if not job.resume:  # --resume reads the file and says what is wrong with it
         _check_replaceable(Path(job.out))
+    _remove_stale_writes(job.out)
     gpu = job.config.device.startswith("cuda")
     if gpu:
         import torch
@@ -398,12 +400,23 @@ def _dispatch(job: TrainJob, events_factory, gpu: bool) -> TrainResult:
     return launch.run(fn, job.workers, job.timeout_s, backend=backend)
 
 
-def _remove_partial_writes(out: Path, since: float) -> None:
-    """The temporary files `atomic_path` made for `out` since `since` (a killed rank's)."""
+def _remove_partial_writes(out: Path, since: float, before: float = math.inf) -> None:
+    """The temporary files `atomic_path` made for `out` since `since` (a killed rank's), last
+    written before `before`."""
     for tmp in Path(out).parent.glob(f".{glob.escape(Path(out).name)}.*.tmp"):
         with contextlib.suppress(OSError):
-            if tmp.stat().st_mtime >= since - 1:
+            if since - 1 <= tmp.stat().st_mtime < before:
                 tmp.unlink()
+
+
+STALE_WRITE_S = 60.0  # a checkpoint being written updates its temporary file's mtime
+
+
+def _remove_stale_writes(out: Path) -> None:
+    """Temporary files of `out` left by a run killed outright (SIGKILL, the OOM killer)
+    mid-write: nothing else removes them, and each is checkpoint-sized (a VGG's 56 MB piled
+    up over kill-and-resume cycles). Untouched for a minute, no live write owns them."""
+    _remove_partial_writes(out, 0.0, before=time.time() - STALE_WRITE_S)
 
 
 def _check_replaceable(out: Path) -> None:
@@ -687,7 +700,8 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
     ck = checkpoint.load(job.out)
     if ck.spec is None or not isinstance(ck.train_state, dict) or "config" not in ck.train_state:
         raise InputError(
-            f"{job.out}: holds no training state to resume from; drop --resume to start over"
+            f"{job.out}: holds no training state to resume from; drop --resume and pass "
+            "--force to train afresh over it, or give another --out"
         )
     try:
         check_train_state(ck.train_state)

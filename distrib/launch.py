@@ -147,6 +147,7 @@ def run(
         raise InputError(f"--workers {workers}: give 1 or more")
     if workers == 1:
         return fn(0, 1)
+    check_processes(workers)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="compress-dist.") as tmp:
@@ -580,6 +581,7 @@ def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
 
     if processes < 1:
         raise InputError(f"--ensemble {processes}: give 1 or more")
+    check_processes(processes)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     ctx = mp.get_context("spawn")
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
@@ -608,6 +610,32 @@ def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
     return [got[i] for i in range(processes)]
 
 
+# Local processes allowed per usable core (and at least MIN_PROCESSES): beyond that each gets
+# a sliver of a core and its own copy of the model and data.
+PROCESSES_PER_CORE = 4
+MIN_PROCESSES = 8
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check_processes(processes: int) -> None:
+    """Refuse to start more local processes than this machine can run: `--workers 100000`
+    spawned until the load average reached 56 and the job never answered."""
+    cores = usable_cores()
+    limit = max(MIN_PROCESSES, PROCESSES_PER_CORE * cores)
+    if processes > limit:
+        raise InputError(
+            f"{processes} processes on this machine's {cores} usable core(s): at most {limit} "
+            f"run here ({PROCESSES_PER_CORE} a core); give fewer --workers/--servers/--stages, "
+            "or run across machines under torchrun"
+        )
+
+
 def share_cores(processes: int) -> int:
     """Give this process its part of the machine's cores: `processes` local processes that
     each keep torch's default (every core) thrash; two LeNet-300 workers on 2 cores ran 4x
@@ -615,11 +643,7 @@ def share_cores(processes: int) -> int:
     import torch
 
     if "OMP_NUM_THREADS" not in os.environ:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // processes))
+        torch.set_num_threads(max(1, usable_cores() // processes))
     return torch.get_num_threads()
 
 

@@ -318,6 +318,8 @@ def _ps_json(s: dict[str, Any]) -> dict[str, Any]:
         "servers": s["servers"],
         "staleness": s["staleness"],
         "bytes_per_step": s["bytes_per_step"],
+        # one push and one pull per server a step: the transport's count, as README says
+        "messages_per_step": s.get("messages_per_step"),
         "warnings": s.get("warnings", []),
         "staleness_histogram": s.get("staleness_histogram", {}),
         "idle_fraction": s.get("idle_fraction", {}),
@@ -645,8 +647,25 @@ def fit(
     optimizer = make_optimizer(model, cfg)
     n = len(data.y_train)
     batches = updater if updater is not None else Batches(n, cfg.batch_size, world, rank)
+    total = cfg.epochs * batches.per_epoch(0)
+    _check(
+        cfg.warmup_steps <= total,
+        "--warmup-steps",
+        cfg.warmup_steps,
+        f"the whole run is {total} steps ({cfg.epochs} epoch(s) of {batches.per_epoch(0)}), so "
+        f"the learning rate would never reach its peak: give {total} or fewer",
+    )
     state = _initial_state(resume, optimizer, cfg, device)
     history, start = resume_position(state, batches, "--workers, --batch-size or --strategy")
+    written = state.get("steps_per_epoch") if resume is not None else None
+    if written is not None and written != batches.per_epoch(state["epoch"]):
+        # allowed at an epoch's end (elastic training), but never silently: the global batch
+        # and the schedule's length change from here on
+        events.info(
+            f"note: the checkpoint's run took {written} steps per epoch, this one takes "
+            f"{batches.per_epoch(state['epoch'])} (another --workers or --strategy): the "
+            "global batch changes from here on"
+        )
     t0 = time.perf_counter()
     steps = samples = refreshed = 0
     test_correct = None

@@ -601,12 +601,58 @@ def test_train_keeps_an_earlier_checkpoint_unless_told(run, tmp_path):
     args = ("train", "--model", "lenet300", "--epochs", "1", "--out", out, "-q")
     assert run(*args).exit_code == 0
     before = out.read_bytes()
-    _one_line(run(*args), 2, "holds an earlier checkpoint; --resume continues it, --force")
+    _one_line(run(*args), 2, "holds an earlier training checkpoint; --resume continues it, --force")
     assert out.read_bytes() == before
     _one_line(run(*args, "--force", "--resume"), 2, "give one")
     assert run(*args, "--force", "--seed", "1").exit_code == 0
     assert out.read_bytes() != before  # trained afresh with another seed
     # an ensemble checks every member it would write
     (tmp_path / "teacher-1.pt").write_bytes(before)
-    _one_line(run(*args, "--ensemble", "2"), 2, "teacher-1.pt: holds an earlier checkpoint")
+    _one_line(
+        run(*args, "--ensemble", "2"), 2, "teacher-1.pt: holds an earlier training checkpoint"
+    )
     assert not (tmp_path / "teacher-0.pt").exists()  # refused before any training
+
+
+def test_train_out_that_is_not_a_training_checkpoint_says_what_it_holds(run, tmp_path):
+    """A text file was called 'an earlier checkpoint', and a state_dict sent the user in a
+    circle: --resume said 'drop --resume', dropping it said 'use --resume'."""
+    text, weights = tmp_path / "notes.txt", tmp_path / "sd.pt"
+    text.write_text("hello")
+    torch.save({"fc.weight": torch.zeros(2, 2)}, weights)
+    args = ("train", "--epochs", "1", "-q", "--out")
+    _one_line(run(*args, text), 2, "exists and is not a PyTorch checkpoint")
+    _one_line(run(*args, text, "--force"), 2, "exists and is not a PyTorch checkpoint")
+    _one_line(run(*args, weights), 2, "holds weights without training state (nothing to resume)")
+    _one_line(run(*args, weights, "--resume"), 2, "drop --resume and pass --force")
+    assert run(*args, weights, "--force").exit_code == 0
+    assert text.read_text() == "hello"
+
+
+def test_train_refuses_what_would_go_wrong_silently(run, tmp_path, monkeypatch):
+    from compresskit.distrib import launch
+
+    # a folder-looking --out had written a file named like the folder
+    _one_line(run("train", "--out", f"{tmp_path}/newdir/"), 2, "ends in a separator (a folder)")
+    assert not (tmp_path / "newdir").exists()
+    # a warm-up longer than the run: the learning rate never reached its peak, exit 0
+    result = run(
+        "train", "--epochs", "1", "--warmup-steps", "1000", "-q", "--out", tmp_path / "w.pt"
+    )
+    _one_line(result, 2, "the whole run is 41 steps (1 epoch(s) of 41)")
+    # --workers 100000 spawned until the machine's load average reached 56
+    monkeypatch.setattr(launch, "usable_cores", lambda: 2)
+    result = run("train", "--workers", "9", "--out", tmp_path / "p.pt")
+    _one_line(result, 2, "9 processes on this machine's 2 usable core(s): at most 8 run here")
+    result = run("train", "--strategy", "ps-sync", "--workers", "6", "--servers", "3")
+    _one_line(result, 2, "9 processes on this machine's 2 usable core(s)")
+
+
+def test_a_killed_runs_temporary_checkpoint_is_removed_by_the_next_run(run, tmp_path):
+    out = tmp_path / "k.pt"
+    stale, live = tmp_path / ".k.pt.old1.tmp", tmp_path / ".k.pt.new1.tmp"
+    for f in (stale, live):
+        f.write_bytes(b"x" * 100)
+    os.utime(stale, (1, 1))  # untouched for long: a run killed mid-write left it
+    assert run("train", "--epochs", "1", "-q", "--out", out).exit_code == 0
+    assert not stale.exists() and live.exists()  # a file being written now is left alone

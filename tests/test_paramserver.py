@@ -321,6 +321,7 @@ def test_async_and_ssp_learn_digits(run, tmp_path, mode):
     assert max(hist) >= 1  # asynchronous: some gradients were computed on older weights
     assert set(out["idle_fraction"]) == {"0", "1"} and out["comm_bytes"] > 0
     assert out["bytes_per_step"] == 2 * 4 * 50610  # fp32 gradient out, weights back
+    assert out["messages_per_step"] == {"push": 1, "pull": 1}  # one server: one message each way
 
 
 def test_grad_compression_halves_the_bytes(tmp_path):

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from compresskit.distrib.job import TrainJob, run
-from compresskit.distrib.trainer import Checkpointer, TrainConfig, epoch_order, evaluate, fit
+from compresskit.distrib.trainer import (
+    Checkpointer,
+    Events,
+    TrainConfig,
+    epoch_order,
+    evaluate,
+    fit,
+)
 from compresskit.models import InputError, ModelSpec, StageError, checkpoint, tiny
 from compresskit.models.data import load
 from compresskit.models.zoo import build, resolve_spec
@@ -621,3 +628,35 @@ def test_auto_microbatches_keep_small_and_batchnorm_models_whole(digits):
         InputError, match=r"--microbatches 'some' is invalid; give 1 or more, or auto"
     ):
         TrainConfig(microbatches="some")
+
+
+def test_a_resume_with_another_layout_says_the_global_batch_changes(digits, tmp_path):
+    """Resumed at an epoch's end under --workers 2, a 1-process run went on at twice the
+    global batch (21 steps an epoch instead of 41) without a word."""
+    spec = ModelSpec("lenet300", {"in_shape": list(digits.in_shape), "num_classes": 10})
+    path = tmp_path / "one.pt"
+    fit(
+        build(spec),
+        digits,
+        TrainConfig(epochs=1),
+        checkpointer=Checkpointer(path, spec),
+    )
+    state = checkpoint.load(path).train_state
+
+    class Heard(Events):
+        def __init__(self) -> None:
+            self.said: list[str] = []
+
+        def info(self, message: str) -> None:
+            self.said.append(message)
+
+    for written, note in ((41, False), (21, True)):  # 41: this run's own layout
+        heard = Heard()
+        fit(
+            checkpoint.load(path).build_model(),
+            digits,
+            TrainConfig(epochs=2),
+            resume={**state, "steps_per_epoch": written},
+            events=heard,
+        )
+        assert any("took 21 steps per epoch, this one takes 41" in m for m in heard.said) == note
