@@ -456,12 +456,22 @@ def _ps_config(strategy, workers, servers, staleness, warmup, straggler) -> PSCo
                 )
         return None
     if servers is None:
-        if workers == 1:
+        env = launch.DistEnv.from_torchrun()
+        if env is not None and 1 < workers < env.world:  # the other ranks serve
+            servers = env.world - workers
+        elif env is not None:  # torchrun's processes split into workers and servers as told
+            n = env.world
+            raise InputError(
+                f"--strategy {strategy} under torchrun ({n} processes): give --workers W and "
+                f"--servers S with W + S = {n}, e.g. --workers {max(n - 1, 1)} --servers 1"
+            )
+        elif workers == 1:
             raise InputError(
                 f"--strategy {strategy} with --workers 1 and no --servers: give --servers S "
                 "(1 or more) or more workers"
             )
-        servers = -(-workers // 2)
+        else:
+            servers = -(-workers // 2)
     lag = None
     if straggler is not None:
         rank, _, factor = straggler.partition(":")

@@ -617,3 +617,21 @@ def test_a_killed_rank_under_torchrun_is_named_by_its_peer(tmp_path):
         job.kill()
     assert job.returncode != 0
     assert f"error: worker 1 (pid {victim}) ended; worker 0 gave up waiting for it" in err, err
+
+
+def test_a_parameter_server_under_torchrun_is_told_how_to_split_the_ranks(
+    run, tmp_path, monkeypatch
+):
+    """'give --servers S or more workers' under torchrun, where the processes are torchrun's."""
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    result = run("train", "--strategy", "ps-sync", "--out", tmp_path / "p.pt")
+    assert result.exit_code == 2
+    assert (
+        "under torchrun (4 processes): give --workers W and --servers S with W + S = 4, "
+        "e.g. --workers 3 --servers 1" in result.stderr
+    )
+    from compresskit.cli.train import _ps_config
+
+    assert _ps_config("ps-sync", 3, None, 4, 0, None).servers == 1  # the other rank serves
