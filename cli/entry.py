@@ -57,6 +57,9 @@ def _while_running(signum, frame) -> None:
 
 
 def main() -> None:
+    from compresskit._threads import short_spin
+
+    short_spin()  # before torch loads: OpenMP threads spin briefly, then sleep
     # A process started with SIGINT ignored (nohup, a shell's background job) keeps it so.
     ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if ours:

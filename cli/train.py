@@ -364,10 +364,10 @@ def train(
     )
     kwargs = parse_kwargs(model_kwargs)
     out = out or default_out(model)
-    _check_fresh(out, ensemble, resume, force)
     log = log_path()
     if log is not None and os.path.abspath(log) == os.path.abspath(out):  # the default --out
         raise InputError(f"--log-file {log} is the checkpoint --out writes; log to another path")
+    _check_fresh(out, ensemble, resume, force)
     ps = _ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler)
     factory = functools.partial(render.rank0_progress, quiet, log)
     if ensemble != 1:

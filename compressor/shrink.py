@@ -132,12 +132,15 @@ def default_sparsity(
     ordered = sorted(
         (n for n in found if found[n].module in rank), key=lambda n: rank[found[n].module]
     )
-    linears = [n for n in ordered if found[n].kind == "linear"]
+    # The output layer is the last Linear the forward calls, covered or not: with a tied head
+    # (left dense) the hidden layer before it had taken the output's gentler 0.75.
+    called = [m for m in rank if isinstance(model.get_submodule(m), nn.Linear)]
+    output = called[-1] if called else None
     first = next((n for n in ordered if found[n].kind == "conv"), None)
     for name, layer in found.items():
         m = model.get_submodule(layer.module)
         if layer.kind == "linear":
-            out[name] = 0.75 if linears and name == linears[-1] else 0.92
+            out[name] = 0.75 if layer.module == output else 0.92
         elif layer.kind == "recurrent":
             out[name] = RECURRENT_SPARSITY
         elif layer.kind in ("attention", "embedding") or (

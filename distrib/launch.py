@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compresskit._threads import short_spin_children
 from compresskit.models.errors import CompressError, InputError, StageError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -156,13 +157,24 @@ def run(
         ctx = mp.get_context("spawn")
         errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
         store_path = str(Path(tmp) / "store")
-        context = mp.start_processes(
-            _entry,
-            args=(fn, workers, store_path, timeout_s, backend, results, errors, str(beats), name),
-            nprocs=workers,
-            join=False,
-            start_method="spawn",
-        )
+        with short_spin_children():  # their OpenMP threads spin briefly, then sleep
+            context = mp.start_processes(
+                _entry,
+                args=(
+                    fn,
+                    workers,
+                    store_path,
+                    timeout_s,
+                    backend,
+                    results,
+                    errors,
+                    str(beats),
+                    name,
+                ),
+                nprocs=workers,
+                join=False,
+                start_method="spawn",
+            )
         got: dict[int, Any] = {}
         reported: dict[int, tuple[str, str]] = {}
         try:
@@ -586,13 +598,14 @@ def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
     ctx = mp.get_context("spawn")
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
     try:
-        mp.start_processes(
-            _independent,
-            args=(fn, processes, results, errors),
-            nprocs=processes,
-            join=True,
-            start_method="spawn",
-        )
+        with short_spin_children():
+            mp.start_processes(
+                _independent,
+                args=(fn, processes, results, errors),
+                nprocs=processes,
+                join=True,
+                start_method="spawn",
+            )
     except Exception as e:
         reported = []
         while not errors.empty():

@@ -7,6 +7,10 @@ import json
 import struct
 from pathlib import Path
 
+from compresskit._threads import short_spin
+
+short_spin()  # before torch loads, as the `compress` command does: see compresskit/_threads.py
+
 import numpy as np
 import pytest
 from click.testing import CliRunner

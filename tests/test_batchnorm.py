@@ -186,6 +186,7 @@ def test_train_cli_refreshes_and_refuses_it_where_no_process_holds_the_statistic
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["test_accuracy"] >= 0.8  # 0.097 without (above)
     ps = ["--strategy", "ps-sync", "--workers", "2", "--bn-refresh", "64", "--out", str(out)]
+    ps.append("--force")  # over the run above
     refused = CliRunner().invoke(cli, [*args, *ps])
     assert refused.exit_code == 2
     assert "--bn-refresh 64" in refused.output and "drop --bn-refresh" in refused.output

@@ -192,7 +192,7 @@ def test_ctrl_c_does_not_point_at_an_older_file(run, tmp_path, monkeypatch):
 
     # Ctrl-C before the first checkpoint (in the epoch's evaluation, which fit calls)
     monkeypatch.setattr(trainer, "evaluate_samples", interrupt)
-    result = run("train", "--model", "mlp", "--epochs", "1", "--out", out, "-q")
+    result = run("train", "--model", "mlp", "--epochs", "1", "--out", out, "-q", "--force")
     assert result.exit_code == 130
     assert "last good checkpoint" not in result.stderr
     assert out.read_bytes() == older
@@ -555,9 +555,12 @@ def test_train_replaces_a_checkpoint_but_no_other_file(run, tmp_path):
         _one_line(result, 2, f"--out {path} exists and is {what}; training writes a checkpoint")
     assert dcz.read_bytes() == archive.MAGIC + bytes(32) and text.read_text() == "mine"
     ck = tmp_path / "m.pt"
-    for _ in range(2):  # training again over its own checkpoint stays allowed
-        result = run("train", "--model", "lenet300", "--epochs", "1", "-q", "--out", ck)
+    for again in ((), ("--force",)):  # training again over its own checkpoint, when told
+        result = run("train", "--model", "lenet300", "--epochs", "1", "-q", "--out", ck, *again)
         assert result.exit_code == 0, result.stderr
+    for path in (dcz, text):  # --force replaces checkpoints only
+        result = run("train", "--epochs", "1", "-q", "--out", path, "--force")
+        assert result.exit_code == 2
 
 
 def test_crafted_inputs_get_messages_that_say_what_is_wrong(run, tmp_path):

@@ -635,3 +635,18 @@ def test_a_parameter_server_under_torchrun_is_told_how_to_split_the_ranks(
     from compresskit.cli.train import _ps_config
 
     assert _ps_config("ps-sync", 3, None, 4, 0, None).servers == 1  # the other rank serves
+
+
+def _policy(rank, world):
+    return os.environ.get("GOMP_SPINCOUNT")
+
+
+def test_spawned_workers_spin_briefly_and_the_parent_is_left_alone(monkeypatch):
+    """Spinning OpenMP threads made an epoch 2x slower with one core busy elsewhere
+    (compresskit/_threads.py): spawned workers start with a short spin unless the user chose."""
+    for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(v, raising=False)
+    assert launch.run(_policy, workers=2, timeout_s=60) == "1000"
+    assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice wins
+    assert launch.run(_policy, workers=2, timeout_s=60) is None

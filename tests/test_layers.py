@@ -407,6 +407,25 @@ def test_default_sparsity_takes_roles_from_the_forward_order():
     assert model.training  # the forward left the model's mode alone
 
 
+class _TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.hidden = nn.Linear(8, 16), nn.Linear(16, 16)
+        self.out, self.out2 = nn.Linear(16, 3), nn.Linear(16, 3)
+        self.out2.weight = self.out.weight  # tied: both stay dense
+
+    def forward(self, x):
+        h = torch.relu(self.hidden(torch.relu(self.inp(x))))
+        return self.out(h) + self.out2(h)
+
+
+def test_a_tied_head_leaves_the_hidden_layers_hidden():
+    """The tied head is left dense; the hidden layer before it had taken the output layer's
+    0.75 instead of a hidden layer's 0.92."""
+    got = shrink.default_sparsity(_TiedHead(), example=torch.rand(2, 8))
+    assert got == {"inp": 0.92, "hidden": 0.92}
+
+
 def test_default_sparsity_of_zoo_models_is_unchanged_by_the_order():
     for name in ("lenet5", "mlp"):
         model = tiny(name)

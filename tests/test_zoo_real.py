@@ -250,7 +250,9 @@ def test_train_takes_a_factory_by_import_path(run, user, tmp_path):
     assert spec == ModelSpec(
         "zoonets:build_net", {"width": 8, "in_shape": [1, 8, 8], "num_classes": 10}
     )
-    refused = run("train", "--model", "zoonets:not_a_model", "--data", "digits", "--out", out)
+    refused = run(
+        "train", "--model", "zoonets:not_a_model", "--data", "digits", "--out", out, "--force"
+    )
     assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "returned dict, not a torch.nn.Module" in refused.stderr
 
