@@ -149,3 +149,10 @@ def test_a_file_of_fp32_compute_ships_when_its_tables_are_int8(text, monkeypatch
     assert choice.selection.int8_nodes == 0
     assert choice.model is not None and choice.tables == {"emb.weight": 4800}
     assert len(choice.model.SerializeToString()) < 0.5 * fp32.stat().st_size
+
+
+def test_a_table_that_is_also_a_graph_input_stays():
+    """An overridable initializer (also a graph input): the caller may feed another table."""
+    model = _gather_model(np.ones((256, 16), np.float32))
+    model.graph.input.append(helper.make_tensor_value_info("table", TensorProto.FLOAT, [256, 16]))
+    assert T.quantize_tables(model) == {}

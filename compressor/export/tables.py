@@ -42,7 +42,10 @@ def quantize_tables(model, min_elements: int = MIN_ELEMENTS) -> dict[str, int]:
     for n in graph.node:
         for i in n.input:
             readers.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
+    # Graph outputs, overridable initializers (also graph inputs) and names read inside
+    # If/Loop bodies keep their FP32 tensor: rewriting those would change what they see.
+    outputs = {o.name for o in graph.output} | {i.name for i in graph.input}
+    outputs |= _names_in_subgraphs(graph)
 
     def row_gather(n) -> bool:
         axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
@@ -103,6 +106,16 @@ def quantize_tables(model, min_elements: int = MIN_ELEMENTS) -> dict[str, int]:
         live = {o for n in graph.node for o in n.output}
         protos.keep_only(graph.value_info, lambda v: v.name in live)
     return done
+
+
+def _names_in_subgraphs(graph) -> set[str]:
+    names: set[str] = set()
+    for n in graph.node:
+        for g in protos.subgraphs(n):
+            for m in g.node:
+                names.update(m.input)
+            names |= _names_in_subgraphs(g)
+    return names
 
 
 def int8_rows(model) -> dict[str, int]:
