@@ -460,16 +460,16 @@ def read(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"--recipe {path}: no such file")
+        raise InputError(f"recipe file {path}: no such file")
     kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix, "TOML")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_RECIPE_BYTES + 1)
     except OSError as e:
-        raise InputError(f"--recipe {path}: cannot read it ({e.strerror})") from None
+        raise InputError(f"recipe file {path}: cannot read it ({e.strerror})") from None
     if len(data) > MAX_RECIPE_BYTES:
         raise InputError(
-            f"--recipe {path}: over {MAX_RECIPE_BYTES // 2**20} MiB, far more than any recipe "
+            f"recipe file {path}: over {MAX_RECIPE_BYTES // 2**20} MiB, far more than any recipe "
             "(a few hundred bytes); is it the right file?"
         )
     try:
@@ -487,11 +487,11 @@ def read(path: str | Path) -> dict[str, Any]:
         raise _too_deep(path) from None
     except Exception as e:  # each parser raises its own error types
         detail = " ".join(str(e).split())
-        raise InputError(f"--recipe {path}: not valid {kind}: {detail}") from None
+        raise InputError(f"recipe file {path}: not valid {kind}: {detail}") from None
     if nesting_depth(raw) > MAX_NESTING:
         raise _too_deep(path)
     if not isinstance(raw, dict):
-        raise InputError(f"--recipe {path}: a recipe is a table of sections")
+        raise InputError(f"recipe file {path}: a recipe is a table of sections")
     return raw
 
 
@@ -521,7 +521,7 @@ def _yaml(text: str, path: Path) -> Any:
             if isinstance(event, yaml.AliasEvent):
                 line = event.start_mark.line + 1 if event.start_mark else "?"
                 raise InputError(
-                    f"--recipe {path}: YAML alias *{event.anchor} (line {line}); compress "
+                    f"recipe file {path}: YAML alias *{event.anchor} (line {line}); compress "
                     "refuses aliases, which can expand a small file without bound: write the "
                     "value out in full instead of &anchor / *alias"
                 )
@@ -555,7 +555,7 @@ def _yaml_unique_keys(node: Any, path: Path) -> None:
                     if key.value in seen:
                         line = key.start_mark.line + 1 if key.start_mark else "?"
                         raise InputError(
-                            f"--recipe {path}: not valid YAML: key {key.value!r} given twice in "
+                            f"recipe file {path}: not valid YAML: key {key.value!r} given twice in "
                             f"one table (line {line})"
                         )
                     seen.add(key.value)
@@ -566,7 +566,7 @@ def _yaml_unique_keys(node: Any, path: Path) -> None:
 
 def _too_deep(path: Path) -> InputError:
     return InputError(
-        f"--recipe {path}: nested more than {MAX_NESTING} levels deep; a recipe is sections of "
+        f"recipe file {path}: nested more than {MAX_NESTING} levels deep; a recipe is sections of "
         "key = value, a value a table or list at most a few levels deep"
     )
 

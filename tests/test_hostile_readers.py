@@ -260,7 +260,7 @@ def test_cli_dry_run_refuses_the_alias_bomb(tmp_path, run):
     bomb = alias_bomb(tmp_path / "bomb.yaml")
     with bounded(seconds=2):
         r = run("shrink", tmp_path / "m.pt", "--recipe", bomb, "--dry-run", "--out", tmp_path / "o")
-    _one_line(r, f"error: --recipe {bomb}: YAML alias", "write the value out in full")
+    _one_line(r, f"error: recipe file {bomb}: YAML alias", "write the value out in full")
     assert r.stdout == "" and not (tmp_path / "o").exists()
 
 
