@@ -90,36 +90,6 @@ class Dataset:
     def __post_init__(self) -> None:
         _check_fields(self)
 
-    @classmethod
-    def from_arrays(
-        cls,
-        x,
-        y,
-        *,
-        x_test=None,
-        y_test=None,
-        x_val=None,
-        y_val=None,
-        num_classes: int | None = None,
-        name: str = "arrays",
-    ) -> Dataset:
-        """A data set from in-memory arrays (numpy or torch), split and checked as an npz is:
-        x_test/y_test when given, else every 5th sample is test; x_val/y_val when given,
-        else every 10th training sample is held out for validation. Inputs: float arrays as
-        given (float32), uint8 pixels scaled by 1/255, signed integer (N, L) arrays as token
-        ids; labels are classes 0..K-1, K = `num_classes` or the largest label + 1 (then
-        every class must occur in training). See `from_arrays`."""
-        return from_arrays(
-            x,
-            y,
-            x_test=x_test,
-            y_test=y_test,
-            x_val=x_val,
-            y_val=y_val,
-            num_classes=num_classes,
-            name=name,
-        )
-
     @property
     def in_shape(self) -> tuple[int, ...]:
         """One sample's shape: (C, H, W) for images, (L,) for token ids."""
@@ -786,8 +756,14 @@ def from_arrays(
     num_classes: int | None = None,
     name: str = "arrays",
 ) -> Dataset:
-    """`Dataset.from_arrays`: numpy arrays, torch tensors or nested lists, converted, split
-    and checked by the rules an npz follows (the module doc). Errors name the argument."""
+    """A Dataset from in-memory arrays (numpy, torch or nested lists), converted, split and
+    checked by the rules an npz follows (the module doc); also `Dataset.from_arrays`.
+
+    x_test/y_test when given, else every 5th sample is test; x_val/y_val when given, else
+    every 10th training sample is held out for validation. Inputs: float arrays as given
+    (float32), uint8 pixels scaled by 1/255, signed integer (N, L) arrays as token ids; labels
+    are classes 0..K-1, K = `num_classes` or the largest label + 1 (then every class must
+    occur in training). Errors name the argument."""
     where = "Dataset.from_arrays"
     for arg, value in (("x", x), ("y", y)):
         if value is None:
@@ -826,6 +802,9 @@ def from_arrays(
         return _checked(name, xs, ys, xt, yt, num_classes, val=val)
     except InputError as e:  # the npz rules speak of --data SPEC; here the call is the source
         raise InputError(f"{where}: {str(e).removeprefix(f'--data {name!r}: ')}") from None
+
+
+Dataset.from_arrays = staticmethod(from_arrays)  # type: ignore[attr-defined]
 
 
 def as_dataset(data: object) -> object:
