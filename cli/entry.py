@@ -60,6 +60,11 @@ def main() -> None:
     from compresskit._threads import short_spin
 
     short_spin()  # before torch loads: OpenMP threads spin briefly, then sleep
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("COMPRESS_DEBUG"):
+        # torch's C++ log printed a rank's failed rendezvous as 41 lines of stack frames
+        # before compress's one-line error; the errors reach Python as exceptions, which
+        # compress reports (COMPRESS_DEBUG=1 keeps the C++ log, and shows tracebacks).
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     # A process started with SIGINT ignored (nohup, a shell's background job) keeps it so.
     ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if ours:

@@ -342,6 +342,11 @@ def train(
             "--scale-lr: pipeline stages share one batch (it does not grow with the processes); "
             "drop --scale-lr"
         )
+    if scale_lr and processes == 1:
+        raise InputError(
+            "--scale-lr multiplies the learning rate by the processes, and one changes nothing; "
+            "give --workers 2 or more, or drop it"
+        )
     if scale_lr and processes > 1:  # the global batch grew N-fold: so does the step size
         lr = (lr or DEFAULT_LR[optimizer]) * processes
     config = TrainConfig(
@@ -369,6 +374,11 @@ def train(
         raise InputError(f"--log-file {log} is the checkpoint --out writes; log to another path")
     _check_fresh(out, ensemble, resume, force)
     ps = _ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler)
+    if ps is not None and ps.mode == "async" and not resume and sync_warmup_epochs >= epochs:
+        raise InputError(
+            f"--sync-warmup-epochs {sync_warmup_epochs} of --epochs {epochs}: the whole run "
+            "would be synchronous (use --strategy ps-sync for that); give fewer"
+        )
     factory = functools.partial(render.rank0_progress, quiet, log)
     if ensemble != 1:
         job = TrainJob(

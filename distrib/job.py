@@ -38,6 +38,7 @@ from compresskit.distrib.trainer import (
     optimizer_for,
 )
 from compresskit.models import checkpoint, data, zoo
+from compresskit.models.base import batch_statistics
 from compresskit.models.data import SPECS_HELP, Dataset, as_dataset, spec_files
 from compresskit.models.errors import InputError, brief
 from compresskit.models.fileio import check_writable
@@ -671,6 +672,11 @@ def _prepare(job: TrainJob, events: Events):
         model = zoo.build(spec, seed=job.config.seed)
         data.check_fits(model, ds, job.model)
         resume = None
+    if job.config.bn_refresh and batch_statistics(model) is None:
+        raise InputError(
+            f"--bn-refresh {job.config.bn_refresh}: model {spec.name} has no BatchNorm layer "
+            "whose statistics it could refresh; drop --bn-refresh"
+        )
     return job, ds, model, spec, resume
 
 

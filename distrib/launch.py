@@ -74,8 +74,13 @@ class DistEnv:
             raise InputError(
                 "torchrun environment: RANK, WORLD_SIZE, LOCAL_RANK must be whole numbers"
             ) from None
+        if world < 1:
+            raise InputError(f"torchrun environment: WORLD_SIZE {world}; give 1 or more")
         if not 0 <= rank < world:
             raise InputError(f"torchrun environment: RANK {rank} is not in 0..{world - 1}")
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            raise InputError(f"torchrun environment: MASTER_PORT {port!r} is no port (1..65535)")
         return cls(rank, world, local)
 
 
@@ -121,7 +126,15 @@ def run(
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        try:
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        except dist.DistNetworkError:
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            raise StageError(
+                f"rank {env.rank} of {env.world}: no rendezvous at {where} within "
+                f"{timeout_s:g} s (--timeout); start every rank with the same MASTER_ADDR and "
+                "MASTER_PORT, rank 0 among them"
+            ) from None
         # torchrun --max-restarts keeps one store across restarts; without a per-attempt
         # prefix the new workers can read the dead ones' gloo addresses and time out.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

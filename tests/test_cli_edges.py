@@ -643,6 +643,18 @@ def test_train_refuses_what_would_go_wrong_silently(run, tmp_path, monkeypatch):
         "train", "--epochs", "1", "--warmup-steps", "1000", "-q", "--out", tmp_path / "w.pt"
     )
     _one_line(result, 2, "the whole run is 41 steps (1 epoch(s) of 41)")
+    # flags that did nothing, accepted without a word
+    for args, message in [
+        (["--bn-refresh", "10"], "model lenet300 has no BatchNorm layer"),
+        (["--scale-lr"], "one changes nothing; give --workers 2 or more"),
+        (
+            ["--strategy", "ps-async", "--workers", "2", "--sync-warmup-epochs", "1"],
+            "--sync-warmup-epochs 1 of --epochs 1: the whole run would be synchronous",
+        ),
+    ]:
+        _one_line(
+            run("train", "--epochs", "1", "-q", *args, "--out", tmp_path / "f.pt"), 2, message
+        )
     # --workers 100000 spawned until the machine's load average reached 56
     monkeypatch.setattr(launch, "usable_cores", lambda: 2)
     result = run("train", "--workers", "9", "--out", tmp_path / "p.pt")

@@ -4,6 +4,7 @@ batch b must train like one process with batch N*b; a dying worker must end the 
 import dataclasses
 import functools
 import os
+import re
 import time
 
 import pytest
@@ -650,3 +651,32 @@ def test_spawned_workers_spin_briefly_and_the_parent_is_left_alone(monkeypatch):
     assert "GOMP_SPINCOUNT" not in os.environ
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice wins
     assert launch.run(_policy, workers=2, timeout_s=60) is None
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE 0; give 1 or more"),
+        ({"MASTER_PORT": "notaport"}, "MASTER_PORT 'notaport' is no port (1..65535)"),
+    ],
+)
+def test_a_torchrun_environment_that_cannot_work_is_one_line(monkeypatch, env, message):
+    base = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**base, "MASTER_PORT": "29500", **env}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(InputError, match=re.escape(message)):
+        launch.DistEnv.from_torchrun()
+
+
+def test_a_rank_that_finds_no_rendezvous_says_where_it_looked(monkeypatch):
+    """It printed 41 lines of C++ stack frames, then DistNetworkError as 'unexpected'."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(StageError, match=f"rank 1 of 2: no rendezvous at 127.0.0.1:{port} within"):
+        launch.run(_policy, workers=2, timeout_s=2)
