@@ -260,6 +260,15 @@ def test_bench_a_checkpoint_and_its_onnx_as_the_cli_does(run, pt_and_onnx):
     assert onnx_row["top1_agreement"] == 1.0  # the same model, exported
     api = result.to_json()
     assert json.loads(json.dumps(api, allow_nan=False)) == api
+    # the same test split handed in as arrays: the same accuracy
+    from compresskit.models.data import Dataset, load
+
+    d = load("digits")
+    mine = Dataset.from_arrays(d.x_train, d.y_train, x_test=d.x_test, y_test=d.y_test)
+    again = bench(str(onnx), mine, providers=["cpu"], **FAST).results[0]
+    assert again["test_accuracy"] == onnx_row["test_accuracy"]
+    pair = bench(str(onnx), (d.x_test.numpy(), d.y_test.numpy()), providers=["cpu"], **FAST)
+    assert 0.5 < pair.results[0]["test_accuracy"] <= 1.0  # (x, y): every 5th sample is test
 
     cli = run("bench", pt, onnx, "--data", "digits", "--providers", "torch,cpu", *FAST_FLAGS,
               "--json", "-q")  # fmt: skip

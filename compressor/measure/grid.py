@@ -94,8 +94,9 @@ def bench(
     Args:
         models: a path, or a list of paths: `.pt` checkpoints, `.onnx` or `.ort` files, or
             `compress shrink` output folders (every model file in them).
-        data: a data spec ("digits", "npz:FILE", "tokens", ...) or a loaded
-            `compresskit.models.data.Dataset`: each variant's test accuracy and top-1
+        data: a data spec ("digits", "npz:FILE", "tokens", ...), a loaded
+            `compresskit.models.data.Dataset`, or in-memory (x, y) arrays, a TensorDataset
+            or a DataLoader over one (`Dataset.from_arrays`): each variant's test accuracy and top-1
             agreement with the first one are measured on its test split. None: latency
             only (inputs are random either way).
         batches: batch sizes to time (an int or a sequence), e.g. (1, 64).
@@ -228,12 +229,13 @@ def _data(
     """The data set, read for the model being measured: an npz array named after its forward
     argument is its input, or, with no checkpoint to read that from, after the ONNX files'
     input (`ids` for a model whose forward takes `ids`)."""
+    data = data_mod.as_dataset(data)  # (x, y) arrays, a TensorDataset or a DataLoader
     if isinstance(data, Dataset):
         return data
     if data is not None and not isinstance(data, str):
         raise InputError(
-            f"data must be a data spec ({SPECS_HELP}), a compresskit.models.data.Dataset or "
-            f"None, got {type(data).__name__}"
+            f"data must be a data spec ({SPECS_HELP}), in-memory (x, y) arrays, a "
+            f"TensorDataset, a compresskit.models.data.Dataset or None, got {type(data).__name__}"
         )
     if not data:
         return None
