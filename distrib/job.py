@@ -379,6 +379,13 @@ def run(
             )
     if launch.DistEnv.from_torchrun() is not None:
         return _dispatch(job, events_factory, gpu)
+    # more local processes than the machine runs: refused before anything loads
+    if job.ps is not None:
+        launch.check_processes(job.ps.workers + job.ps.servers)
+    elif job.pipeline is not None:
+        launch.check_processes(job.pipeline.stages)
+    else:
+        launch.check_processes(job.workers)
     if job.pipeline is None and job.ps is None and job.workers == 1:
         return _run(job, events, keep_model=True)
     # Spawned ranks are killed outright when the job stops (Ctrl-C, a dead peer): a

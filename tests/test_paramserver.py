@@ -69,6 +69,12 @@ def test_shard_count_does_not_change_a_fused_adam_step():
     assert all(torch.equal(ends[1], ends[s]) for s in (2, 3, 5, 7))
 
 
+def test_more_servers_than_values_is_refused():
+    # (locally the process cap speaks first; under torchrun on many machines this does)
+    with pytest.raises(InputError, match="only 4810 parameter values to shard; give --servers"):
+        psm.shard_bounds(4810, 4811)
+
+
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
     "sgd-momentum-decay": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
@@ -416,7 +422,7 @@ def test_a_dead_server_stops_the_job_naming_it(dying, mode):
         (["--strategy", "ps-sync", "--servers", "0"], "--servers 0: give 1 or more"),
         (["--strategy", "ps-ssp", "--staleness", "-1"], "--staleness -1: give 0 or more clocks"),
         (["--strategy", "ps-sync", "--workers", "1"], "with --workers 1 and no --servers"),
-        (["--strategy", "ps-sync", "--servers", "100000"], "only 4810 parameter values"),
+        (["--strategy", "ps-sync", "--servers", "100000"], "100002 processes on this machine"),
         (["--strategy", "ps-async", "--straggler", "5:2"], "there is no worker 5 (workers are"),
         (["--strategy", "ps-async", "--straggler", "x"], "write RANK:FACTOR"),
         (["--servers", "2"], "--servers belongs to the parameter-server strategies"),
