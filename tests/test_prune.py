@@ -469,7 +469,11 @@ def test_weights_no_layer_covers_are_named_for_the_report():
         {"uncovered": prune.uncovered_weights(net), "baseline": {"parameters": 10_000}}
     )
     assert note.startswith("stored dense (float16), 1,945 weights (19% of the model)")
-    assert "embeddings with prune.embeddings = true" in note and "pair (Bilinear, 1,536)" in note
+    assert (
+        "embeddings with quantize.embeddings = true (shared, not pruned) or prune.embeddings"
+        in note
+        and "pair (Bilinear, 1,536)" in note
+    )
     assert ": scale (Net, 9), emb" in note  # the model's own parameter by its name
     as32 = {"recipe": {"quantize": {"dense": "float32"}}}
     assert report_mod.uncovered_note(
