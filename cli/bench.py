@@ -152,6 +152,7 @@ def bench(
     if plot_path:
         benchreport.plot(result, plot_path)
     if as_json:
+        render.bench_notes(result)  # stderr: the JSON on stdout carries them too
         emit_json(result)
     else:
         render.bench_table(result, wide=wide)

@@ -590,6 +590,12 @@ def _skip_lines(bench: dict, width: int) -> list[str]:
     return lines
 
 
+def bench_notes(bench: dict) -> None:
+    """The result's notes on stderr (and so in --log-file), one line each."""
+    for note in bench.get("notes", []):
+        stderr.print(f"note: {note}")
+
+
 def bench_table(bench: dict, *, width: int | None = None, wide: bool = False) -> None:
     """The bench result as a table that fits `width` columns (see `out_console`): the key
     columns and as many others as fit, by priority, the rest named in one line; `wide`: all
@@ -601,12 +607,7 @@ def bench_table(bench: dict, *, width: int | None = None, wide: bool = False) ->
     machine = f"{env.get('cpu_model')}, {env.get('logical_cores')} logical cores"
     software = f"torch {versions.get('torch')}, onnxruntime {versions.get('onnxruntime')}"
     out.print(_fold([machine, software, str(env.get("date"))], "; ", width))
-    load, cores = env.get("load_average_1min"), env.get("usable_cores") or env.get("logical_cores")
-    if load is not None and cores and load > cores:  # more runnable work than cores
-        out.print(
-            f"note: load average {load:.1f} on {cores} usable cores: other work ran beside "
-            "the timings, so latencies read high and the measured peaks (and % peak) low"
-        )
+    bench_notes(bench)
     rows = bench["results"]
     columns = _bench_columns(rows)
     shown, widths = _fit(columns, width, wide) if rows else ([], [])

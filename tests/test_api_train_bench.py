@@ -277,7 +277,7 @@ def test_bench_a_checkpoint_and_its_onnx_as_the_cli_does(run, pt_and_onnx):
     assert list(printed) == list(api)  # the same keys in the same order
     assert list(api) == [
         "environment", "peaks", "agreement_reference", "speedup_reference", "runtimes",
-        "results", "skipped", "profiles",
+        "results", "skipped", "profiles", "notes",
     ]  # fmt: skip
     assert printed["environment"].keys() == api["environment"].keys()
     assert printed["runtimes"] == api["runtimes"] and printed["skipped"] == api["skipped"]

@@ -11,7 +11,7 @@ import torch
 from compresskit.compressor import export
 from compresskit.compressor.export import mobile
 from compresskit.compressor.measure import latency, variants
-from compresskit.models import ModelSpec, checkpoint, tiny
+from compresskit.models import InputError, ModelSpec, checkpoint, tiny
 
 RESULT_KEYS = {
     "model",
@@ -635,3 +635,23 @@ def test_timing_inputs_are_the_datas_test_inputs_when_given():
     assert np.array_equal(x, data.x_test[:5].numpy())
     big = latency.inputs(None, len(data.x_test) + 3, data, np.random.default_rng(0))
     assert np.array_equal(big[-3:], data.x_test[:3].numpy()) and big.flags["C_CONTIGUOUS"]
+
+
+def test_bench_settings_that_cannot_give_a_figure_are_one_line(monkeypatch):
+    monkeypatch.setattr(latency, "usable_cores", lambda: 2)
+    with pytest.raises(InputError, match="--threads 0,3: this machine gives compress 2 core"):
+        latency.BenchConfig(threads=(0, 3))
+    with pytest.raises(InputError, match="min_runs '5': give a number"):
+        latency.BenchConfig(min_runs="5")
+    assert latency.BenchConfig(batches=(1, 64, 1), threads=(1, 1)).batches == (1, 64)
+    monkeypatch.setattr(latency, "available_memory", lambda: 2**30)
+
+    class M:  # a variant's model, as _check_batch_memory reads it
+        path = Path("m.onnx")
+
+    class V:
+        model = M()
+
+    with pytest.raises(InputError, match="--batch 99999999: one batch of m.onnx's inputs takes"):
+        latency._check_batch_memory(V(), (1, 8, 8), 99_999_999)
+    latency._check_batch_memory(V(), (1, 8, 8), 64)  # 32 KiB: fine

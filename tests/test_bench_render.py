@@ -329,12 +329,33 @@ def test_providers_asked_for_but_missing_are_one_line_each(run, tiny_models, mon
         assert header in out, header
 
 
-def test_a_busy_machine_is_named_beside_the_timings(capsys):
-    """A CPU hog halved the measured 2-thread peak (188 -> 96 GFLOP/s) with no word said."""
+def test_a_busy_machine_is_named_beside_the_timings_and_saved_with_them(capsys, tmp_path):
+    """A CPU hog halved the measured 2-thread peak (188 -> 96 GFLOP/s) with no word said; then
+    the word was said on the terminal only, not in the JSON or report.md that get shared."""
+    from compresskit.compressor.measure import benchreport, grid
+
     bench = _bench()
-    bench["environment"] = {**bench["environment"], "load_average_1min": 3.2, "usable_cores": 2}
+    env = {**bench["environment"], "load_average_1min": 3.2, "usable_cores": 2}
+    bench["environment"], bench["notes"] = env, grid.notes(env, bench["results"])
     render.bench_table(bench, width=200)
-    assert "note: load average 3.2 on 2 usable cores: other work ran" in capsys.readouterr().out
-    bench["environment"]["load_average_1min"] = 1.1  # bench's own thread: not a note
-    render.bench_table(bench, width=200)
-    assert "load average" not in capsys.readouterr().out
+    assert "note: load average 3.2 on 2 usable cores: other work ran" in capsys.readouterr().err
+    report = benchreport.markdown(bench)
+    assert "## Notes\n\n- load average 3.2 on 2 usable cores" in report
+    assert "- load average (1 min) 3.2 on 2 usable cores" in report
+    env["load_average_1min"] = 1.1  # bench's own thread: not a note
+    assert not any("load average" in n for n in grid.notes(env, bench["results"]))
+
+
+def test_sub_tenth_ms_onnx_rows_beside_pytorch_are_flagged():
+    """An FP32 ONNX file read 0.026 ms beside a checkpoint and 0.009 ms beside its INT8 twin
+    alone: the INT8-vs-FP32 ratio flipped with no hint."""
+    from compresskit.compressor.measure import grid
+
+    rows = [
+        {"model": "t.pt", "provider": "pytorch-cpu", "p50_ms": 0.05},
+        {"model": "m.fp32.onnx", "provider": "CPUExecutionProvider", "p50_ms": 0.026},
+    ]
+    (note,) = grid.notes({}, rows)
+    assert note.startswith("ONNX rows under 0.1 ms were timed interleaved with PyTorch (t.pt)")
+    assert grid.notes({}, rows[1:]) == []  # ONNX files alone
+    assert grid.notes({}, [rows[0], {**rows[1], "p50_ms": 0.5}]) == []  # large enough

@@ -47,6 +47,11 @@ def markdown(bench: dict[str, Any], plot: str | Path | None = None) -> str:
         f"matmul {p['int8_gops']:.1f} GOP/s"
         for t, p in bench.get("peaks", {}).items()
     ]
+    load = env.get("load_average_1min")
+    if load is not None:
+        lines += [f"- load average (1 min) {load} on {env.get('usable_cores')} usable cores"]
+    if bench.get("notes"):
+        lines += ["", "## Notes", "", *(f"- {n}" for n in bench["notes"])]
     lines += [
         "",
         "## Results",

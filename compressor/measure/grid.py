@@ -13,7 +13,7 @@ import numbers
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ class BenchResult:
                          cold start, bytes, parameters, MACs, GFLOP/s, accuracy, agreement
     skipped              variants not measured, each with its reason
     profiles             with `profile=True`, per ONNX model the per-operator time shares
+    notes                what makes the figures less telling than they look (a busy machine,
+                         sub-0.1 ms rows timed beside PyTorch), one line each
     """
 
     environment: dict[str, Any]
@@ -51,6 +53,7 @@ class BenchResult:
     results: list[dict[str, Any]]
     skipped: list[dict[str, Any]]
     profiles: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON values, exactly the object `compress bench --json` prints (and
@@ -67,6 +70,7 @@ class BenchResult:
                 "results": self.results,
                 "skipped": self.skipped,
                 "profiles": self.profiles,
+                "notes": self.notes,
             }
         )
 
@@ -97,10 +101,11 @@ def bench(
         data: a data spec ("digits", "npz:FILE", "tokens", ...), a loaded
             `compresskit.models.data.Dataset`, or in-memory (x, y) arrays, a TensorDataset
             or a DataLoader over one (`Dataset.from_arrays`): each variant's test accuracy and top-1
-            agreement with the first one are measured on its test split. None: latency
-            only (inputs are random either way).
-        batches: batch sizes to time (an int or a sequence), e.g. (1, 64).
-        threads: thread counts (0: all cores).
+            agreement with the first one are measured on its test split, and the timed
+            inputs are its first test inputs. None: latency only, on random inputs.
+        batches: batch sizes to time (an int or a sequence), e.g. (1, 64); the CLI's
+            `--batch` defaults to 1,64, this to (1,).
+        threads: thread counts (0: all cores), at most the cores this process may use.
         providers: runtimes, as a list or "torch,cpu": torch (PyTorch eager), cpu, cuda,
             tensorrt (ONNX Runtime providers). Default: all of them; those absent here are
             returned as skips with their reason.
@@ -157,8 +162,9 @@ def bench(
             )
         results, more, extra = latency.measure(runnable, cfg, ds, info)
         profiles = _profiles(described, cfg, ds) if profile else {}
+    environment = envinfo.environment()
     return BenchResult(
-        environment=envinfo.environment(),
+        environment=environment,
         **extra,
         runtimes={
             "requested": runtimes,
@@ -168,7 +174,40 @@ def bench(
         results=results,
         skipped=skipped + more,
         profiles=profiles,
+        notes=notes(environment, results),
     )
+
+
+# Below this p50 a row's figure moves with what runs between its calls (caches, branch
+# predictors): an FP32 ONNX file read 0.026 ms timed beside a PyTorch checkpoint and 0.009 ms
+# beside its INT8 twin alone, and the INT8-vs-FP32 ratio flipped.
+SMALL_MS = 0.1
+
+
+def notes(environment: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
+    """One line for each reason the figures tell less than they look; saved with them (the
+    JSON, report.md), not only printed."""
+    out = []
+    load = environment.get("load_average_1min")
+    cores = environment.get("usable_cores") or environment.get("logical_cores")
+    if load is not None and cores and load > cores:  # more runnable work than cores
+        out.append(
+            f"load average {load:.1f} on {cores} usable cores: other work ran beside the "
+            "timings, so latencies read high and the measured peaks (and % peak) low"
+        )
+    torch_rows = {r["model"] for r in results if str(r.get("provider")).startswith("pytorch")}
+    small = [
+        r
+        for r in results
+        if not str(r.get("provider")).startswith("pytorch") and r["p50_ms"] < SMALL_MS
+    ]
+    if torch_rows and small:
+        out.append(
+            f"ONNX rows under {SMALL_MS} ms were timed interleaved with PyTorch "
+            f"({', '.join(sorted(torch_rows))}): at that scale a row moves with what runs "
+            "between its calls; to choose between ONNX files, bench them without the checkpoint"
+        )
+    return out
 
 
 def _whole(v: Any) -> bool:

@@ -19,6 +19,8 @@ model's embedding rows, else all ids 1).
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -36,12 +38,18 @@ from compresskit.models.errors import InputError, one_line
 def resolve_threads(n: int) -> int:
     """0 means every core this process may run on (its CPU affinity); the same number then
     goes to PyTorch, ONNX Runtime and the peak probes, and into the results."""
-    if n:
-        return n
+    return n or usable_cores()
+
+
+def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @contextlib.contextmanager
@@ -378,6 +386,20 @@ class BenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name, ok in (
+            ("min_runs", _whole(self.min_runs)),
+            (
+                "min_seconds",
+                isinstance(self.min_seconds, numbers.Real)
+                and not isinstance(self.min_seconds, bool),
+            ),
+        ):
+            if not ok:
+                value = getattr(self, name)
+                raise InputError(f"{name} {value!r}: give a number, e.g. {name}=5")
+        # each size once, in the order given: --batch 1,1 measured two rows of one cell
+        object.__setattr__(self, "batches", tuple(dict.fromkeys(self.batches)))
+        object.__setattr__(self, "threads", tuple(dict.fromkeys(self.threads)))
         if not self.batches or any(b < 1 for b in self.batches):
             raise InputError(
                 f"--batch {','.join(map(str, self.batches))}: give sizes >= 1, e.g. 1,64"
@@ -385,6 +407,14 @@ class BenchConfig:
         if not self.threads or any(t < 0 for t in self.threads):
             raise InputError(
                 f"--threads {','.join(map(str, self.threads))}: give counts >= 0 (0 = all cores)"
+            )
+        cores = usable_cores()
+        if any(t > cores for t in self.threads):
+            # more threads than cores time the scheduler, not the model: 100 threads on 2
+            # cores read 3,470% of the machine's peak
+            raise InputError(
+                f"--threads {','.join(map(str, self.threads))}: this machine gives compress "
+                f"{cores} core(s); give {cores} or fewer (0 = all of them)"
             )
         # Bounded: --min-seconds inf (or nan) timed forever, and so did --min-runs 1e11.
         if not 1 <= self.min_runs <= MAX_RUNS or not 0 <= self.min_seconds <= MAX_SECONDS:
@@ -410,7 +440,7 @@ def measure(
     peaks: dict[int, dict[str, float]] = {}
     rng = np.random.default_rng(cfg.seed)
     for v in variants:  # every input shape and batch checked before any work
-        _shape(v, data)
+        _check_batch_memory(v, _shape(v, data), max(cfg.batches))
         _check_kind(v, data)
         fixed = v.model.fixed_batch
         if fixed and any(b != fixed for b in cfg.batches):
@@ -473,6 +503,31 @@ def measure(
         "speedup_reference": speed_reference,
     }
     return results, skipped, extra
+
+
+def _check_batch_memory(v, shape: tuple[int, ...], batch: int) -> None:
+    """A batch of inputs that cannot fit in memory, refused before anything runs:
+    --batch 99999999999 ended in an 'unexpected' MemoryError for 23.3 TiB."""
+    need = batch * math.prod(shape) * 8  # float32 inputs, or int64 token ids at worst
+    have = available_memory()
+    if have is not None and need > have // 2:
+        raise InputError(
+            f"--batch {batch}: one batch of {v.model.path.name}'s inputs takes "
+            f"{need / 2**30:.1f} GiB, over half this machine's {have / 2**30:.1f} GiB available; "
+            "give a smaller batch"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to start new work (Linux MemAvailable), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _shape(v, data) -> tuple[int, ...]:
