@@ -78,7 +78,7 @@ def markdown(bench: dict[str, Any], plot: str | Path | None = None) -> str:
     if plot is not None:
         lines += [
             "",
-            f"![latency per batch size and accuracy against file size]({Path(plot).as_posix()})",
+            f"![latency per batch size and accuracy against size]({Path(plot).as_posix()})",
         ]
     notes = [
         f"- {r['model']} ({r['provider']}, batch {r['batch']}): {n}"
@@ -297,7 +297,7 @@ def figure(bench: dict[str, Any]) -> Any:
             labels.append(_group_label(n, g))
         ax2.set(
             xscale="log",
-            xlabel="file size (KB)",
+            xlabel="size (KB): the file, or a checkpoint's weights (no optimizer state)",
             ylabel="test accuracy (%)",
             title="Accuracy vs size (numbers: see key; grey: several runtimes)",
         )
