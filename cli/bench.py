@@ -24,6 +24,9 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         ) from None
 
 
+MODEL_SUFFIXES = (".pt", ".pth", ".onnx", ".ort", ".dcz")  # never a report's name
+
+
 @click.command(
     epilog="""\b
 Examples:
@@ -88,6 +91,7 @@ Examples:
     default=None,
     help="Write the figure: PNG, SVG or PDF by the file suffix.",
 )
+@click.option("--force", is_flag=True, help="Replace an existing --report or --plot file.")
 @click.option(
     "--wide", is_flag=True, help="Every column, however wide; else those the terminal fits."
 )
@@ -109,6 +113,7 @@ def bench(
     model_kwargs: str | None,
     report_path: Path | None,
     plot_path: Path | None,
+    force: bool,
     wide: bool,
     quiet: bool,
     as_json: bool,
@@ -120,11 +125,20 @@ def bench(
         batches=batches, threads=threads, min_runs=min_runs, min_seconds=min_seconds
     )
     variants.parse_providers(providers or DEFAULT_PROVIDERS)
+    from compresskit.models.fileio import check_writable
+
+    # The files a folder argument expands to are inputs too: `--report s/model.int8.onnx`
+    # with folder `s` replaced the model it had just measured with Markdown, exit 0.
+    outputs = [p for p in (report_path, plot_path) if p is not None]
+    inputs = variants.expand(list(models)) if outputs else []
+    if report_path is not None and report_path.suffix.lower() in MODEL_SUFFIXES:
+        raise InputError(
+            f"--report {report_path}: a report is a .md (Markdown) or .json file, not "
+            f"{report_path.suffix}; give another name"
+        )
     for path, flag in ((report_path, "--report"), (plot_path, "--plot")):
         if path is not None:
-            from compresskit.models.fileio import check_writable
-
-            check_writable(path, flag)
+            check_writable(path, flag, inputs=inputs, replace=force)
     both = report_path is not None and plot_path is not None
     if both and os.path.abspath(report_path) == os.path.abspath(plot_path):  # new files both
         raise InputError(f"--report and --plot both name {plot_path}; give two paths")

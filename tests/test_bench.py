@@ -655,3 +655,29 @@ def test_bench_settings_that_cannot_give_a_figure_are_one_line(monkeypatch):
     with pytest.raises(InputError, match="--batch 99999999: one batch of m.onnx's inputs takes"):
         latency._check_batch_memory(V(), (1, 8, 8), 99_999_999)
     latency._check_batch_memory(V(), (1, 8, 8), 64)  # 32 KiB: fine
+
+
+def test_a_report_never_replaces_what_the_folder_holds(run, shrunk, tmp_path):
+    """`--report s/model.int8.onnx` with folder `s` replaced the model it had just measured
+    with Markdown, exit 0; an existing report was replaced without a word."""
+    import shutil
+
+    folder = tmp_path / "s"
+    shutil.copytree(shrunk, folder)
+    (folder / "report.json").write_text("{}")  # shrink's own report
+    model = folder / "model.int8.onnx"
+    before = model.read_bytes()
+    fast = ("--batch", "1", "--min-runs", "3", "--min-seconds", "0", "-q")
+    for out, message in [
+        (model, "a report is a .md (Markdown) or .json file, not .onnx"),
+        (folder / "report.json", "exists; pass --force to replace it"),
+    ]:
+        result = run("bench", folder, "--report", out, *fast)
+        assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert model.read_bytes() == before
+    old = tmp_path / "old.md"
+    old.write_text("mine")
+    assert run("bench", model, "--report", old, *fast).exit_code == 2
+    assert old.read_text() == "mine"
+    assert run("bench", model, "--report", old, "--force", *fast).exit_code == 0
+    assert old.read_text().startswith("# compress bench")
