@@ -223,8 +223,12 @@ def test_baselines_add_ort_quantizers(run, shrunk):
         "--json",
     )
     assert result.exit_code == 0, result.stderr
-    names = [row["model"] for row in result.json()["results"]]
+    rows = result.json()["results"]
+    names = [row["model"] for row in rows]
     assert any("ort-dynamic" in n for n in names) and any("ort-static-default" in n for n in names)
+    for row in rows:  # a baseline's path names a folder gone by now: said so
+        gone = not Path(row["path"]).exists()
+        assert gone == any("removed after the run" in n for n in row["notes"]), row
 
 
 def test_profile_names_operators(run, shrunk):
@@ -232,6 +236,10 @@ def test_profile_names_operators(run, shrunk):
     assert result.exit_code == 0, result.stderr
     prof = result.json()["profiles"]["model.int8.onnx"]
     assert prof["top"] and abs(sum(op["share"] for op in prof["ops"]) - 1) < 1e-6
+    from compresskit.compressor.measure import benchreport
+
+    md = benchreport.markdown(result.json())  # the report carries the profile too
+    assert f"- model.int8.onnx: {', '.join(prof['top'])}" in md
 
 
 def _bare_state_dict(tmp_path):

@@ -340,7 +340,7 @@ def test_a_busy_machine_is_named_beside_the_timings_and_saved_with_them(capsys, 
     render.bench_table(bench, width=200)
     assert "note: load average 3.2 on 2 usable cores: other work ran" in capsys.readouterr().err
     report = benchreport.markdown(bench)
-    assert "## Notes\n\n- load average 3.2 on 2 usable cores" in report
+    assert "## Caveats\n\n- load average 3.2 on 2 usable cores" in report
     assert "- load average (1 min) 3.2 on 2 usable cores" in report
     env["load_average_1min"] = 1.1  # bench's own thread: not a note
     assert not any("load average" in n for n in grid.notes(env, bench["results"]))

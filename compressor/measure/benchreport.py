@@ -51,16 +51,22 @@ def markdown(bench: dict[str, Any], plot: str | Path | None = None) -> str:
     if load is not None:
         lines += [f"- load average (1 min) {load} on {env.get('usable_cores')} usable cores"]
     if bench.get("notes"):
-        lines += ["", "## Notes", "", *(f"- {n}" for n in bench["notes"])]
+        lines += ["", "## Caveats", "", *(f"- {n}" for n in bench["notes"])]
     lines += [
         "",
         "## Results",
         "",
-        "p50 with its 95% bootstrap confidence interval; runs interleaved across variants.",
+        "p50 with its 95% bootstrap confidence interval; runs interleaved across variants"
+        + (
+            f"; top-1 agreement against {bench['agreement_reference']}."
+            if bench.get("agreement_reference")
+            else "."
+        ),
         "",
         "| model | precision | provider | batch | threads | p50 ms [95% CI] | p90 ms | p99 ms "
-        "| items/s | cold start ms | bytes | parameters | GFLOP/s (% peak) | test acc | agreement |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| runs | items/s | cold start ms | bytes | parameters | GFLOP/s (% peak) | test acc "
+        "| agreement |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in bench["results"]:
         lo, hi = r["p50_ci_ms"]
@@ -70,7 +76,8 @@ def markdown(bench: dict[str, Any], plot: str | Path | None = None) -> str:
         lines.append(
             f"| {r['model']} | {r['precision']} | {r['provider']} | {r['batch']} | "
             f"{r['threads'] or 'all'} | {r['p50_ms']:.4f} [{lo:.4f}, {hi:.4f}] | "
-            f"{r['p90_ms']:.4f} | {r['p99_ms']:.4f} | {r['throughput_per_s']:,.0f} | "
+            f"{r['p90_ms']:.4f} | {r['p99_ms']:.4f} | {_fmt(r.get('runs'), ',')} | "
+            f"{r['throughput_per_s']:,.0f} | "
             f"{r['cold_start_ms']:.1f} | {r['bytes']:,} | {_fmt(r['parameters'], ',')} | {gf} | "
             f"{f'{acc:.2%}' if acc is not None else '–'} | "
             f"{f'{agr:.2%}' if agr is not None else '–'} |"
@@ -87,6 +94,9 @@ def markdown(bench: dict[str, Any], plot: str | Path | None = None) -> str:
     ]
     if notes:
         lines += ["", "## Notes", "", *notes]
+    if bench.get("profiles"):
+        lines += ["", "## Operator profiles (share of time)", ""]
+        lines += [f"- {name}: {', '.join(p['top'])}" for name, p in bench["profiles"].items()]
     if bench.get("skipped"):
         lines += ["", "## Skipped", ""]
         lines += [

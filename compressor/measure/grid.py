@@ -162,6 +162,12 @@ def bench(
             )
         results, more, extra = latency.measure(runnable, cfg, ds, info)
         profiles = _profiles(described, cfg, ds) if profile else {}
+        for r in results:  # a baseline's path names a folder removed on return
+            if str(r.get("path", "")).startswith(tmp):
+                r["notes"].append(
+                    "made by ONNX Runtime's quantizer in a temporary folder, removed after "
+                    "the run (make it with onnxruntime.quantization to keep it)"
+                )
     environment = envinfo.environment()
     return BenchResult(
         environment=environment,
