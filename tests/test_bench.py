@@ -689,3 +689,14 @@ def test_a_report_never_replaces_what_the_folder_holds(run, shrunk, tmp_path):
     assert old.read_text() == "mine"
     assert run("bench", model, "--report", old, "--force", *fast).exit_code == 0
     assert old.read_text().startswith("# compress bench")
+
+
+def test_a_model_flag_no_checkpoint_uses_is_refused(run, shrunk):
+    """`--model lenet300` beside a lenet5 checkpoint was silently ignored."""
+    args = ("bench", shrunk / "model.pt", "--batch", "1", "--min-runs", "3", "--min-seconds", "0")
+    result = run(*args, "--model", "lenet300", "-q")
+    assert result.exit_code == 2
+    assert (
+        "--model lenet300: no checkpoint here is a bare state_dict or that model" in result.stderr
+    )
+    assert run(*args, "--model", "lenet5", "-q").exit_code == 0  # its own: consent, as before

@@ -151,6 +151,14 @@ def bench(
         described = variants.disambiguate(
             [variants.load(p, model, ds, kwargs, trust=trust_model) for p in paths]
         )
+        torch_models = [m for m in described if m.format == "pytorch"]
+        if model and torch_models and not any(m.spec.name == model for m in torch_models):
+            # full checkpoints name their model: a --model naming another was silently ignored
+            named = ", ".join(f"{m.path.name} ({m.spec.name})" for m in torch_models)
+            raise InputError(
+                f"--model {model}: no checkpoint here is a bare state_dict or that model "
+                f"({named}); drop --model"
+            )
         if baselines:
             described += _baselines(described, ds, Path(tmp), info)
         runnable, skipped = variants.variants(described, runtimes)
