@@ -700,3 +700,13 @@ def test_a_model_flag_no_checkpoint_uses_is_refused(run, shrunk):
         "--model lenet300: no checkpoint here is a bare state_dict or that model" in result.stderr
     )
     assert run(*args, "--model", "lenet5", "-q").exit_code == 0  # its own: consent, as before
+
+
+def test_a_renamed_int8_ort_file_is_read_as_int8(shrunk, tmp_path):
+    """A mobile engineer's `mobile.ort` (the shipped model.int8.ort, renamed) read fp32."""
+    import shutil
+
+    shutil.copyfile(shrunk / "model.int8.ort", tmp_path / "mobile.ort")
+    assert variants.load(tmp_path / "mobile.ort").precision == "int8"
+    mobile.to_ort(shrunk / "model.fp32.onnx", tmp_path / "app.ort")
+    assert variants.load(tmp_path / "app.ort").precision == "fp32"

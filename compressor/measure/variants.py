@@ -13,6 +13,7 @@ A runtime that is asked for but missing is returned as a skip with its reason, n
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,22 @@ def load(
     return _onnx_model(path, size, label)
 
 
+# Op types only a quantized graph holds (QDQ, or the QLinear/integer kernels ORT fuses them to).
+QUANTIZED_OPS = (b"QuantizeLinear", b"QLinear", b"QGemm", b"MatMulInteger", b"ConvInteger")
+
+
+def _ort_quantized(path: Path) -> bool:
+    """Whether an .ort file's op-type strings name quantized ops (searched on the mapped file,
+    not read whole)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return False
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return any(m.find(op) >= 0 for op in QUANTIZED_OPS)
+
+
 def _torch_tokens(spec: ModelSpec, net, data) -> tuple[bool, int | None]:
     """(reads token ids?, how many ids it embeds) of a PyTorch model: a zoo model says what it
     reads, and so does a class with an `input_kind` attribute ("image" or "tokens"); another
@@ -231,9 +248,9 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
     sibling = path.with_name(path.name.replace(".int8.", ".fp32.").replace(".ort", ".onnx"))
     source = sibling if ".int8." in path.name and sibling.is_file() else None
     if path.suffix == ".ort":
-        # The ORT format keeps no ONNX graph to inspect: the precision is in the name, which
-        # compress shrink writes (model.int8.ort).
-        precision = "int8" if ".int8" in path.name else "fp32"
+        # The ORT format keeps no ONNX graph to inspect; its flatbuffer holds the op types as
+        # strings, though. A renamed INT8 file (mobile.ort) was labelled fp32 by its name.
+        precision = "int8" if ".int8" in path.name or _ort_quantized(path) else "fp32"
         return Model(
             path, "ort", precision, size, None, shape, label, fixed_batch=fixed, source=source,
             tokens=tokens,
