@@ -188,6 +188,21 @@ def _close_log() -> None:
         log.file.close()
 
 
+# Files a log must never be named as (models, archives, data): it truncates its path.
+MODEL_SUFFIXES = (".pt", ".pth", ".onnx", ".ort", ".dcz", ".npz", ".npy")
+LOG_HEAD = "debug: compress "  # the first line every --log-file starts with
+
+
+def _is_log(path: Path) -> bool:
+    """An empty file, or one a --log-file wrote (its first line is the command)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(LOG_HEAD))
+    except OSError:
+        return False
+    return head in (b"", LOG_HEAD.encode())
+
+
 def log_option(f):
     """--log-file PATH: a copy of everything stderr shows, plus warnings and tracebacks."""
 
@@ -198,6 +213,16 @@ def log_option(f):
             if _named_again(value, param.opts):  # before the log creates it (--out LOG)
                 raise click.BadParameter(
                     f"{value} is also given elsewhere on this command line; log to another path",
+                    ctx,
+                    param,
+                )
+            # `bench FOLDER --log-file FOLDER/model.int8.onnx` truncated the model it was about
+            # to read, then blamed the model: a log replaces only an earlier log (or nothing).
+            if value.suffix.lower() in MODEL_SUFFIXES or (value.is_file() and not _is_log(value)):
+                raise click.BadParameter(
+                    f"{value} exists and is not a compress log"
+                    if value.is_file()
+                    else f"{value} is named like a model or data file, not a log",
                     ctx,
                     param,
                 )

@@ -488,7 +488,7 @@ def test_a_log_file_is_any_path_but_the_default_output(run, tmp_path, monkeypatc
     ok = run("train", "--epochs", "1", "--data", "digits", "--log-file", "digits", "-q")
     assert ok.exit_code == 0, ok.stderr  # a word on the command line, not a file it names
     bad = run("train", "--model", "lenet300", "--log-file", "lenet300.pt")
-    assert bad.exit_code == 2 and "is the checkpoint --out writes" in bad.stderr
+    assert bad.exit_code == 2 and "lenet300.pt exists and is not a compress log" in bad.stderr
 
 
 def test_a_log_file_holds_what_a_spawned_rank_says(run, tmp_path):
@@ -671,3 +671,21 @@ def test_a_killed_runs_temporary_checkpoint_is_removed_by_the_next_run(run, tmp_
     os.utime(stale, (1, 1))  # untouched for long: a run killed mid-write left it
     assert run("train", "--epochs", "1", "-q", "--out", out).exit_code == 0
     assert not stale.exists() and live.exists()  # a file being written now is left alone
+
+
+def test_a_log_file_replaces_only_an_earlier_log(run, tmp_path):
+    """`bench FOLDER --log-file FOLDER/model.int8.onnx` truncated the model it was about to
+    read, then blamed the model; any existing file was truncated."""
+    model = tmp_path / "model.int8.onnx"
+    model.write_bytes(b"not a log")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for path in (model, notes, tmp_path / "new.pt"):
+        result = run("train", "--epochs", "1", "-q", "--out", tmp_path / "m.pt", "--log-file", path)
+        assert result.exit_code == 2 and "--log-file" in result.stderr, result.stderr
+    assert model.read_bytes() == b"not a log" and notes.read_text() == "mine"
+    log = tmp_path / "train.log"
+    for force in ((), ("--force",)):  # the second run replaces the first run's log
+        args = ("train", "--epochs", "1", "-q", "--out", tmp_path / "m.pt", *force)
+        assert run(*args, "--log-file", log).exit_code == 0
+    assert log.read_text().startswith("debug: compress train")
