@@ -652,6 +652,7 @@ def test_bench_settings_that_cannot_give_a_figure_are_one_line(monkeypatch):
     with pytest.raises(InputError, match="min_runs '5': give a number"):
         latency.BenchConfig(min_runs="5")
     assert latency.BenchConfig(batches=(1, 64, 1), threads=(1, 1)).batches == (1, 64)
+    assert latency.BenchConfig(threads=(2, 0, 1)).threads == (2, 1)  # 0: both cores, as 2
     monkeypatch.setattr(latency, "available_memory", lambda: 2**30)
 
     class M:  # a variant's model, as _check_batch_memory reads it
@@ -710,3 +711,16 @@ def test_a_renamed_int8_ort_file_is_read_as_int8(shrunk, tmp_path):
     assert variants.load(tmp_path / "mobile.ort").precision == "int8"
     mobile.to_ort(shrunk / "model.fp32.onnx", tmp_path / "app.ort")
     assert variants.load(tmp_path / "app.ort").precision == "fp32"
+
+
+def test_other_spellings_of_model_files_and_an_archive(shrunk, tmp_path):
+    """`t.pth` and `UP.ONNX` were 'unknown file type'; a .dcz got no hint to decode it."""
+    import shutil
+
+    shutil.copyfile(shrunk / "model.pt", tmp_path / "t.pth")
+    shutil.copyfile(shrunk / "model.int8.onnx", tmp_path / "UP.ONNX")
+    got = variants.expand([tmp_path / "t.pth", tmp_path / "UP.ONNX"])
+    assert [variants.load(p).format for p in got] == ["pytorch", "onnx"]
+    (tmp_path / "m.dcz").write_bytes(b"\x89DCZ")
+    with pytest.raises(InputError, match=r"a compress archive, .*compress decode .*m.dcz --out"):
+        variants.expand([tmp_path / "m.dcz"])

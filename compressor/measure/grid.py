@@ -145,7 +145,7 @@ def bench(
     info = progress or (lambda message: None)
     with tempfile.TemporaryDirectory(prefix="compress-bench.") as tmp:
         for p in paths:  # before onnx or ONNX Runtime reads any external data
-            if p.suffix == ".onnx":
+            if variants.file_kind(p) == ".onnx":
                 safeload.check_onnx_external_data(p)
         kwargs = _kwargs(model_kwargs)
         described = variants.disambiguate(
@@ -304,11 +304,11 @@ def _graph_input(paths: list[Path]) -> str | None:
     names = set()
     for p in paths:
         try:
-            if p.suffix == ".onnx":
+            if variants.file_kind(p) == ".onnx":
                 import onnx
 
                 names.add(onnx.load(str(p), load_external_data=False).graph.input[0].name)
-            elif p.suffix == ".ort":
+            elif variants.file_kind(p) == ".ort":
                 names.add(variants._ort_session(p).get_inputs()[0].name)
         except Exception:  # not readable: loading it next says why, naming the file
             continue
@@ -374,6 +374,6 @@ def _model_name(paths: list[Path], model: str | None) -> str | None:
         return model
     from compresskit.models import checkpoint
 
-    first = next((p for p in paths if p.suffix == ".pt"), None)
+    first = next((p for p in paths if variants.file_kind(p) == ".pt"), None)
     spec = checkpoint.load(first, train_state=False).spec if first is not None else None
     return spec.name if spec is not None else None

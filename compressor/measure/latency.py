@@ -399,7 +399,11 @@ class BenchConfig:
                 raise InputError(f"{name} {value!r}: give a number, e.g. {name}=5")
         # each size once, in the order given: --batch 1,1 measured two rows of one cell
         object.__setattr__(self, "batches", tuple(dict.fromkeys(self.batches)))
-        object.__setattr__(self, "threads", tuple(dict.fromkeys(self.threads)))
+        # by the count each runs on: 0 is every core, so --threads 2,0 on 2 cores is one count
+        seen: dict[int, int] = {}
+        for t in self.threads:
+            seen.setdefault(t or usable_cores() if _whole(t) and t >= 0 else t, t)
+        object.__setattr__(self, "threads", tuple(seen.values()))
         if not self.batches or any(b < 1 for b in self.batches):
             raise InputError(
                 f"--batch {','.join(map(str, self.batches))}: give sizes >= 1, e.g. 1,64"

@@ -29,6 +29,15 @@ SHRINK_FILES = tuple(
     for f in ("pt", "fp32.onnx", "int8.onnx", "int8.ort", "fp32.ort")
 )
 SUFFIXES = (".pt", ".onnx", ".ort")
+# other spellings of those kinds: torch's .pth, and any case (UP.ONNX)
+ALIASES = {".pth": ".pt"}
+
+
+def file_kind(path: Path) -> str:
+    """The model kind a file's suffix names, as one of SUFFIXES (or the suffix, lower-cased,
+    when it names none)."""
+    suffix = Path(path).suffix.lower()
+    return ALIASES.get(suffix, suffix)
 # --providers names -> ONNX Runtime execution providers; "torch" runs PyTorch eager.
 PROVIDERS = {
     "torch": None,
@@ -126,7 +135,12 @@ def expand(paths: list[Path]) -> list[Path]:
             out += found
         elif not p.exists():
             raise InputError(f"{p}: no such file or folder")
-        elif p.suffix not in SUFFIXES:
+        elif file_kind(p) == ".dcz":
+            raise InputError(
+                f"{p}: a compress archive, which no runtime runs; decode it first "
+                f"(compress decode {p} --out {p.with_suffix('.pt')}) and bench the .pt"
+            )
+        elif file_kind(p) not in SUFFIXES:
             raise InputError(
                 f"{p}: unknown file type {p.suffix or '(none)'}; give a .pt checkpoint, an "
                 ".onnx or .ort file, or a compress shrink folder"
@@ -149,7 +163,7 @@ def load(
     data_shape = tuple(data.in_shape) if data is not None else None
     size = path.stat().st_size
     label = path.name
-    if path.suffix == ".pt":
+    if file_kind(path) == ".pt":
         ck = checkpoint.load(path, train_state=False)
         spec = ck.spec
         if spec is None:
@@ -247,7 +261,7 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
     fixed = first if isinstance(first, int) and first > 0 else None
     sibling = path.with_name(path.name.replace(".int8.", ".fp32.").replace(".ort", ".onnx"))
     source = sibling if ".int8." in path.name and sibling.is_file() else None
-    if path.suffix == ".ort":
+    if file_kind(path) == ".ort":
         # The ORT format keeps no ONNX graph to inspect; its flatbuffer holds the op types as
         # strings, though. A renamed INT8 file (mobile.ort) was labelled fp32 by its name.
         precision = "int8" if ".int8" in path.name or _ort_quantized(path) else "fp32"
