@@ -38,6 +38,8 @@ def file_kind(path: Path) -> str:
     when it names none)."""
     suffix = Path(path).suffix.lower()
     return ALIASES.get(suffix, suffix)
+
+
 # --providers names -> ONNX Runtime execution providers; "torch" runs PyTorch eager.
 PROVIDERS = {
     "torch": None,
