@@ -33,6 +33,14 @@ SPIN = ("GOMP_SPINCOUNT", "1000")
 USERS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either set: the user's choice stands
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all of them off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def short_spin() -> None:
     """For this process, when torch is not loaded yet and the user chose no policy."""
     if "torch" not in sys.modules and not any(v in os.environ for v in USERS):

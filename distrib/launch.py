@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compresskit._threads import short_spin_children
+from compresskit._threads import short_spin_children, usable_cores
 from compresskit.models.errors import CompressError, InputError, StageError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -640,13 +640,6 @@ def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
 # a sliver of a core and its own copy of the model and data.
 PROCESSES_PER_CORE = 4
 MIN_PROCESSES = 8
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def check_processes(processes: int) -> None:

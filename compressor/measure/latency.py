@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compresskit._threads import usable_cores
 from compresskit.models.errors import InputError, one_line
 
 
@@ -39,13 +39,6 @@ def resolve_threads(n: int) -> int:
     """0 means every core this process may run on (its CPU affinity); the same number then
     goes to PyTorch, ONNX Runtime and the peak probes, and into the results."""
     return n or usable_cores()
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _whole(v: Any) -> bool:
