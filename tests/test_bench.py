@@ -724,3 +724,12 @@ def test_other_spellings_of_model_files_and_an_archive(shrunk, tmp_path):
     (tmp_path / "m.dcz").write_bytes(b"\x89DCZ")
     with pytest.raises(InputError, match=r"a compress archive, .*compress decode .*m.dcz --out"):
         variants.expand([tmp_path / "m.dcz"])
+
+
+def test_baselines_that_add_nothing_or_calibrate_on_noise_say_so(run, shrunk):
+    fast = ("--batch", "1", "--min-runs", "3", "--min-seconds", "0", "--json", "-q")
+    none = run("bench", shrunk / "model.int8.onnx", "--baselines", *fast)
+    assert none.exit_code == 0, none.stderr
+    assert any("no FP32 ONNX file among the inputs" in n for n in none.json()["notes"])
+    noise = run("bench", shrunk / "model.fp32.onnx", "--baselines", *fast)
+    assert any("calibrated on random inputs" in n for n in noise.json()["notes"])

@@ -159,8 +159,17 @@ def bench(
                 f"--model {model}: no checkpoint here is a bare state_dict or that model "
                 f"({named}); drop --model"
             )
+        said = []  # what --baselines did, when it is not what a user would assume
         if baselines:
-            described += _baselines(described, ds, Path(tmp), info)
+            added = _baselines(described, ds, Path(tmp), info)
+            if not added:
+                said.append("--baselines: no FP32 ONNX file among the inputs, so none was added")
+            elif ds is None:
+                said.append(
+                    "--baselines: ORT's quantize_static was calibrated on random inputs (no "
+                    "--data); pass --data for a calibration on real samples"
+                )
+            described += added
         runnable, skipped = variants.variants(described, runtimes)
         if not runnable:  # an empty table and report, exit 0, read as a pass in a script
             first = skipped[0] if skipped else {"model": paths[0].name, "reason": "nothing runs"}
@@ -188,7 +197,7 @@ def bench(
         results=results,
         skipped=skipped + more,
         profiles=profiles,
-        notes=notes(environment, results),
+        notes=notes(environment, results) + said,
     )
 
 
