@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from compresskit.cli import render
-from compresskit.cli.main import OutPath, emit_json, json_option, log_option
+from compresskit.cli.main import MODEL_SUFFIXES, OutPath, emit_json, json_option, log_option
 from compresskit.compressor import bench as run_bench
 from compresskit.compressor.measure import benchreport, latency, variants
 from compresskit.compressor.measure.variants import DEFAULT_PROVIDERS
@@ -22,9 +22,6 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         raise InputError(
             f"{flag} {text!r}: give whole numbers separated by commas, e.g. 1,64"
         ) from None
-
-
-MODEL_SUFFIXES = (".pt", ".pth", ".onnx", ".ort", ".dcz")  # never a report's name
 
 
 @click.command(

@@ -188,7 +188,7 @@ def _close_log() -> None:
         log.file.close()
 
 
-# Files a log must never be named as (models, archives, data): it truncates its path.
+# Names of models, archives and data: never a log's or a report's (writing there replaces them).
 MODEL_SUFFIXES = (".pt", ".pth", ".onnx", ".ort", ".dcz", ".npz", ".npy")
 LOG_HEAD = "debug: compress "  # the first line every --log-file starts with
 

@@ -20,7 +20,7 @@ from compresskit.cli.main import (
 )
 from compresskit.distrib import launch
 from compresskit.distrib import train as run_train
-from compresskit.distrib.job import TrainJob, default_out, ensemble_out, run_ensemble
+from compresskit.distrib.job import TrainJob, default_out, ensemble_out, resumable, run_ensemble
 from compresskit.distrib.paramserver import PSConfig
 from compresskit.distrib.pipeline import BALANCES, PipelineConfig
 from compresskit.distrib.pipeline import SCHEDULES as PIPELINE_SCHEDULES
@@ -558,8 +558,7 @@ def _check_fresh(out: Path, ensemble: int, resume: bool, force: bool) -> None:
         # empty or not a torch file: the library's own check says what it is
         if not path.is_file() or not path.stat().st_size or not checkpoint.is_torch_file(path):
             continue
-        ck = checkpoint.load(path)
-        if isinstance(ck.train_state, dict) and "config" in ck.train_state:
+        if resumable(checkpoint.load(path)):
             what = "an earlier training checkpoint; " + (
                 "--resume continues it, " if ensemble == 1 else ""
             )

@@ -706,12 +706,18 @@ def _input_name(model: str) -> str | None:
     return data.forward_input(cls)
 
 
+def resumable(ck: checkpoint.Checkpoint) -> bool:
+    """Whether a checkpoint holds what --resume continues: a named model and its training
+    state (a bare state_dict or a shrink output holds weights only)."""
+    return ck.spec is not None and isinstance(ck.train_state, dict) and "config" in ck.train_state
+
+
 def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
     """With --resume and an existing --out: the job as the checkpoint recorded it."""
     if not job.resume or not job.out.exists():
         return None
     ck = checkpoint.load(job.out)
-    if ck.spec is None or not isinstance(ck.train_state, dict) or "config" not in ck.train_state:
+    if not resumable(ck):
         raise InputError(
             f"{job.out}: holds no training state to resume from; drop --resume and pass "
             "--force to train afresh over it, or give another --out"

@@ -771,7 +771,12 @@ def from_arrays(
     for a, b, part in ((x_test, y_test, "test"), (x_val, y_val, "val")):
         if (a is None) != (b is None):
             raise InputError(f"{where}: give both x_{part} and y_{part}, or neither")
-    tokens = _array(where, "x", x).dtype.kind == "i" and _array(where, "x", x).ndim == 2
+    if num_classes is not None and (
+        isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
+    ):
+        raise InputError(f"{where}: num_classes {num_classes!r}: give a whole number, 1 or more")
+    x = _array(where, "x", x)  # converted once: its dtype and shape say what the inputs are
+    tokens = x.dtype.kind == "i" and x.ndim == 2
 
     def inputs(arg: str, value) -> torch.Tensor:
         a = _array(where, arg, value)
@@ -795,10 +800,6 @@ def from_arrays(
         val = None
         if x_val is not None:
             val = (inputs("x_val", x_val), _npz_y(name, "y_val", _array(where, "y_val", y_val)))
-        if num_classes is not None and (
-            isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
-        ):
-            raise InputError(f"num_classes {num_classes!r}: give a whole number, 1 or more")
         return _checked(name, xs, ys, xt, yt, num_classes, val=val)
     except InputError as e:  # the npz rules speak of --data SPEC; here the call is the source
         raise InputError(f"{where}: {str(e).removeprefix(f'--data {name!r}: ')}") from None
@@ -850,7 +851,7 @@ def _check_fields(d: Dataset) -> None:
         ("val", "x_val", "y_val"),
     ]
     fix = "build it with Dataset.from_arrays(x, y, ...), which converts and checks"
-    for name in ("x_train", "y_train", "x_test", "y_test", "x_val", "y_val"):
+    for name in (n for _, xn, yn in parts for n in (xn, yn)):
         v = getattr(d, name)
         if not isinstance(v, torch.Tensor):
             raise InputError(f"Dataset {name} is {type(v).__name__}, not a torch.Tensor; {fix}")

@@ -377,17 +377,10 @@ def _table_rows(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
     if meets(got, reference, cfg.min_agreement):
         q.tables = True
         return ""
-    counted, (expected, low) = agreement(got, reference), expected_agreement(got, reference)
-    missed = (
-        f"top-1 agreement with FP32 {counted:.4f}"
-        if counted < cfg.min_agreement
-        else f"top-1 agreement with FP32 {counted:.4f} on the check inputs, expected on new "
-        f"inputs {expected:.4f} with a 95% lower bound of {low:.4f}"
+    missed = missed_floor(
+        agreement(got, reference), *expected_agreement(got, reference), cfg.min_agreement
     )
-    return (
-        f"{', '.join(rows)} stay FP32: with only them as int8 rows the file's {missed}, below "
-        f"min_agreement {cfg.min_agreement}"
-    )
+    return f"{', '.join(rows)} stay FP32: with only them as int8 rows, {missed}"
 
 
 WHOLE_MODEL = "whole model: "  # the reason given when host timing found all of INT8 slower
@@ -404,18 +397,27 @@ def no_int8_reason(best: Selection, floor: float) -> str:
         return slower[0]
     if not best.fallen_back:
         return reasons[0] if reasons else "no quantizable node"
-    counted, low = best.agreement_before_fallback, best.expected_low_before_fallback
-    if counted < floor:
-        missed = f"top-1 agreement with FP32 {counted:.4f}, below min_agreement {floor}"
-    else:
-        missed = (
-            f"top-1 agreement with FP32 {counted:.4f} on the check inputs, but on new inputs "
-            f"{best.expected_before_fallback:.4f} expected with a 95% lower bound of {low:.4f}, "
-            f"below min_agreement {floor} (more validation samples narrow the bound)"
-        )
+    missed = missed_floor(
+        best.agreement_before_fallback,
+        best.expected_before_fallback,
+        best.expected_low_before_fallback,
+        floor,
+    )
     return (
         f"with every node in INT8, {missed}; it held only with all {best.fallen_back} INT8 "
         f"nodes back in FP32"
+    )
+
+
+def missed_floor(counted: float, expected: float, low: float, floor: float) -> str:
+    """Which figure missed the floor, in words: the agreement counted on the check inputs, or
+    the 95% lower bound of the one expected on new inputs while the counted one held."""
+    if counted < floor:
+        return f"top-1 agreement with FP32 {counted:.4f}, below min_agreement {floor}"
+    return (
+        f"top-1 agreement with FP32 {counted:.4f} on the check inputs, but on new inputs "
+        f"{expected:.4f} expected with a 95% lower bound of {low:.4f}, below min_agreement "
+        f"{floor} (more validation samples narrow the bound)"
     )
 
 

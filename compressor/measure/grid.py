@@ -9,7 +9,6 @@ calls this, and writes the table, `--report` and `--plot` from the result.
 
 from __future__ import annotations
 
-import numbers
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -233,14 +232,14 @@ def notes(environment: dict[str, Any], results: list[dict[str, Any]]) -> list[st
     return out
 
 
-def _whole(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def _ints(value: int | Sequence[int], flag: str) -> tuple[int, ...]:
-    if _whole(value):
+    if latency.whole(value):
         return (int(value),)
-    if isinstance(value, Sequence) and not isinstance(value, str) and all(map(_whole, value)):
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(map(latency.whole, value))
+    ):
         return tuple(int(v) for v in value)
     name = "batches" if flag == "--batch" else "threads"
     raise InputError(f"{name} {brief(value)}: give a whole number or a list of them, e.g. (1, 64)")

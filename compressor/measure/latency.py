@@ -41,7 +41,8 @@ def resolve_threads(n: int) -> int:
     return n or usable_cores()
 
 
-def _whole(v: Any) -> bool:
+def whole(v: Any) -> bool:
+    """An integer, not a bool."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
@@ -380,7 +381,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for name, ok in (
-            ("min_runs", _whole(self.min_runs)),
+            ("min_runs", whole(self.min_runs)),
             (
                 "min_seconds",
                 isinstance(self.min_seconds, numbers.Real)
@@ -395,7 +396,7 @@ class BenchConfig:
         # by the count each runs on: 0 is every core, so --threads 2,0 on 2 cores is one count
         seen: dict[int, int] = {}
         for t in self.threads:
-            seen.setdefault(t or usable_cores() if _whole(t) and t >= 0 else t, t)
+            seen.setdefault(resolve_threads(t) if whole(t) and t >= 0 else t, t)
         object.__setattr__(self, "threads", tuple(seen.values()))
         if not self.batches or any(b < 1 for b in self.batches):
             raise InputError(
