@@ -361,6 +361,8 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
             f"agreement {o['top1_agreement']:.2%}, max |Δ| {o['max_abs_diff']:.3g}; opset "
             f"{o['opsets'].get('ai.onnx')}, IR {o['ir_version']}, ONNX Runtime ≥ {o['min_ort']}"
         )
+        if kind == "fp32" and (line := report_mod.sequence_line(o.get("input", {}))):
+            out.print(f"  {line}")
         if kind == "int8":
             lat = o.get("latency_ms_batch1")
             timed = f"; batch 1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms" if lat else ""

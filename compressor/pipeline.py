@@ -619,7 +619,9 @@ def _export(
             # ViT-tiny's runs over the test set held 130-207 MiB over their start at 64
             # samples a run, 43-80 MiB at the 4 this gives, in about the same time.
             if str(path) not in batches:
-                batches[str(path)] = checks.activation_batch(onnx.load(str(path)), cap=64)
+                batches[str(path)] = checks.activation_batch(
+                    onnx.load(str(path)), cap=64, sample=tuple(data.x_test.shape[1:])
+                )
             batch = batches[str(path)]
             runs[key] = checks.outputs(checks.session(path, optimized), data.x_test.numpy(), batch)
         return runs[key]
@@ -642,7 +644,8 @@ def _export(
         return {
             "path": str(out / path.name),
             "bytes": path.stat().st_size,
-            **compat.describe(onnx.load(str(path))),
+            **compat.describe(proto := onnx.load(str(path))),
+            "input": export.input_info(proto),
             **parity(path, optimized),
             "weights_ok": all(c["ok"] for c in checks.values()),
             "weights": checks,

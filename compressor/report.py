@@ -460,6 +460,21 @@ def _layer_line(r: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def sequence_line(inp: dict[str, Any]) -> str:
+    """What a token model's ONNX input takes ("" for other models): 1..L tokens on a symbolic
+    sequence axis, or a fixed L and why."""
+    if "sequence_length" not in inp:
+        return ""
+    n, name = inp["sequence_length"], inp.get("name", "input")
+    if inp.get("sequence") == "dynamic":
+        return (
+            f"input {name}: 1 to {n} token ids per sequence (a symbolic axis): a short query "
+            f"costs its own length, not {n}"
+        )
+    why = inp.get("fixed_why")
+    return f"input {name}: exactly {n} token ids per sequence" + (f" ({why})" if why else "")
+
+
 def _onnx_lines(report: dict[str, Any]) -> list[str]:
     if "onnx" not in report:
         return []
@@ -479,6 +494,9 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
             f"{'yes' if o['weights_ok'] else 'NO'} | "
             f"{o['opsets'].get('ai.onnx')} / {o['ir_version']} | ≥ {o['min_ort']} |"
         )
+    line = sequence_line(report["onnx"].get("fp32", {}).get("input", {}))
+    if line:
+        lines += ["", f"{line[0].upper()}{line[1:]}."]
     int8 = report["onnx"].get("int8") or report.get("int8_not_written")
     if int8:
         lines += [

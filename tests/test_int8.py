@@ -99,10 +99,10 @@ def test_every_file_is_written_at_the_opset_and_ir_asked(tmp_path, opset, ir):
 def test_an_opset_no_route_can_write_is_refused(monkeypatch, tmp_path):
     real = E._export
 
-    def dynamo_only(model, example, cfg, dynamo, name="x", outputs=None):
+    def dynamo_only(model, example, cfg, dynamo, name="x", outputs=None, sequence=0):
         if not dynamo:
             raise E.StageError("ONNX export failed: the TorchScript exporter is gone")
-        return real(model, example, cfg, dynamo)
+        return real(model, example, cfg, dynamo, sequence=sequence)
 
     monkeypatch.setattr(E, "_export", dynamo_only)
     out = tmp_path / "m.onnx"
@@ -786,11 +786,13 @@ def test_quantizer_calibrates_in_activation_sized_batches(prepared, monkeypatch)
     monkeypatch.setattr(Q, "reader", lambda x, name, b: seen.append(b) or reader(x, name, b))
     assert C.activation_batch(onnx.load(str(prep))) == 32  # a tiny model: the cap
     sized = C.activation_batch
-    monkeypatch.setattr(Q, "activation_batch", lambda model: sized(model, budget=1))
+    monkeypatch.setattr(
+        Q, "activation_batch", lambda model, sample=(): sized(model, budget=1, sample=sample)
+    )
     q = Q.Quantizer(prep, calib)
     assert seen == [q.batch] == [4]
     # The same ranges whatever the batch: min and max over the same samples.
-    monkeypatch.setattr(Q, "activation_batch", lambda model: len(calib))
+    monkeypatch.setattr(Q, "activation_batch", lambda model, sample=(): len(calib))
     whole = Q.Quantizer(prep, calib)
     assert seen[-1] == len(calib)
     assert whole.ranges.keys() == q.ranges.keys()

@@ -105,6 +105,14 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
     (inp,) = onnx.load(fp32["path"]).graph.input
     assert inp.type.tensor_type.elem_type == onnx.TensorProto.INT64
     assert fp32["top1_agreement"] == 1.0 and fp32["max_abs_diff"] < 1e-4
+    assert fp32["input"] == {
+        "name": "ids",
+        "type": "int64",
+        "shape": ["batch", "sequence"],
+        "sequence_length": 16,
+        "sequence": "dynamic",
+    }
+    assert "1 to 16 token ids per sequence" in (out / "report.md").read_text()
     # INT8: written and measured against FP32, or the report says why not.
     if "int8" in report["onnx"]:
         q = report["onnx"]["int8"]
@@ -148,6 +156,129 @@ def test_bench_inputs_without_data_are_ids_the_model_embeds(shrunk):
         x = latency.inputs(m, 500, None, rng)
         assert x.dtype == np.int64 and x.shape == (500, 16)
         assert x.min() >= 1 and x.max() == 63  # 0 is padding
+
+
+def test_onnx_files_take_any_sequence_length_up_to_the_trained_one(shrunk):
+    # A symbolic sequence axis: an app runs a 5-token query at the cost of 5 tokens, not 16.
+    # The reference is the PyTorch model on the same ids cut to each length.
+    import onnx
+
+    from compresskit.compressor.export import checks
+
+    _, out, report = shrunk
+    model = checkpoint.load(out / "model.pt").build_model().eval()
+    ids = data.load(DATA).x_test[:64]
+    files = [out / "model.fp32.onnx"] + (
+        [out / "model.int8.onnx"] if "int8" in report["onnx"] else []
+    )
+    for path in files:
+        proto = onnx.load(str(path))
+        (inp,) = proto.graph.input
+        assert [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim] == [
+            "batch",
+            "sequence",
+        ], path.name
+        assert {p.key: p.value for p in proto.metadata_props}["sequence_length"] == "16"
+    fp32 = checks.session(out / "model.fp32.onnx", optimized=True, threads=1)
+    for length in (1, 5, 16):
+        x = ids[:, :length]
+        with torch.no_grad():
+            want = model(x).numpy()
+        got = fp32.run(None, {fp32.get_inputs()[0].name: x.numpy()})[0]
+        assert got.shape == want.shape and np.abs(got - want).max() < 1e-4, length
+    if "int8" in report["onnx"]:
+        q = checks.session(out / "model.int8.onnx", optimized=True, threads=1)
+        x = ids[:, :8].numpy()
+        got = q.run(None, {q.get_inputs()[0].name: x})[0]
+        ref = fp32.run(None, {fp32.get_inputs()[0].name: x})[0]
+        assert got.shape == ref.shape and checks.agreement(got, ref) >= 0.9
+
+
+def test_fixed_batch_file_fixes_the_sequence_too(shrunk, tmp_path):
+    # NNAPI needs every shape fixed: the batch and the sequence, at the length trained on.
+    import onnx
+
+    from compresskit.compressor.export import mobile
+
+    _, out, _ = shrunk
+    fixed = mobile.fixed_batch(out / "model.fp32.onnx", tmp_path / "f.onnx", 2)
+    (inp,) = onnx.load(str(fixed)).graph.input
+    assert [d.dim_value for d in inp.type.tensor_type.shape.dim] == [2, 16]
+
+
+def test_bench_feeds_shorter_sequences_and_refuses_longer_ones(shrunk, run):
+    _, out, _ = shrunk
+    args = ["--batch", "2", "--min-runs", "2", "--min-seconds", "0", "--json", "-q"]
+    result = run("bench", out / "model.fp32.onnx", "--data", "tokens:12:64", *args)
+    assert result.exit_code == 0, result.output
+    (row,) = result.json()["results"]
+    assert row["test_accuracy"] is not None and row["p50_ms"] > 0
+    result = run("bench", out / "model.fp32.onnx", "--data", "tokens:32:64", *args)
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and "1 to 16 token ids" in line and "at most 16" in line
+
+
+class FlatHead(nn.Module):
+    """Token ids whose embeddings are flattened into one Linear: only length 12 fits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 4)
+        self.head = nn.Linear(12 * 4, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).flatten(1))
+
+
+class TracedLength(nn.Module):
+    """A forward that answers differently under export (as a traced constant would): the file
+    is right at 12 tokens only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        scale = 12.0 if torch.compiler.is_exporting() else float(ids.shape[1])
+        return self.head(self.emb(ids).sum(1) / scale)
+
+
+@pytest.mark.parametrize(
+    ("net", "why"),
+    [(FlatHead, "takes no other length"), (TracedLength, "answers differently from the model")],
+)
+def test_a_model_fixed_to_its_length_exports_at_it_saying_why(net, why, tmp_path):
+    import onnx
+
+    from compresskit.compressor.export import onnxfile
+
+    torch.manual_seed(0)
+    model, ids = net().eval(), torch.randint(1, 40, (2, 12))
+    path = onnxfile.export_onnx(model, ids, tmp_path / "m.onnx", onnxfile.ExportConfig())
+    proto = onnx.load(str(path))
+    (inp,) = proto.graph.input
+    assert [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim] == ["batch", 12]
+    assert "sequence length fixed at 12" in proto.doc_string
+    info = onnxfile.input_info(proto)
+    assert info["sequence"] == "fixed" and info["sequence_length"] == 12
+    assert why in info["fixed_why"]
+    got = onnxfile.predict(path, ids.numpy())
+    with torch.no_grad():
+        assert np.abs(got - model(ids).numpy()).max() < 1e-5
+
+
+def test_symbolic_dimensions_are_evaluated_never_executed():
+    from compresskit.compressor.export.checks import _evaluate
+
+    names = {"sequence": 16, "batch": 1}
+    assert _evaluate("sequence", names) == 16
+    assert _evaluate("Min(33, sequence + 1)", names) == 17
+    assert _evaluate("4*batch", names) == 4
+    assert _evaluate("floor(sequence/3)", names) == 5
+    for bad in ("unk__55", "__import__('os').getpid()", "sequence.real", "", "9" * 300):
+        assert _evaluate(bad, names) is None, bad
 
 
 def test_npz_named_after_the_forward_argument_reaches_shrink_and_bench(shrunk, run, tmp_path):

@@ -44,7 +44,9 @@ def session(model: bytes | str | Path, optimized: bool, threads: int = 0, lean: 
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
 
 
-def activation_batch(model, cap: int = 32, budget: int = ORT_BUDGET, least: int = 4) -> int:
+def activation_batch(
+    model, cap: int = 32, budget: int = ORT_BUDGET, least: int = 4, sample: tuple = ()
+) -> int:
     """Samples per ORT run over `model` (a shape-inferred ModelProto: `quant_pre_process`'s
     output) for its activations to stay within `budget`: twice the bytes per sample of every
     tensor the graph computes, `least` to `cap`. Why the sum and not the largest tensor: the
@@ -53,24 +55,86 @@ def activation_batch(model, cap: int = 32, budget: int = ORT_BUDGET, least: int 
     samples a run peaked 338 MB over its start, at 8 samples 88 MB, and took no longer; on
     ViT-tiny (2 cores) 32 samples peaked 962 MB over in 2.6 s, 4 samples 205 MB in 2.4 s, and
     1 sample 176 MB in 3.1 s: below a few samples ORT's per-run cost shows, hence `least`.
-    Where shape inference left a tensor's shape or a non-batch dimension open, the size is
-    unknown: `cap`, the fixed batch used before (32 samples a calibration run)."""
+    `sample`: the shape of one input sample the runs feed (no batch axis), which gives the
+    input's symbolic dimensions (a token model's `sequence`) their values, and through them
+    shape inference's expressions of them ("sequence + 1", "Min(33, sequence + 1)").
+    Where a tensor's shape or a non-batch dimension stays open, the size is unknown: `cap`,
+    the fixed batch used before (32 samples a calibration run)."""
     from onnx import helper
 
+    names: dict[str, int] = {}
+    batch = None  # the input's symbolic batch dimension
+    if model.graph.input and model.graph.input[0].type.tensor_type.HasField("shape"):
+        first, *dims = model.graph.input[0].type.tensor_type.shape.dim
+        if first.dim_param:  # one sample: a tensor laid out (L, 4 * batch, d) holds 4 L d
+            batch = first.dim_param
+            names[batch] = 1
+        for d, n in zip(dims, sample, strict=False):
+            if d.dim_param and d.dim_param != batch:
+                names[d.dim_param] = int(n)
     per_sample = 0
     for v in [*model.graph.value_info, *model.graph.output]:
         t = v.type.tensor_type
         if not t.HasField("shape"):
             return cap
+        dims = list(t.shape.dim)
+        if dims and (batch is None or dims[0].dim_param == batch):
+            dims = dims[1:]  # the batch (in a graph of a fixed batch, the first dimension)
         size = 1
-        for d in t.shape.dim[1:]:  # the first is the batch
-            if d.dim_value <= 0:
+        for d in dims:
+            n = d.dim_value if d.dim_value > 0 else _evaluate(d.dim_param, names)
+            if n is None or n <= 0:
                 return cap
-            size *= d.dim_value
+            size *= n
         per_sample += size * helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
     if per_sample == 0:
         return cap
     return max(min(least, cap), min(cap, budget // (2 * per_sample)))
+
+
+def _evaluate(expression: str, names: dict[str, int]) -> int | None:
+    """The value of a symbolic dimension ("sequence", "sequence + 1", "Min(33, sequence + 1)",
+    "2*sequence", "floor(sequence/2)") given `names`' values; None for anything else. Parsed,
+    never eval'ed: integers, names, + - * / // %, Min, Max, floor, ceiling."""
+    import ast
+    import math
+
+    calls = {"Min": min, "Max": max, "floor": math.floor, "ceiling": math.ceil}
+    ops = {
+        ast.Add: lambda a, b: a + b,
+        ast.Sub: lambda a, b: a - b,
+        ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b,
+        ast.FloorDiv: lambda a, b: a // b,
+        ast.Mod: lambda a, b: a % b,
+    }
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name) and node.id in names:
+            return names[node.id]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in calls
+            and node.args
+            and not node.keywords
+        ):
+            return calls[node.func.id](*(value(a) for a in node.args))
+        raise ValueError(node)
+
+    if not expression or len(expression) > 200:
+        return None
+    try:
+        n = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, ZeroDivisionError, RecursionError):
+        return None
+    return int(n) if n == int(n) else None
 
 
 @_datapass.counted

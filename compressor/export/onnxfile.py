@@ -2,7 +2,7 @@
 say the files still answer like the model.
 
 * `export_onnx`: `torch.onnx.export` to one self-contained file (no external data), a dynamic
-  batch axis, exactly the opset asked for (read back; converted, or refused before any work by
+  batch axis (and for token ids a dynamic sequence axis, checked), exactly the opset asked for (read back; converted, or refused before any work by
   `probe_opset`), the lowest IR version that declares it unless one is given (9 for ONNX
   Runtime 1.16-1.17), and only the opset imports its nodes use. Every file passes
   `onnx.checker.check_model(full_check=True)` and loads in ORT.
@@ -49,11 +49,14 @@ agreement = checks.agreement
 class ExportConfig:
     """opset: ONNX opset of every file written (read back and checked, never assumed);
     ir_version: 9 for ONNX Runtime 1.16-1.17, 8 for 1.10-1.15 (None: the lowest IR that can
-    declare the opset, as the exporter writes); dynamic_batch: a symbolic batch axis."""
+    declare the opset, as the exporter writes); dynamic_batch: a symbolic batch axis;
+    dynamic_sequence: for int64 token ids (N, L), a symbolic sequence axis of 1..L tokens
+    (`SEQUENCE`), kept only where the file answers as the model at a shorter length."""
 
     opset: int = 18
     ir_version: int | None = None
     dynamic_batch: bool = True
+    dynamic_sequence: bool = True
 
     def __post_init__(self) -> None:
         if not 13 <= self.opset <= 23:
@@ -196,11 +199,28 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: Export
     conversion fails it keeps 18 without an error. So the opset is read back: a mismatch goes
     through onnx's version converter, then torch's TorchScript exporter (which writes low
     opsets natively); a file that still is not at `cfg.opset` is refused (InputError, nothing
-    written)."""
+    written).
+
+    Token ids (N, L): the sequence axis is symbolic (`SEQUENCE`, 1..L tokens), so an app runs a
+    7-token query at the cost of 7 tokens, not L. The file must answer as the model on
+    `example` cut to a shorter length; where the exporter cannot make the axis symbolic (a
+    model that reshapes by L) or the file answers differently, it is exported at L, and the
+    file's doc string says why. Either way the file's metadata holds `sequence_length` = L."""
     import onnx
 
     model = prune.bake_(copy.deepcopy(model)).eval()
-    proto, how = _to_opset(model, example, cfg)
+    length = sequence_length(example) if cfg.dynamic_sequence else None
+    fixed_why = ""
+    if length is not None:
+        try:
+            proto, how = _to_opset(model, example, cfg, sequence=length)
+            fixed_why = _shorter_differs(model, example, proto)
+        except StageError as e:
+            fixed_why = f"the exporter could not make it symbolic ({e})"
+        if fixed_why:
+            proto = None
+    if length is None or fixed_why:
+        proto, how = _to_opset(model, example, cfg)
     # Nothing may keep the baked copy once the file is written: onnxscript's rewrite rules
     # hold the last graph they matched (`_release_rewriter_graph`), and the copy and the
     # exporter's graphs sit in reference cycles that only a full collection frees (ResNet-18:
@@ -212,11 +232,87 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: Export
     drop_source_locations(proto)
     proto.ir_version = cfg.ir_version or compat.min_ir_for(cfg.opset)
     proto.doc_string = f"compress: torch {how} exporter, opset {cfg.opset}"
+    if example.dtype in INTEGER_INPUTS and example.dim() == 2:
+        protos.set_metadata(proto, SEQUENCE_KEY, str(example.shape[1]))
+        if fixed_why:
+            proto.doc_string += f"; sequence length fixed at {example.shape[1]}: {fixed_why}"
     with atomic_path(path) as out:
         onnx.save(proto, str(out))
         del proto  # not beside the checker's and ORT's copies
         check(out)
     return path
+
+
+SEQUENCE, SEQUENCE_KEY = protos.SEQUENCE, protos.SEQUENCE_KEY
+INTEGER_INPUTS = (torch.int64, torch.int32)
+
+
+def sequence_length(example: torch.Tensor) -> int | None:
+    """L of token ids (N, L) with L >= 2 (the axis a file can leave symbolic), else None."""
+    if example.dtype in INTEGER_INPUTS and example.dim() == 2 and example.shape[1] >= 2:
+        return int(example.shape[1])
+    return None
+
+
+def input_info(proto) -> dict[str, Any]:
+    """The file's one input for the report: {"name", "type", "shape"} (a symbolic dimension by
+    its name), and for token ids "sequence_length" (the length trained on, from the metadata)
+    and "sequence": "dynamic" (1..L tokens) or "fixed" with "fixed_why"."""
+    import onnx
+
+    inits = {t.name for t in proto.graph.initializer}
+    inp = next(i for i in proto.graph.input if i.name not in inits)
+    t = inp.type.tensor_type
+    info: dict[str, Any] = {
+        "name": inp.name,
+        "type": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
+        "shape": [d.dim_param or d.dim_value for d in t.shape.dim],
+    }
+    length = protos.metadata(proto).get(SEQUENCE_KEY, "")
+    if length.isdigit() and len(info["shape"]) == 2:
+        info["sequence_length"] = int(length)
+        info["sequence"] = "dynamic" if info["shape"][1] == SEQUENCE else "fixed"
+        mark = f"; sequence length fixed at {length}: "
+        if mark in proto.doc_string:
+            info["fixed_why"] = proto.doc_string.split(mark, 1)[1]
+    return info
+
+
+def _shorter_differs(model: nn.Module, example: torch.Tensor, proto) -> str:
+    """Why the dynamic-sequence `proto` cannot ship ("" when it can): run on `example` cut to
+    half its length (and to 1 token), it must load in ORT and answer as the model does, within
+    the FP32 export's tolerance (`checks.TIE` of the outputs' scale). Why check: an exporter
+    that traced a length-dependent branch writes a file that runs at any length and is wrong
+    at all but one."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        session = ort.InferenceSession(
+            proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as e:
+        return f"ONNX Runtime cannot load it ({one_line(e)})"
+    name = session.get_inputs()[0].name
+    for cut in dict.fromkeys((example.shape[1] // 2, 1)):
+        x = example[:, :cut]
+        try:
+            with torch.no_grad():
+                want = model(x)
+        except Exception:
+            return f"the model itself takes no other length (it fails at {cut} tokens)"
+        if not isinstance(want, torch.Tensor):
+            return ""  # outputs the parity checks judge later; nothing to compare here
+        want = want.float().numpy()
+        try:
+            got = session.run(None, {name: x.numpy()})[0]
+        except Exception as e:
+            return f"it fails at {cut} tokens ({one_line(e)})"
+        scale = max(float(np.abs(want).max()), 1.0)
+        if got.shape != want.shape or not np.abs(got - want).max() <= 10 * checks.TIE * scale:
+            return f"it answers differently from the model at {cut} tokens"
+    return ""
 
 
 # Node metadata the exporter writes: the Python stack of each op (absolute file paths of the
@@ -277,12 +373,13 @@ def _opset(proto) -> int:
     return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
 
 
-def _to_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig):
-    """The exported ModelProto at cfg.opset and which route made it."""
+def _to_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig, sequence: int = 0):
+    """The exported ModelProto at cfg.opset and which route made it; `sequence` > 0: axis 1 of
+    the input symbolic, of at most `sequence`."""
     import onnx
     from onnx import version_converter
 
-    proto = _export(model, example, cfg, dynamo=True)
+    proto = _export(model, example, cfg, dynamo=True, sequence=sequence)
     if _opset(proto) == cfg.opset:
         return proto, "dynamo"
     wrote = _opset(proto)
@@ -302,8 +399,9 @@ def _to_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig):
         # "linear_1").
         outputs = [o.name for o in proto.graph.output]
         legacy = _export(
-            model, example, cfg, dynamo=False, name=proto.graph.input[0].name, outputs=outputs
-        )
+            model, example, cfg, dynamo=False, name=proto.graph.input[0].name, outputs=outputs,
+            sequence=sequence,
+        )  # fmt: skip
         if _opset(legacy) == cfg.opset:
             return legacy, "TorchScript"
     except StageError as e:
@@ -315,18 +413,32 @@ def _to_opset(model: nn.Module, example: torch.Tensor, cfg: ExportConfig):
 
 
 def _export(
-    model, example, cfg: ExportConfig, dynamo: bool, name: str = "x", outputs: list | None = None
+    model,
+    example,
+    cfg: ExportConfig,
+    dynamo: bool,
+    name: str = "x",
+    outputs: list | None = None,
+    sequence: int = 0,
 ):
     import onnx
 
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "model.onnx"
+        axes = {0: "batch"} if cfg.dynamic_batch else {}
+        if sequence:
+            axes[1] = SEQUENCE
         if dynamo:
-            dynamic = ({0: torch.export.Dim("batch")},) if cfg.dynamic_batch else None
-            kwargs: dict[str, Any] = {"dynamic_shapes": dynamic, "external_data": False}
+            # The sequence's bound is the length trained on: a model whose positions stop at L
+            # (a sliced position table) exports without a guard on longer inputs.
+            dims = {
+                k: torch.export.Dim(v, min=1, max=sequence) if k else torch.export.Dim(v)
+                for k, v in axes.items()
+            }
+            kwargs: dict[str, Any] = {"dynamic_shapes": (dims,) if dims else None}
+            kwargs["external_data"] = False
         else:
-            axes = {name: {0: "batch"}} if cfg.dynamic_batch else None
-            kwargs = {"dynamo": False, "input_names": [name], "dynamic_axes": axes}
+            kwargs = {"dynamo": False, "input_names": [name], "dynamic_axes": {name: axes}}
             if outputs:
                 kwargs["output_names"] = outputs
         try:
@@ -479,7 +591,16 @@ def _lean_preprocess(fp32: Path, out: Path) -> None:
         # (its error included) for the graph as it is.
         try:
             model = onnx.load(str(graph), load_external_data=False)
-            model = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, False, False, 0)
+            try:
+                inferred_model = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, False)
+            except Exception:
+                # A symbolic sequence axis: the position table sliced to it gives
+                # Min(L + 1, sequence + 1), which inference cannot prove equal to sequence + 1
+                # and refuses to broadcast. auto_merge takes them as one, which they are for
+                # every length the file accepts (1..L); shapes only size buffers and guide the
+                # quantizer, no node depends on them.
+                inferred_model = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, True)
+            model = inferred_model
             if model is None:  # it gave up on the graph
                 raise _NotLean
             onnx.save(model, str(graph))

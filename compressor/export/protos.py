@@ -40,6 +40,22 @@ def compact(model):
     return onnx.load_from_string(model.SerializeToString())
 
 
+SEQUENCE = "sequence"  # the symbolic sequence axis of a token model's input (`export_onnx`)
+SEQUENCE_KEY = "sequence_length"  # metadata: the length it was trained on, the most it takes
+
+
+def set_metadata(model, key: str, value: str) -> None:
+    """Set `key` in the ModelProto's metadata_props (what ORT's `get_modelmeta()
+    .custom_metadata_map` returns), replacing an earlier value."""
+    keep_only(model.metadata_props, lambda p: p.key != key)
+    model.metadata_props.add(key=key, value=value)
+
+
+def metadata(model) -> dict[str, str]:
+    """The ModelProto's metadata_props as a dict."""
+    return {p.key: p.value for p in model.metadata_props}
+
+
 def keep_only(repeated, keep) -> int:
     """Delete the elements of a repeated message field for which `keep(element)` is false, in
     place and in order; returns how many went. Why not `del field[:]` then `extend(kept)`:

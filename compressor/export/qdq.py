@@ -146,7 +146,8 @@ class Quantizer:
         from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
         model = _shape_inferred(prepared)
-        self.batch = activation_batch(model)  # samples per ORT run: bounded memory
+        # samples per ORT run: bounded memory
+        self.batch = activation_batch(model, sample=calib.shape[1:])
         self.op_types = op_types_for(model, set(QLinearOpsRegistry) | set(QDQRegistry))
         self.nodes = [n.name for n in model.graph.node if n.op_type in QUANTIZABLE]
         name = model.graph.input[0].name

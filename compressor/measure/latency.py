@@ -531,12 +531,19 @@ def available_memory() -> int | None:
 def _shape(v, data) -> tuple[int, ...]:
     shape = v.model.in_shape
     if data is not None:
-        if shape is not None and tuple(shape) != tuple(data.in_shape):
+        given = tuple(data.in_shape)
+        if v.model.dynamic_sequence and shape is not None:
+            if len(given) != 1 or given[0] > shape[0]:
+                raise InputError(
+                    f"{v.model.path}: takes sequences of 1 to {shape[0]} token ids, --data "
+                    f"{data.spec} gives shape {given}; give sequences of at most {shape[0]}"
+                )
+        elif shape is not None and tuple(shape) != given:
             raise InputError(
                 f"{v.model.path}: takes inputs of shape {tuple(shape)}, --data {data.spec} gives "
-                f"{tuple(data.in_shape)}; give matching data"
+                f"{given}; give matching data"
             )
-        return tuple(data.in_shape)
+        return given
     if shape is None:
         raise InputError(
             f"{v.model.path}: its input shape is not fixed in the file; pass --data SPEC"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compresskit.compressor.export.protos import SEQUENCE, SEQUENCE_KEY
 from compresskit.models import checkpoint, safeload
 from compresskit.models.errors import InputError, one_line
 from compresskit.models.zoo import ModelSpec
@@ -79,6 +80,8 @@ class Model:
     tokens: bool = False  # its one input is int64 token ids (N, L), not float32 (N, C, H, W)
     vocab: int | None = None  # token models: ids 0..vocab-1 are valid, when the file says so
     file_bytes: int | None = None  # the file on disk, when it differs from `bytes`
+    # token models: the file takes 1..in_shape[0] tokens (a symbolic sequence axis)
+    dynamic_sequence: bool = False
 
     def __post_init__(self) -> None:
         if self.file_bytes is None:
@@ -260,6 +263,10 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
     tokens = inputs[0].type == "tensor(int64)"
     first, *dims = inputs[0].shape
     shape = tuple(dims) if all(isinstance(d, int) for d in dims) else None
+    trained = session.get_modelmeta().custom_metadata_map.get(SEQUENCE_KEY, "")
+    dynamic_sequence = tokens and dims == [SEQUENCE] and trained.isdigit() and int(trained) > 0
+    if dynamic_sequence:  # compress's export: 1..L tokens, L the length trained on
+        shape = (int(trained),)
     fixed = first if isinstance(first, int) and first > 0 else None
     sibling = path.with_name(path.name.replace(".int8.", ".fp32.").replace(".ort", ".onnx"))
     source = sibling if ".int8." in path.name and sibling.is_file() else None
@@ -269,7 +276,7 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
         precision = "int8" if ".int8" in path.name or _ort_quantized(path) else "fp32"
         return Model(
             path, "ort", precision, size, None, shape, label, fixed_batch=fixed, source=source,
-            tokens=tokens,
+            tokens=tokens, dynamic_sequence=dynamic_sequence,
         )  # fmt: skip
     import onnx
 
@@ -282,7 +289,7 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
     vocab = onnx_vocab(proto) if tokens else None
     return Model(
         path, "onnx", precision, size, params, shape, label, fixed_batch=fixed, source=source,
-        tokens=tokens, vocab=vocab,
+        tokens=tokens, vocab=vocab, dynamic_sequence=dynamic_sequence,
     )  # fmt: skip
 
 
