@@ -100,6 +100,18 @@ def main() -> None:
         "\nmodes: mask 0 none (all kept), 1 i.i.d., 2 zero-run contexts; index 0 order-0, 1 left"
         " neighbour's index"
     )
+    missing = [k for k, m in (("brotli -11", "brotli"), ("zstd -19", "zstandard")) if not _has(m)]
+    if missing:
+        print(
+            f"\n{' and '.join(missing)}: not measured (–), their packages are not installed; "
+            'pip install -e ".[bench]" adds them, so "3 vs best generic" compares against xz alone'
+        )
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 if __name__ == "__main__":

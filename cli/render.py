@@ -240,6 +240,8 @@ def deliverables(report: dict, out: Console) -> None:
             note = "ship this with ORT Mobile (CPU)"
         line = f"  {Path(f['path']).name:<{width}}  {f['bytes']:>11,} B  {f['ratio']:>6.1f}×"
         out.print(f"{line}  {note}" if note else line)
+    if d.get("ship_why"):
+        out.print(f"  ship the FP32 file: {d['ship_why']}")
 
 
 def shrink_summary(report: dict, width: int | None = None) -> None:
@@ -377,11 +379,15 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
                 )
             if why := o.get("int8_tables_fp32"):
                 out.print(f"  embedding tables: {why}")
+            if lstms := o.get("int8_lstms"):
+                out.print(f"  {report_mod.lstm_line(lstms)}")
+            if why := o.get("int8_lstms_fp32"):
+                out.print(f"  {why}")
             if fixed := o.get("fp32_only_nodes"):
-                nodes = "nodes" if sum(fixed.values()) > 1 else "node"
+                nodes = "nodes stay" if sum(fixed.values()) > 1 else "node stays"
                 out.print(
-                    f"  {report_mod.node_counts(fixed)} {nodes} stay FP32 (no QDQ INT8 kernel "
-                    "in ONNX Runtime)"
+                    f"  {report_mod.node_counts(fixed)} {nodes} FP32 (no INT8 kernel in ONNX "
+                    "Runtime)"
                 )
             h = o["host_kernels"]
             out.print(

@@ -301,6 +301,7 @@ EPOCH_KEYS = (
     ("prune", "retrain_epochs"),
     ("quantize", "finetune_epochs"),
     ("quantize", "prior_epochs"),
+    ("distill", "hint_epochs"),
 )
 
 

@@ -20,12 +20,17 @@ from compresskit.cli.main import (
 )
 from compresskit.distrib import launch
 from compresskit.distrib import train as run_train
-from compresskit.distrib.job import TrainJob, default_out, ensemble_out, resumable, run_ensemble
+from compresskit.distrib.job import (
+    CLI_NAMES,
+    TrainJob,
+    check_fresh,
+    default_out,
+    run_ensemble,
+)
 from compresskit.distrib.paramserver import PSConfig
 from compresskit.distrib.pipeline import BALANCES, PipelineConfig
 from compresskit.distrib.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from compresskit.distrib.trainer import DEFAULT_LR, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
-from compresskit.models import checkpoint
 from compresskit.models.data import SPECS_HELP
 from compresskit.models.errors import InputError
 from compresskit.models.zoo import available, parse_kwargs
@@ -372,7 +377,7 @@ def train(
     log = log_path()
     if log is not None and os.path.abspath(log) == os.path.abspath(out):  # the default --out
         raise InputError(f"--log-file {log} is the checkpoint --out writes; log to another path")
-    _check_fresh(out, ensemble, resume, force)
+    check_fresh(out, ensemble, resume, force, CLI_NAMES)
     ps = _ps_config(strategy, workers, servers, staleness, sync_warmup_epochs, straggler)
     if ps is not None and ps.mode == "async" and not resume and sync_warmup_epochs >= epochs:
         raise InputError(
@@ -408,6 +413,7 @@ def train(
             strategy=ps or pipe or strategy,
             workers=workers,
             resume=resume,
+            force=force,
             timeout_s=timeout,
             progress=progress,
             progress_factory=factory,
@@ -544,29 +550,6 @@ def _pipeline_config(
     return PipelineConfig(
         stages=stages, microbatches=microbatches, schedule=schedule, split=names, balance=balance
     )
-
-
-def _check_fresh(out: Path, ensemble: int, resume: bool, force: bool) -> None:
-    """An earlier checkpoint at --out is replaced only on purpose: a re-run of last week's
-    command had silently trained the teacher afresh over hours of work."""
-    if resume and force:
-        raise InputError("--resume continues --out's checkpoint, --force starts over it: give one")
-    if resume or force:
-        return
-    paths = [out] if ensemble == 1 else [ensemble_out(out, k) for k in range(max(ensemble, 0))]
-    for path in paths:
-        # empty or not a torch file: the library's own check says what it is
-        if not path.is_file() or not path.stat().st_size or not checkpoint.is_torch_file(path):
-            continue
-        if resumable(checkpoint.load(path)):
-            what = "an earlier training checkpoint; " + (
-                "--resume continues it, " if ensemble == 1 else ""
-            )
-        else:  # a state_dict, a shrink output: nothing to resume
-            what = "weights without training state (nothing to resume); "
-        raise InputError(
-            f"--out {path}: holds {what}--force trains afresh over it, or give another --out"
-        )
 
 
 def _ensemble(job: TrainJob, members: int, factory, as_json: bool) -> None:

@@ -168,7 +168,11 @@ def _fix_batch(model, batch: int, sample: tuple[int, ...] | None = None) -> None
     forget the exporter's symbolic shapes so inference recomputes every intermediate from
     concrete inputs. (Taking the batch for a height or a sequence length counted 830M MACs
     for a 13M-MAC pass at batch 64: `bench` passes the data's sample shape.)"""
+    from compresskit.compressor.export.protos import SEQUENCE, SEQUENCE_KEY, metadata
+
     inits = {i.name for i in model.graph.initializer}
+    # a token model's symbolic sequence axis: without a sample, the length it was trained on
+    trained = metadata(model).get(SEQUENCE_KEY, "")
     for value in model.graph.input:
         if value.name in inits:  # old IRs list initializers as inputs; they have real shapes
             continue
@@ -177,7 +181,12 @@ def _fix_batch(model, batch: int, sample: tuple[int, ...] | None = None) -> None
         for i, dim in enumerate(dims):
             if dim.HasField("dim_param") or dim.dim_value == 0:
                 # setting the value clears the dim_param (a oneof)
-                dim.dim_value = int(sample[i - 1]) if per_sample and i else batch
+                if per_sample and i:
+                    dim.dim_value = int(sample[i - 1])
+                elif i and dim.dim_param == SEQUENCE and trained.isdigit():
+                    dim.dim_value = int(trained)
+                else:
+                    dim.dim_value = batch
     del model.graph.value_info[:]
     for value in model.graph.output:
         for dim in value.type.tensor_type.shape.dim:
@@ -300,6 +309,9 @@ def _symbolic_shapes(model) -> dict[str, tuple[int, ...]]:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
         with contextlib.redirect_stdout(io.StringIO()):  # it prints what it cannot infer
-            return _shapes(SymbolicShapeInference.infer_shapes(model, auto_merge=True))
+            from compresskit.models.fileio import scratch_cwd
+
+            with scratch_cwd():  # where it saves its debug file when it gives up
+                return _shapes(SymbolicShapeInference.infer_shapes(model, auto_merge=True))
     except Exception:  # another exporter's graph it cannot follow
         return {}

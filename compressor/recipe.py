@@ -598,14 +598,6 @@ def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> Recipe
                     f"{source}: unknown key {key}.{k}; [{key}] takes {', '.join(DEFAULTS[key])}"
                 )
             out[key][k] = v
-    sections = list(raw)
-    if {"channels", "prune"} <= set(sections) and sections.index("channels") > sections.index(
-        "prune"
-    ):
-        raise InputError(
-            f"{source}: [channels] comes after [prune]; channel pruning runs first (it "
-            "changes the layers that prune then thins): move [channels] above [prune]"
-        )
     if "sparsity" in raw.get("prune", {}) and "quality" not in raw.get("prune", {}):
         out["prune"]["quality"] = None
     if raw.get("prune", {}).get("quality") is not None and "sparsity" not in raw.get("prune", {}):

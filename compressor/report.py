@@ -35,6 +35,16 @@ def table_counts(tables: dict[str, int]) -> str:
     return ", ".join(f"{name} ({n:,})" for name, n in tables.items())
 
 
+def lstm_line(lstms: dict[str, int]) -> str:
+    """The INT8 file's LSTMs in 8 bits, for the summary and report.md."""
+    weights = sum(lstms.values())
+    nodes = "LSTM node" if len(lstms) == 1 else "LSTM nodes"
+    return (
+        f"{len(lstms)} {nodes} as DynamicQuantizeLSTM, int8 weights ({weights:,}), "
+        "activations quantized as they run"
+    )
+
+
 def _kb(n: int) -> str:
     return f"{n / 1000:.1f} KB"
 
@@ -409,7 +419,9 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
             f"Time goal (channels.target_latency {goal:.0%}): the {fit['file'].upper()} file at "
             "batch 1 on ORT CPU, 1 thread, profiled per layer before cutting and at half width: "
             f"{t0:.0f} us measured, {t1:.0f} us estimated after ({t1 / t0:.0%}"
-            f"{'' if fit['reached'] else ', not reached'}).",
+            f"{'' if fit['reached'] else ', not reached'}). The cut follows these timings, so "
+            "it depends on this machine and its load when measured; channels.target_macs "
+            "alone gives the same cut on every run.",
         ]
     lat = c.get("latency")
     if lat and lat.get("rows"):
@@ -514,10 +526,14 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
             )
         if why := int8.get("int8_tables_fp32"):
             lines.append(f"Embedding tables: {why}.")
+        if lstms := int8.get("int8_lstms"):
+            lines.append(f"{lstm_line(lstms)}.")
+        if why := int8.get("int8_lstms_fp32"):
+            lines.append(f"{why}.")
         if fixed := int8.get("fp32_only_nodes"):
             lines.append(
-                f"FP32 in any INT8 file: {node_counts(fixed)} (LSTM/GRU/RNN and ConvTranspose have no "
-                "QDQ INT8 kernel in ONNX Runtime)."
+                f"FP32 in any INT8 file: {node_counts(fixed)} (GRU, RNN and ConvTranspose have no "
+                "INT8 kernel in ONNX Runtime; an LSTM stays FP32 when 8 bits miss the floor)."
             )
         lat = int8.get("latency_ms_batch1")
         if lat and not int8["int8_nodes"]:  # no INT8 file: its "int8" figure is the FP32 one's

@@ -99,6 +99,7 @@ def train(
     strategy: str | PSConfig | PipelineConfig = "allreduce",
     workers: int | None = None,
     resume: bool = False,
+    force: bool = False,
     timeout_s: float = 300.0,
     progress: Events | None = None,
     progress_factory: Callable[[], Events] | None = None,
@@ -141,6 +142,8 @@ def train(
             counted as given (`explicit`) must match the stored ones, except epochs, device,
             checkpoint_every, grad_compression, eval_batch_size, microbatches and
             deterministic, which may change.
+        force: replace an earlier checkpoint at `out`. Without it (or `resume`) an existing
+            checkpoint there is refused (InputError), as `compress train` refuses it.
         timeout_s: process-group timeout: a dead or stuck worker ends the run after at most
             this many seconds.
         progress: an `Events` whose callbacks see the epochs, steps and checkpoints of this
@@ -199,6 +202,7 @@ def train(
             f"or a torch.nn.Module instance, got {type(model).__name__}"
         )
     workers, ps, pipe = _strategy(strategy, workers)
+    check_fresh(Path(out) if out is not None else default_out(model), 1, resume, force)
     if explicit is None:
         explicit = {"model"} | {
             f.name
@@ -704,6 +708,42 @@ def _input_name(model: str) -> str | None:
     cls = zoo.resolve(model)
     data.check_one_input(cls, model)
     return data.forward_input(cls)
+
+
+# How errors name the settings: the Python API's arguments, or compress train's flags.
+API_NAMES = {"out": "out", "resume": "resume=True", "force": "force=True"}
+CLI_NAMES = {"out": "--out", "resume": "--resume", "force": "--force"}
+
+
+def check_fresh(
+    out: Path, ensemble: int = 1, resume: bool = False, force: bool = False, names=API_NAMES
+) -> None:
+    """An earlier checkpoint at `out` (each ensemble member's) is replaced only on purpose
+    (`force`) or continued (`resume`): a re-run of last week's command had silently trained
+    the teacher afresh over hours of work. Files that are not torch checkpoints are left to
+    the writer's own check, which says what they are."""
+    if resume and force:
+        raise InputError(
+            f"{names['resume']} continues {names['out']}'s checkpoint, {names['force']} starts "
+            "over it: give one"
+        )
+    if resume or force:
+        return
+    out = Path(out)
+    paths = [out] if ensemble == 1 else [ensemble_out(out, k) for k in range(max(ensemble, 0))]
+    for path in paths:
+        if not path.is_file() or not path.stat().st_size or not checkpoint.is_torch_file(path):
+            continue
+        if resumable(checkpoint.load(path)):
+            what = "an earlier training checkpoint; " + (
+                f"{names['resume']} continues it, " if ensemble == 1 else ""
+            )
+        else:  # a state_dict, a shrink output: nothing to resume
+            what = "weights without training state (nothing to resume); "
+        raise InputError(
+            f"{names['out']} {path}: holds {what}{names['force']} trains afresh over it, or "
+            f"give another {names['out']}"
+        )
 
 
 def resumable(ck: checkpoint.Checkpoint) -> bool:

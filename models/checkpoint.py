@@ -245,6 +245,9 @@ def save_state(
         "metadata": {
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "versions": versions(),
+            # float sums, and so the last bits of the weights, depend on it (OMP_NUM_THREADS, a
+            # container's cores): two runs of one command can be told apart by it
+            "torch_threads": torch.get_num_threads(),
             **(metadata or {}),
         },
     }

@@ -653,7 +653,10 @@ def _npz_x(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
     elif a.dtype.kind in "ib":
         if a.size and (a.min() < 0 or a.max() > 255):
             raise InputError(
-                f"--data {spec!r}: integer pixels of {name} must be 0..255; store uint8 or floats"
+                f"--data {spec!r}: {name} holds {a.dtype} values in [{a.min()}, {a.max()}]; "
+                "signed integers are read as 8-bit pixels (0..255, scaled by 1/255): store "
+                "other signals as float32 scaled as your model expects (16-bit PCM audio: "
+                "x / 32768)"
             )
         a = a.astype(np.float32) / 255.0
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
@@ -1006,6 +1009,12 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
     return None
 
 
+def _user_arrays(data: Dataset) -> bool:
+    """Whether the inputs are the user's own arrays (an npz, or arrays given in Python), not
+    built-in images."""
+    return str(data.spec).split(":")[0] not in ("digits", "mnist", "tokens")
+
+
 def _layout_hint(data: Dataset) -> str:
     """How float arrays reach a model, for a model that did not take them: every stage and
     exporter sees one 4-D layout, so (N, F) features arrive as (N, 1, 1, F) and a 3-D array
@@ -1013,13 +1022,14 @@ def _layout_hint(data: Dataset) -> str:
     shape = tuple(data.in_shape)
     if data.is_tokens or len(shape) != 3 or shape[0] != 1:
         return ""
+    if not _user_arrays(data):
+        return ""  # built-in images: nothing to say beyond their shape
     if shape[1] == 1:  # a Linear applied to (N, 1, 1, F) keeps the two 1-sized dimensions
         return (
-            f"; --data gives (N, F) features as (N, 1, 1, {shape[2]}): begin forward with "
-            "x = x.flatten(1)"
+            f"; --data gives (N, F) features and (N, 1, L) signals alike as (N, 1, 1, "
+            f"{shape[2]}): a model of features begins forward with x = x.flatten(1), a Conv1d "
+            "or recurrent model with x = x[:, 0]"
         )
-    if not str(data.spec).startswith("npz:"):
-        return ""  # built-in images: nothing to say beyond their shape
     return (
         f"; --data gives 3-D arrays (N, T, F) as (N, 1, {shape[1]}, {shape[2]}): a model of "
         "sequences begins forward with x = x[:, 0]"
@@ -1034,7 +1044,7 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
     untouched.
     """
     check_one_input(model, model_name)
-    what = "token ids" if data.is_tokens else "images"
+    what = "token ids" if data.is_tokens else "inputs" if _user_arrays(data) else "images"
     rows = embedding_rows(model)
     hint = ""  # when the data and the model look like different kinds of input
     if not data.is_tokens and rows is not None:

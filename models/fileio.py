@@ -120,3 +120,19 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+
+
+@contextlib.contextmanager
+def scratch_cwd() -> Iterator[None]:
+    """Run the block in a fresh temporary working folder, then return and delete it. For third-
+    party code that writes into the working folder: ONNX Runtime's symbolic shape inference,
+    when it gives up on a graph, saves `sym_shape_infer_temp.onnx` and a UUID-named `.data`
+    file there, which littered the user's folder (and a checkout) on every such model. Paths
+    given to the block must be absolute."""
+    old = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="compress-", ignore_cleanup_errors=True) as tmp:
+        os.chdir(tmp)
+        try:
+            yield
+        finally:
+            os.chdir(old)

@@ -321,3 +321,39 @@ def test_decode_expect_checks_the_sha256(run, tmp_path):
     assert result.exit_code == 0 and result.json()["sha256"] == stats.sha256
     result = run("decode", path, "--out", tmp_path / "n.pt", "--max-elements", "100")
     assert result.exit_code == 2 and "raise the cap (--max-elements" in result.stderr
+
+
+def test_decoding_without_the_model_counts_its_parameters_as_shrink_does(tmp_path, monkeypatch):
+    # Tensors only (the model's code not imported): BatchNorm's running statistics are not
+    # parameters. They were counted in, so one archive decoded to two parameter counts.
+    import sys
+    import textwrap
+
+    (tmp_path / "bnmod.py").write_text(
+        textwrap.dedent("""
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self, in_shape=(1, 8, 8), num_classes=10):
+                super().__init__()
+                self.conv = nn.Conv2d(1, 4, 3)
+                self.bn = nn.BatchNorm2d(4)
+                self.fc = nn.Linear(4, num_classes)
+
+            def forward(self, x):
+                return self.fc(self.bn(self.conv(x)).mean((2, 3)))
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bnmod", raising=False)
+    import bnmod
+
+    model = bnmod.Net()
+    spec = {"name": "bnmod:Net", "kwargs": {"in_shape": [1, 8, 8], "num_classes": 10}}
+    entries = [archive.Dense(k, v) for k, v in model.state_dict().items()]
+    path = tmp_path / "bn.dcz"
+    archive.write(path, entries, spec, {})
+    alone = pipeline.decode_to_checkpoint(path, tmp_path / "a.pt")
+    built = pipeline.decode_to_checkpoint(path, tmp_path / "b.pt", allow_import="bnmod:Net")
+    assert built["rebuilt"] and not alone["rebuilt"]
+    assert built["parameters"] == alone["parameters"] == sum(p.numel() for p in model.parameters())

@@ -341,6 +341,26 @@ def test_fixed_batch_onnx_runs_at_its_batch_and_refuses_others(run, tmp_path):
     assert len(rows) == 3 and all(r["test_accuracy"] is not None for r in rows)
 
 
+def test_a_shrink_folders_fixed_batch_file_is_timed_at_its_batch(run, tmp_path):
+    # `bench FOLDER` left out MODEL.int8.fixed.onnx (the file NNAPI takes) without a word.
+    from compresskit.compressor.export import mobile
+
+    folder = tmp_path / "shrunk"
+    folder.mkdir()
+    fp32 = export.export_onnx(
+        tiny("mlp"), torch.rand(2, 1, 8, 8), folder / "model.fp32.onnx", export.ExportConfig()
+    )
+    mobile.fixed_batch(fp32, folder / "model.int8.fixed.onnx", 1)
+    result = run("bench", folder, "--batch", "1,4", *FAST, "--json")
+    assert result.exit_code == 0, result.stderr
+    got = result.json()
+    rows = {(r["model"], r["batch"]) for r in got["results"]}
+    assert rows == {("model.fp32.onnx", 1), ("model.fp32.onnx", 4), ("model.int8.fixed.onnx", 1)}
+    (skip,) = [s for s in got["skipped"] if "fixed batch" in s["reason"]]
+    assert skip["model"] == "model.int8.fixed.onnx"
+    assert skip["reason"].endswith("fixed batch of 1: not timed at batch 4")
+
+
 def test_an_onnx_without_a_float_or_int64_input_is_refused(run, tmp_path):
     from onnx import TensorProto, helper, save
 

@@ -23,6 +23,7 @@ def test_round_trip_keeps_spec_weights_and_metadata(tmp_path):
     assert ck.metadata["test_accuracy"] == 0.9 and ck.metadata["data"] == "digits"
     assert set(ck.metadata["versions"]) == {"compress", "torch", "python"}
     assert "T" in ck.metadata["created"]
+    assert ck.metadata["torch_threads"] == torch.get_num_threads()  # float sums depend on it
     assert _same(ck.build_model().state_dict(), model.state_dict())
     # The file itself is loadable by plain torch with weights_only=True.
     raw = torch.load(path, weights_only=True)

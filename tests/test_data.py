@@ -108,7 +108,7 @@ def _npz(tmp_path, **arrays):
         (lambda t: _npz(t, x=np.zeros((10, 8, 8, 3)), y=np.arange(10) % 2), "channels-last"),
         (
             lambda t: _npz(t, x=np.full((10, 8, 8), -5, np.int16), y=np.arange(10) % 2),
-            "must be 0..255",
+            r"int16 values in \[-5, -5\]; signed integers are read as 8-bit pixels.*x / 32768",
         ),
         (lambda t: "mnist:", "needs a path"),
         (lambda t: _npz(t, x=np.full((10, 8, 8), np.nan), y=np.zeros(10)), "NaN"),
@@ -195,7 +195,8 @@ def test_a_model_of_flat_features_is_told_how_they_arrive(tmp_path):
     assert data.in_shape == (1, 1, 20)
     unflat = torch.nn.Sequential(torch.nn.Linear(20, 3))
     with pytest.raises(
-        InputError, match=r"returns \(2, 1, 1, 3\).*as \(N, 1, 1, 20\): begin forward"
+        InputError,
+        match=r"returns \(2, 1, 1, 3\).*as \(N, 1, 1, 20\): a model of features begins forward",
     ):
         check_fits(unflat, data, "mine")
     check_fits(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(20, 3)), data, "mine")
@@ -226,6 +227,40 @@ def test_a_model_of_sequences_is_told_how_they_arrive(tmp_path):
     with pytest.raises(InputError, match=r"as \(N, 1, 7, 5\): a model of sequences begins"):
         check_fits(_LastStep(squeeze=False), data, "mine")
     check_fits(_LastStep(squeeze=True), data, "mine")
+
+
+class _Conv1d(torch.nn.Module):
+    """A keyword-spotting style Conv1d over (N, 1, L) audio."""
+
+    def __init__(self, squeeze: bool):
+        super().__init__()
+        self.squeeze = squeeze
+        self.conv = torch.nn.Conv1d(1, 4, 5)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x[:, 0] if self.squeeze else x).mean(-1))
+
+
+def test_a_conv1d_model_of_signals_and_arrays_from_python_are_told_how_they_arrive(tmp_path):
+    # (N, 1, L) audio arrives as (N, 1, 1, L), as (N, F) features do: the hint named only
+    # x.flatten(1), which breaks a Conv1d; arrays given in Python got no hint at all.
+    from compresskit.models.data import from_arrays
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 1, 64)).astype("float32")
+    np.savez(tmp_path / "a.npz", x=x, y=np.arange(40) % 3)
+    for data in (load(f"npz:{tmp_path / 'a.npz'}"), from_arrays(x, np.arange(40) % 3)):
+        assert data.in_shape == (1, 1, 64)
+        with pytest.raises(InputError) as e:
+            check_fits(_Conv1d(squeeze=False), data, "kws")
+        msg = str(e.value)
+        assert "inputs of shape (1, 1, 64)" in msg and "images" not in msg
+        assert "a Conv1d or recurrent model with x = x[:, 0]" in msg and "\n" not in msg
+        check_fits(_Conv1d(squeeze=True), data, "kws")
+    seqs = from_arrays(rng.normal(size=(40, 7, 5)).astype("float32"), np.arange(40) % 3)
+    with pytest.raises(InputError, match="a model of sequences begins forward with x = x"):
+        check_fits(_LastStep(squeeze=False), seqs, "mine")
 
 
 def test_built_in_images_get_no_sequence_hint(tmp_path):

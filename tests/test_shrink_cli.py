@@ -505,10 +505,10 @@ def test_shrink_bad_input(run, tmp_path, trained, monkeypatch, case, message):
 
         real = export._export
 
-        def dynamo_only(model, example, cfg, dynamo, name="x", outputs=None):
+        def dynamo_only(model, example, cfg, dynamo, name="x", outputs=None, sequence=0):
             if not dynamo:  # as if torch had dropped its TorchScript exporter
                 raise export.StageError("ONNX export failed: gone")
-            return real(model, example, cfg, dynamo)
+            return real(model, example, cfg, dynamo, sequence=sequence)
 
         monkeypatch.setattr(export, "_export", dynamo_only)
         monkeypatch.setattr(

@@ -389,3 +389,18 @@ def test_calibration_file_of_token_ids(tmp_path):
     np.save(tmp_path / "c.npy", np.full((8, 16), 99))
     with pytest.raises(InputError, match="token ids reach 99, the model embeds 64 ids"):
         pipeline.preflight(r, ds, model)
+
+
+def test_quantization_preprocessing_leaves_nothing_in_the_working_folder(tmp_path, monkeypatch):
+    # ORT's symbolic shape inference gives up on the dynamic-sequence graph before it merges
+    # symbols, and saved sym_shape_infer_temp.onnx and a UUID .data file where it ran.
+    from compresskit.compressor.export import onnxfile
+
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    model = zoo.tiny("textcls", num_classes=4).eval()
+    ids = torch.randint(1, 64, (2, 16))
+    fp32 = onnxfile.export_onnx(model, ids, tmp_path / "m.onnx", onnxfile.ExportConfig())
+    onnxfile.preprocess(fp32, tmp_path / "p.onnx")
+    assert (tmp_path / "p.onnx").is_file() and list(work.iterdir()) == []

@@ -87,7 +87,7 @@ import numpy as np
 
 from compresskit import _datapass
 from compresskit.compressor import stats
-from compresskit.compressor.export import tables
+from compresskit.compressor.export import recurrent, tables
 from compresskit.compressor.export.biascorr import (
     apply_bias_shifts,
     apply_bias_shifts_,
@@ -277,6 +277,9 @@ class Choice:
     # embedding tables stored as int8 rows (`tables`): {initializer: elements}
     tables: dict[str, int] = field(default_factory=dict)
     tables_fp32: str = ""  # why tables that could be 8-bit stay FP32, when they do
+    # LSTM nodes as DynamicQuantizeLSTM, int8 weights (`recurrent`): {output: weights}
+    lstms: dict[str, int] = field(default_factory=dict)
+    lstms_fp32: str = ""  # why LSTMs that could be 8-bit stay FP32, when they do
 
 
 def choose(
@@ -308,11 +311,14 @@ def choose(
     fragile = np.argsort(top2_gap(reference), kind="stable")
     check_x, reference = check_x[fragile], reference[fragile]
     rows_fp32 = _table_rows(q, reference, check_x, cfg)
+    lstms_fp32 = _lstm_weights(q, reference, check_x, cfg)
     started = [
         _select(q, s, reference, check_x, timing_x, cfg, fp32, ir_version)
         for s in (scheme_for(cfg, rr), ORT_DEFAULT)
     ]
-    selections = [st.finish(why) for st, why in zip(started, _searched(started), strict=True)]
+    tie = 0.0 if host else 1 / max(len(check_x), 1)
+    whys = _searched(started, tie)
+    selections = [st.finish(why) for st, why in zip(started, whys, strict=True)]
     candidates = [
         {
             "scheme": s.scheme.name,
@@ -344,9 +350,11 @@ def choose(
             best = selections[1]
     else:
         best = max(selections, key=preference)
-    # A file whose compute all went back to FP32 still ships when its tables are 8-bit.
+    # A file whose compute all went back to FP32 still ships when its tables or its LSTMs
+    # are 8-bit.
     rows = tables.int8_rows(best.model) if best.model is not None else {}
-    shipped = best.model if best.int8_nodes or rows else None
+    lstms = recurrent.int8_lstms(best.model, q.model) if best.model is not None else {}
+    shipped = best.model if best.int8_nodes or rows or lstms else None
     reason = "" if shipped is not None else no_int8_reason(best, cfg.min_agreement)
     return Choice(
         shipped,
@@ -359,6 +367,8 @@ def choose(
         ties(reference),
         rows,
         rows_fp32,
+        lstms,
+        lstms_fp32,
     )
 
 
@@ -381,6 +391,26 @@ def _table_rows(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
         agreement(got, reference), *expected_agreement(got, reference), cfg.min_agreement
     )
     return f"{', '.join(rows)} stay FP32: with only them as int8 rows, {missed}"
+
+
+def _lstm_weights(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
+    """Whether LSTM nodes go into every candidate as DynamicQuantizeLSTM (`recurrent`): yes
+    ("") when the FP32 graph with only them in 8 bits (and the tables, when they are) holds
+    the floor, else why not. Decided before the compute nodes, as the tables are."""
+    probe = copy.deepcopy(q.model)
+    if q.tables:
+        tables.quantize_tables(probe)
+    probe, done = recurrent.quantize_lstms(probe)
+    if not done:
+        return ""
+    got = outputs(session(probe.SerializeToString(), optimized=cfg.target == "host"), x, q.batch)
+    if meets(got, reference, cfg.min_agreement):
+        q.recurrent = True
+        return ""
+    missed = missed_floor(
+        agreement(got, reference), *expected_agreement(got, reference), cfg.min_agreement
+    )
+    return f"{len(done)} LSTM node(s) stay FP32: with only them in INT8, {missed}"
 
 
 WHOLE_MODEL = "whole model: "  # the reason given when host timing found all of INT8 slower
@@ -429,14 +459,17 @@ def preference(s: Selection) -> tuple:
     return (s.int8_nodes, s.agreement, s.scheme.activation == "QUInt8", -s.mse)
 
 
-def _searched(started: list[_Started]) -> list[str]:
+def _searched(started: list[_Started], tie: float = 0.0) -> list[str]:
     """Which schemes' fallback is searched: "" for those, else why not. The search dominates
     the INT8 step (ViT-tiny: 27 candidates a scheme, each a full run over the check inputs),
     and with two schemes it ran twice. A scheme that holds the floor with every node in INT8
     needs none, and one that misses it cannot then win (it can only end with fewer INT8
     nodes); when both miss, only the one whose all-INT8 file stands closer to the floor is
-    searched (ties: the recipe's own scheme). On the real-models matrix this kept every
-    model's INT8 node count but one (a 32-node SE-ResNet: 1 node instead of 2)."""
+    searched. Within `tie` of each other (the mobile target: one check sample's worth) they
+    stand equally close, and uint8 activations go first, as in `preference`: a KWS model's
+    s8s8 file shipped NNAPI "no", chosen by 0.0002 on 60 samples. Other ties: the recipe's
+    own scheme. On the real-models matrix this kept every model's INT8 node count but one (a
+    32-node SE-ResNet: 1 node instead of 2)."""
     held = [st for st in started if st.holds]
     if held:
         return [
@@ -446,7 +479,19 @@ def _searched(started: list[_Started]) -> list[str]:
             f"({st.floor:.4f}) while {held[0].scheme.name} holds it"
             for st in started
         ]
-    best = max(started, key=lambda st: st.floor)  # the first on ties: ours
+    top = max(st.floor for st in started)
+    near = [st for st in started if st.floor >= top - tie]
+    # the first on ties: ours
+    best = max(near, key=lambda st: (tie > 0 and st.scheme.activation == "QUInt8", st.floor))
+    if len(near) > 1 and tie > 0:
+        return [
+            ""
+            if st is best
+            else f"both schemes miss the floor with every node in INT8, within one check "
+            f"sample of each other ({best.floor:.4f} vs {st.floor:.4f}), and "
+            f"{best.scheme.name} has uint8 activations, which ORT's NNAPI EP takes"
+            for st in started
+        ]
     return [
         ""
         if st is best

@@ -38,7 +38,7 @@ from compresskit import _datapass, _mem
 from compresskit.compressor import prune
 from compresskit.compressor.export import checks, compat, int8, protos, qdq
 from compresskit.models.errors import InputError, StageError, one_line
-from compresskit.models.fileio import atomic_path
+from compresskit.models.fileio import atomic_path, scratch_cwd
 
 QUANTIZABLE = qdq.QUANTIZABLE
 QuantConfig = int8.QuantConfig
@@ -540,11 +540,24 @@ def preprocess(fp32: Path, out: Path) -> Path:
     goes through ORT's function."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    with _quiet_stdio(), errors_only():
+    fp32, out = Path(fp32).resolve(), Path(out).resolve()
+    with _quiet_stdio(), errors_only(), scratch_cwd():
         try:
             _lean_preprocess(fp32, out)
         except _NotLean:
-            quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
+            try:
+                quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
+            except Exception:
+                # ORT's symbolic shape inference has no rule for some ops (STFT: "object of
+                # type 'NoneType' has no len()" after every other stage had run); ONNX's own
+                # shape inference then does, as quant_pre_process documents for such models.
+                try:
+                    quant_pre_process(str(fp32), str(out), skip_symbolic_shape=True)
+                except Exception as e:
+                    raise StageError(
+                        f"{fp32.name}: ONNX Runtime's quantization pre-processing failed "
+                        f"({one_line(e)}); set [export] int8 = false to ship the FP32 file"
+                    ) from None
     return out
 
 

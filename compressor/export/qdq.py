@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from compresskit import _datapass
-from compresskit.compressor.export import compat, protos, tables
+from compresskit.compressor.export import compat, protos, recurrent, tables
 from compresskit.compressor.export.checks import activation_batch
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
@@ -177,9 +177,11 @@ class Quantizer:
             del calibrator  # and its session, before the file it maps goes
         self.model = _shape_inferred(prepared)
         self.calib = calib  # bias correction measures on the same inputs
-        # FP32 embedding tables left in a built file become int8 rows (`tables`); set by
-        # `int8.choose` when they hold the floor on their own
+        # FP32 embedding tables left in a built file become int8 rows (`tables`), and LSTM
+        # nodes DynamicQuantizeLSTM (`recurrent`); set by `int8.choose` when they hold the
+        # floor on their own
         self.tables = False
+        self.recurrent = False
 
     def build(self, scheme: Scheme, exclude: Sequence[str] = (), ir_version: int | None = None):
         """The QDQ model with `exclude` in FP32 (reading FP32 tensors, `read_fp32`), orphan
@@ -216,6 +218,8 @@ class Quantizer:
             drop_unused(out.graph)
         if self.tables:
             tables.quantize_tables(out)
+        if self.recurrent:
+            out, _ = recurrent.quantize_lstms(out)
         compat.keep_used_opsets(out)
         if ir_version is not None:
             out.ir_version = ir_version

@@ -441,7 +441,10 @@ def measure(
         _check_batch_memory(v, _shape(v, data), max(cfg.batches))
         _check_kind(v, data)
         fixed = v.model.fixed_batch
-        if fixed and any(b != fixed for b in cfg.batches):
+        # shrink's own fixed-batch file (NNAPI's) in a folder: timed at its batch, the other
+        # batches skipped with the reason; a file given alone is refused as before
+        shrink_made = v.model.path.name.endswith(FIXED_SUFFIX)
+        if fixed and any(b != fixed for b in cfg.batches) and not shrink_made:
             raise InputError(
                 f"{v.model.path}: exported with a fixed batch of {fixed}; pass --batch {fixed} "
                 "or re-export it with a dynamic batch axis"
@@ -463,6 +466,15 @@ def measure(
                 progress(f"batch {batch}, threads {threads}: {len(live)} variants")
                 cell, ready = [], []
                 for v in list(live):
+                    if v.model.fixed_batch and batch != v.model.fixed_batch:
+                        skipped.append(
+                            _skip(
+                                v,
+                                f"exported with a fixed batch of {v.model.fixed_batch}: not "
+                                f"timed at batch {batch}",
+                            )
+                        )
+                        continue
                     x = inputs(v.model, batch, data, rng)
                     try:
                         ready.append(prepare(v, batch, threads, x))
@@ -501,6 +513,9 @@ def measure(
         "speedup_reference": speed_reference,
     }
     return results, skipped, extra
+
+
+FIXED_SUFFIX = ".fixed.onnx"  # shrink's fixed-batch files: MODEL.int8.fixed.onnx
 
 
 def _check_batch_memory(v, shape: tuple[int, ...], batch: int) -> None:

@@ -2,7 +2,8 @@
 
 An input is a `.pt` checkpoint, an `.onnx` or `.ort` file, or a `compress shrink` output folder
 (then every model in it: `model.pt`, `model.fp32.onnx`, `model.int8.onnx`, `model.int8.ort`,
-or `model.fp32.ort` where shrink wrote no INT8 file; `student.*` where it distilled). Each file
+or `model.fp32.ort` where shrink wrote no INT8 file, and the `--fixed-batch` file, timed at its
+batch only; `student.*` where it distilled). Each file
 becomes one `Model` (format, precision, bytes, parameters, input shape and kind: float32
 images or int64 token ids with the vocabulary they index), and each model on each runtime one
 `Variant`: PyTorch eager FP32 (and bf16 where the CPU has native bf16), ONNX Runtime on the CPU provider,
@@ -27,8 +28,10 @@ from compresskit.models.zoo import ModelSpec
 SHRINK_FILES = tuple(
     f"{stem}.{f}"
     for stem in ("model", "student")
-    for f in ("pt", "fp32.onnx", "int8.onnx", "int8.ort", "fp32.ort")
-)
+    for f in (
+        "pt", "fp32.onnx", "int8.onnx", "int8.ort", "fp32.ort", "int8.fixed.onnx", "fp32.fixed.onnx"
+    )
+)  # fmt: skip
 SUFFIXES = (".pt", ".onnx", ".ort")
 # other spellings of those kinds: torch's .pth, and any case (UP.ONNX)
 ALIASES = {".pth": ".pt"}
