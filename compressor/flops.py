@@ -38,6 +38,8 @@ CONV_OPS = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3}
 # prod(W.shape[1:]) outputs, so its MACs follow the input, not the output.
 TRANSPOSED_OPS = {"ConvTranspose": 1}
 RNN_OPS = ("LSTM", "GRU", "RNN")
+# ONNX Runtime's LSTM with int8 weights (com.microsoft): the same inputs, W and R transposed
+QUANT_LSTM = "DynamicQuantizeLSTM"
 # ONNX op -> index of its right-hand input.
 MATMUL_OPS = {"MatMul": 1, "MatMulInteger": 1, "QLinearMatMul": 3}
 
@@ -224,7 +226,7 @@ def _node_macs(node, shapes: dict[str, tuple[int, ...]], path: Path) -> int:
             )
         return shapes[name]
 
-    if op in RNN_OPS:
+    if op in RNN_OPS or op == QUANT_LSTM:
         # X is (seq, batch, input), or (batch, seq, input) with layout = 1; W and R hold every
         # direction's gates: each step multiplies by both. Steps from X, or from Y, (seq,
         # directions, batch, hidden) or with layout = 1 (batch, seq, directions, hidden), when
@@ -285,16 +287,54 @@ def onnx_macs(path: Path | str, batch: int, sample: tuple[int, ...] | None = Non
     _fix_batch(model, batch, sample)
     fixed = model
     try:
-        model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        model = _infer_shapes(model)
     except Exception as e:
         msg = one_line(e, 160)
         raise InputError(f"{path}: shape inference failed at batch {batch} ({msg})") from None
     shapes = _shapes(model)
     counted = {*CONV_OPS, *TRANSPOSED_OPS, "Gemm", *MATMUL_OPS, *RNN_OPS}
-    nodes = [n for n in model.graph.node if n.op_type in counted and n.domain in ("", "ai.onnx")]
+
+    def counts(n) -> bool:
+        if n.op_type == QUANT_LSTM:
+            return n.domain == "com.microsoft"
+        return n.op_type in counted and n.domain in ("", "ai.onnx")
+
+    nodes = [n for n in model.graph.node if counts(n)]
     if any(name and name not in shapes for n in nodes for name in (*n.input, *n.output)):
         shapes = {**_symbolic_shapes(fixed), **shapes}
     return int(sum(_node_macs(node, shapes, path) for node in nodes))
+
+
+def _infer_shapes(model):
+    """ONNX shape inference (with data propagation), each DynamicQuantizeLSTM (a com.microsoft
+    op ONNX cannot infer) first written back as the LSTM it is: FP32 zeros of W's and R's
+    shapes, the same attributes, so the layers after it (Reshapes computed from its output's
+    shape) resolve too and it counts as the LSTM's MACs. `model` is changed in place: it is
+    the caller's copy, read for shapes only."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type != QUANT_LSTM or n.domain != "com.microsoft":
+            continue
+        inputs = list(n.input[:8])
+        for k in (1, 2):  # int8 W [dirs, input, 4 hidden] and R [dirs, hidden, 4 hidden]
+            t = inits.get(inputs[k])
+            if t is None:
+                break
+            d, i, g = t.dims
+            name = f"{inputs[k]}__as_float"
+            model.graph.initializer.append(
+                numpy_helper.from_array(np.zeros((d, g, i), np.float32), name)
+            )
+            inputs[k] = name
+        else:
+            del n.input[:]
+            n.input.extend(inputs)
+            n.op_type, n.domain = "LSTM", ""
+    return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
 
 
 def _symbolic_shapes(model) -> dict[str, tuple[int, ...]]:

@@ -311,7 +311,7 @@ def choose(
     fragile = np.argsort(top2_gap(reference), kind="stable")
     check_x, reference = check_x[fragile], reference[fragile]
     rows_fp32 = _table_rows(q, reference, check_x, cfg)
-    lstms_fp32 = _lstm_weights(q, reference, check_x, cfg)
+    lstms_fp32 = _lstms_fp32(q, reference, check_x, cfg)
     started = [
         _select(q, s, reference, check_x, timing_x, cfg, fp32, ir_version)
         for s in (scheme_for(cfg, rr), ORT_DEFAULT)
@@ -393,7 +393,7 @@ def _table_rows(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
     return f"{', '.join(rows)} stay FP32: with only them as int8 rows, {missed}"
 
 
-def _lstm_weights(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
+def _lstms_fp32(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
     """Whether LSTM nodes go into every candidate as DynamicQuantizeLSTM (`recurrent`): yes
     ("") when the FP32 graph with only them in 8 bits (and the tables, when they are) holds
     the floor, else why not. Decided before the compute nodes, as the tables are."""

@@ -62,6 +62,7 @@ _QUANT_OPS = {
     "ConvInteger",
     "MatMulInteger",
     "DynamicQuantizeLinear",
+    "DynamicQuantizeLSTM",  # an LSTM with int8 weights (compress's INT8 files, ORT's dynamic)
 }
 
 
@@ -202,7 +203,9 @@ def load(
 
 
 # Op types only a quantized graph holds (QDQ, or the QLinear/integer kernels ORT fuses them to).
-QUANTIZED_OPS = (b"QuantizeLinear", b"QLinear", b"QGemm", b"MatMulInteger", b"ConvInteger")
+QUANTIZED_OPS = (
+    b"QuantizeLinear", b"QLinear", b"QGemm", b"MatMulInteger", b"ConvInteger", b"DynamicQuantizeLSTM"
+)  # fmt: skip
 
 
 def _ort_quantized(path: Path) -> bool:
