@@ -383,14 +383,9 @@ def _table_rows(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
     rows = tables.quantize_tables(probe)
     if not rows:
         return ""
-    got = outputs(session(probe.SerializeToString(), optimized=cfg.target == "host"), x, q.batch)
-    if meets(got, reference, cfg.min_agreement):
-        q.tables = True
-        return ""
-    missed = missed_floor(
-        agreement(got, reference), *expected_agreement(got, reference), cfg.min_agreement
-    )
-    return f"{', '.join(rows)} stay FP32: with only them as int8 rows, {missed}"
+    missed = _misses(probe, reference, x, q, cfg)
+    q.tables = not missed
+    return f"{', '.join(rows)} stay FP32: with only them as int8 rows, {missed}" if missed else ""
 
 
 def _lstms_fp32(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
@@ -403,14 +398,19 @@ def _lstms_fp32(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
     probe, done = recurrent.quantize_lstms(probe)
     if not done:
         return ""
+    missed = _misses(probe, reference, x, q, cfg)
+    q.recurrent = not missed
+    return f"{len(done)} LSTM node(s) stay FP32: with only them in INT8, {missed}" if missed else ""
+
+
+def _misses(probe, reference, x, q: Quantizer, cfg: QuantConfig) -> str:
+    """ "" when `probe` (a model) holds the agreement floor on `x`, else which figure missed."""
     got = outputs(session(probe.SerializeToString(), optimized=cfg.target == "host"), x, q.batch)
     if meets(got, reference, cfg.min_agreement):
-        q.recurrent = True
         return ""
-    missed = missed_floor(
+    return missed_floor(
         agreement(got, reference), *expected_agreement(got, reference), cfg.min_agreement
     )
-    return f"{len(done)} LSTM node(s) stay FP32: with only them in INT8, {missed}"
 
 
 WHOLE_MODEL = "whole model: "  # the reason given when host timing found all of INT8 slower
