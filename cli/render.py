@@ -180,9 +180,10 @@ def int8_warning(report: dict) -> None:
     """Say loudly on stderr when no INT8 file was written (even under --json)."""
     miss = report.get("int8_not_written")
     if miss:
+        why = "" if miss.get("failed") else " (it is what an INT8 file here would compute)"
         stderr.print(
             f"warning: no INT8 file written: {miss['reason']}; ship "
-            f"{report.get('name', 'model')}.fp32.onnx (it is what an INT8 file here would compute)",
+            f"{report.get('name', 'model')}.fp32.onnx{why}",
             style="bold yellow",
         )
 

@@ -706,12 +706,23 @@ def _export(
         f"(floor: top-1 agreement {q.min_agreement} on {len(check_x)} samples)"
     )
     with clock.step("int8", what):
-        prepared = export.preprocess(fp32, tmp / ".prepared.onnx")
+        prepared = tmp / ".prepared.onnx"
         try:
+            export.preprocess(fp32, prepared)
             export.check_calibration(prepared, calib)
             with export.errors_only():
                 # the FP32 file by path: its bytes are read only where host timing needs them
                 choice = int8.choose(prepared, fp32, calib, check_x, q, flags, cfg.ir_version)
+        except InputError:
+            raise
+        except Exception as e:
+            # Everything before (the archive, the FP32 file, its parity) stands: an INT8 step
+            # that ONNX Runtime's tools cannot take (an STFT front end crashed its shape
+            # inference) ships the FP32 file with the reason, not an exit 1 that threw the
+            # whole run away. --strict still fails the run on it (guard's int8 finding).
+            why = f"the INT8 step failed: {_why(e)}"
+            report["int8_not_written"] = {"failed": True, "reason": why}
+            return result
         finally:
             prepared.unlink(missing_ok=True)
     sel = choice.selection
@@ -774,6 +785,14 @@ def _export(
             },
         }
     return result
+
+
+def _why(e: BaseException) -> str:
+    """One line for an exception: its message, or its type when that is all it says."""
+    text = one_line(e)
+    if isinstance(e, StageError | InputError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _still_fp32(counts: dict[str, int], lstms: dict[str, int]) -> dict[str, int]:

@@ -510,7 +510,13 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
     if line:
         lines += ["", f"{line[0].upper()}{line[1:]}."]
     int8 = report["onnx"].get("int8") or report.get("int8_not_written")
-    if int8:
+    if int8 and int8.get("failed"):
+        fp32 = report["onnx"].get("fp32", {}).get("path", "model.fp32.onnx")
+        lines += [
+            "",
+            f"**No INT8 file was written** ({int8['reason']}): ship `{Path(fp32).name}`.",
+        ]
+    elif int8:
         lines += [
             "",
             f"INT8 chosen for target `{int8['target']}` ({int8['scheme']}, reduce_range "

@@ -684,3 +684,34 @@ def test_a_killed_runs_staging_folder_is_removed_by_the_next(tmp_path):
 
 
 _CAPTURE = {"capture_output": True, "text": True, "check": True}
+
+
+def test_an_int8_step_that_fails_ships_the_fp32_file_with_the_reason(
+    run, tmp_path, trained, monkeypatch
+):
+    # ORT's quantization tools crashing on a graph (an STFT front end: a TypeError inside its
+    # shape inference) threw away the whole run with exit 1, archive and FP32 file included.
+    from compresskit.compressor import export
+
+    folder, _, _ = trained
+
+    def broken(fp32, out):
+        raise TypeError("object of type 'NoneType' has no len()")
+
+    monkeypatch.setattr(export, "preprocess", broken)
+    out = tmp_path / "out"
+    args = ["shrink", folder / "lenet300.pt", "--recipe", folder / "fast.toml", "--out", out]
+    result = run(*args, "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    why = "the INT8 step failed: TypeError: object of type 'NoneType' has no len()"
+    assert result.json()["int8_not_written"] == {"failed": True, "reason": why}
+    assert f"warning: no INT8 file written: {why}" in result.stderr
+    assert (out / "model.fp32.onnx").is_file() and (out / "model.dcz").is_file()
+    assert not (out / "model.int8.onnx").exists()
+    assert (
+        f"**No INT8 file was written** ({why}): ship `model.fp32.onnx`."
+        in (out / "report.md").read_text()
+    )
+    # --strict fails the run on it, nothing written
+    result = run(*args[:-1], tmp_path / "strict", "--strict", "-q")
+    assert result.exit_code == 1 and not (tmp_path / "strict").exists()
