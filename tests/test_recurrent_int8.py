@@ -126,3 +126,42 @@ def test_bench_reads_an_int8_lstm_file_as_int8_and_counts_its_macs(lstm, tmp_pat
     assert variants.onnx_precision(onnx.load(str(path))) == "int8"
     for batch in (1, 3):
         assert flops.onnx_macs(path, batch) == flops.onnx_macs(fp32, batch) > 0
+
+
+class _CellLoop(nn.Module):
+    """A GRUCell stepped in Python over 10 steps: 20 Gemm nodes reading 2 weights, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(6, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], 8)
+        for t in range(x.shape[2]):
+            h = self.cell(x[:, 0, t], h)
+        return self.head(h)
+
+
+def test_nodes_that_read_one_weight_fall_back_together(tmp_path, monkeypatch):
+    # A cell stepped in a loop is one Gemm per step on the same weight: the fallback search
+    # took them one by one (a GRUCell over 50 steps: 101 nodes, 144 s, none kept in INT8).
+    torch.manual_seed(0)
+    model = _CellLoop().eval()
+    x = torch.rand(200, 1, 10, 6)
+    fp32 = E.export_onnx(model, x[:2], tmp_path / "cell.onnx", E.ExportConfig())
+    prep = E.preprocess(fp32, tmp_path / "cell.prep.onnx")
+    q = Q.Quantizer(prep, x[:32].numpy())
+    groups = I.weight_groups(q.model, q.nodes)
+    units = {tuple(g) for g in groups.values()}
+    assert len(q.nodes) == 21 and sorted(len(u) for u in units) == [1, 10, 10]
+    # This model holds any floor in INT8: say the all-INT8 file missed it, so the search runs.
+    orders = []
+    real = I.fall_back
+    monkeypatch.setattr(I, "floor_agreement", lambda got, ref: 0.0)
+    monkeypatch.setattr(I, "fall_back", lambda order, *a: orders.append(order) or real(order, *a))
+    cfg = I.QuantConfig(calibration=32, min_agreement=0.9)
+    choice = I.choose(prep, fp32, x[:32].numpy(), x[32:].numpy(), cfg, set())
+    assert orders and all(len(o) == len(units) for o in orders)  # units, not 21 nodes
+    back = set(choice.selection.fp32_nodes)
+    assert back and any(back == set(u) for u in units)  # one whole unit went back

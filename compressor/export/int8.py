@@ -403,6 +403,24 @@ def _lstms_fp32(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
     return f"{len(done)} LSTM node(s) stay FP32: with only them in INT8, {missed}" if missed else ""
 
 
+def weight_groups(model, nodes: Sequence[str]) -> dict[str, list[str]]:
+    """{node: the nodes of `nodes` that read the same weight initializer, first in `nodes`'
+    order first} for each node of `nodes`; a node whose weight no other reads is alone. The
+    weight: the node's initializer inputs in the FP32 graph `model` (a Gemm's or Conv's
+    weight and bias, a MatMul's constant side)."""
+    inits = {t.name for t in model.graph.initializer}
+    by_name = {n.name: n for n in model.graph.node}
+    key = {}
+    for name in nodes:
+        n = by_name.get(name)
+        weights = tuple(sorted(i for i in n.input if i in inits)) if n is not None else ()
+        key[name] = weights or (name,)
+    together: dict[tuple, list[str]] = {}
+    for name in nodes:
+        together.setdefault(key[name], []).append(name)
+    return {name: together[key[name]] for name in nodes}
+
+
 def _misses(probe, reference, x, q: Quantizer, cfg: QuantConfig) -> str:
     """ "" when `probe` (a model) holds the agreement floor on `x`, else which figure missed."""
     got = outputs(session(probe.SerializeToString(), optimized=cfg.target == "host"), x, q.batch)
@@ -602,8 +620,22 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 {n: e for n, e in errors.items() if n in int8}, q.nodes, output_layers(q.model)
             )
             order += [n for n in int8 if n not in order]
+            # Nodes that read one weight go back together (a cell stepped in a loop: one Gemm
+            # per step): a GRUCell over 50 steps searched 101 nodes one by one, 144 s.
+            group = weight_groups(q.model, list(dict.fromkeys([*order, *int8])))
+
+            def members(units: Sequence[str]) -> list[str]:
+                return [n for u in units for n in group[u]]
+
+            def grouped(units: Sequence[str], floor: float | None, exact: bool = False):
+                return candidate(members(units), floor, exact)
+
+            def units(nodes: Sequence[str]) -> list[str]:
+                return list(dict.fromkeys(group[n][0] for n in nodes))
+
             model = None  # the search starts from `uncorrected`
-            _, got, n_bias, fallen = fall_back(order, candidate, reference, cfg, floor)
+            _, got, n_bias, fallen = fall_back(units(order), grouped, reference, cfg, floor)
+            fallen = members(fallen)
             how = "the output layers, then the nodes of largest own error (normalised MSE)"
             if 2 * len(fallen) > len(int8) >= 4:
                 # Own error is not what reaches the logits: an EfficientNet-B0 file kept 0 of
@@ -611,15 +643,17 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 # alone (2 and 9 in the matrix's shrink; docs/benchmarks.md).
                 few = x[:EFFECT_SAMPLES]
 
-                def alone(n: str) -> float:
-                    out = run(make([o for o in int8 if o != n])[0], few)
+                def alone(u: str) -> float:  # the unit's nodes alone in INT8
+                    mine = set(group[u])
+                    out = run(make([o for o in int8 if o not in mine])[0], few)
                     return float(np.mean((out - reference[: len(few)]) ** 2))
 
-                effects = {n: alone(n) for n in int8}
-                searched += len(int8)
-                second = fall_back(effect_order(effects, q.nodes), candidate, reference, cfg, floor)
-                if len(second[3]) < len(fallen):
+                effects = {u: alone(u) for u in units(int8)}
+                searched += len(effects)
+                second = fall_back(effect_order(effects, q.nodes), grouped, reference, cfg, floor)
+                if len(members(second[3])) < len(fallen):
                     _, got, n_bias, fallen = second
+                    fallen = members(fallen)
                     how = (
                         "the nodes of largest effect on the logits alone in INT8 (mean squared "
                         f"change on the {len(few)} most fragile check inputs) first"
