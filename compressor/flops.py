@@ -170,11 +170,11 @@ def _fix_batch(model, batch: int, sample: tuple[int, ...] | None = None) -> None
     forget the exporter's symbolic shapes so inference recomputes every intermediate from
     concrete inputs. (Taking the batch for a height or a sequence length counted 830M MACs
     for a 13M-MAC pass at batch 64: `bench` passes the data's sample shape.)"""
-    from compresskit.compressor.export.protos import SEQUENCE, SEQUENCE_KEY, metadata
+    from compresskit.compressor.export.protos import SEQUENCE, metadata, trained_length
 
     inits = {i.name for i in model.graph.initializer}
     # a token model's symbolic sequence axis: without a sample, the length it was trained on
-    trained = metadata(model).get(SEQUENCE_KEY, "")
+    trained = trained_length(metadata(model))
     for value in model.graph.input:
         if value.name in inits:  # old IRs list initializers as inputs; they have real shapes
             continue
@@ -185,8 +185,8 @@ def _fix_batch(model, batch: int, sample: tuple[int, ...] | None = None) -> None
                 # setting the value clears the dim_param (a oneof)
                 if per_sample and i:
                     dim.dim_value = int(sample[i - 1])
-                elif i and dim.dim_param == SEQUENCE and trained.isdigit():
-                    dim.dim_value = int(trained)
+                elif i and dim.dim_param == SEQUENCE and trained is not None:
+                    dim.dim_value = trained
                 else:
                     dim.dim_value = batch
     del model.graph.value_info[:]

@@ -31,7 +31,7 @@ from compresskit.compressor.measure import envinfo, layertime, speedup
 from compresskit.compressor.recipe import ExportSection, Recipe
 from compresskit.models import checkpoint
 from compresskit.models.base import batch_statistics
-from compresskit.models.data import Dataset, check_kind, embedding_rows
+from compresskit.models.data import Dataset, check_kind, embedding_rows, npz_layout
 from compresskit.models.errors import InputError, StageError, one_line
 from compresskit.models.fileio import atomic_path, check_writable, refuse_link, same_file, umask
 from compresskit.models.zoo import ModelSpec, build, state_shapes
@@ -558,16 +558,11 @@ def _explain_archive(report: dict[str, Any]) -> None:
 
 
 def _as_npz_layout(calib: np.ndarray, want: tuple[int, ...]) -> np.ndarray:
-    """Calibration inputs laid out as an npz's `x` is (`models.data`): (N, H, W) or (N, 1, L)
-    gains a channel axis and (N, F) two, where that gives the model's input shape. A file cut
-    from the npz's own `x` was refused as "inputs of shape (1, 8000), the model takes
-    (1, 1, 8000)"."""
-    got = tuple(calib.shape[1:])
-    if len(want) == 3 and want[0] == 1 and got == want[1:]:
-        return calib[:, None]
-    if len(want) == 3 and want[:2] == (1, 1) and got == want[2:]:
-        return calib[:, None, None]
-    return calib
+    """Calibration inputs laid out as an npz's `x` is (`models.data.npz_layout`), where that
+    gives the model's input shape. A file cut from the npz's own `x` was refused as "inputs of
+    shape (1, 8000), the model takes (1, 1, 8000)"."""
+    laid = npz_layout(calib)
+    return laid if tuple(laid.shape[1:]) == want else calib
 
 
 def deliverables(report: dict[str, Any]) -> dict[str, Any]:

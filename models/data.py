@@ -632,13 +632,21 @@ def _npz_input(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
 
+def npz_layout(a: np.ndarray) -> np.ndarray:
+    """Input arrays as every stage sees them, (N, C, H, W): (N, H, W), and (N, 1, L) signals
+    with them, gain a channel axis, (N, F) features two; 4-D arrays as given."""
+    if a.ndim == 2:
+        return a[:, None, None, :]
+    if a.ndim == 3:
+        return a[:, None]
+    return a
+
+
 def _npz_x(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
     if a.dtype.kind not in "fiub":
         raise InputError(f"--data {spec!r}: array {name} has dtype {a.dtype}; use numbers")
-    if a.ndim == 2:
-        a = a[:, None, None, :]
-    elif a.ndim == 3:
-        a = a[:, None]
+    if a.ndim in (2, 3):
+        a = npz_layout(a)
     elif a.ndim != 4:
         raise InputError(
             f"--data {spec!r}: array {name} has shape {a.shape}; use (N, F), (N, H, W) or (N, C, H, W)"

@@ -392,10 +392,12 @@ def _lstms_fp32(q: Quantizer, reference, x, cfg: QuantConfig) -> str:
     """Whether LSTM nodes go into every candidate as DynamicQuantizeLSTM (`recurrent`): yes
     ("") when the FP32 graph with only them in 8 bits (and the tables, when they are) holds
     the floor, else why not. Decided before the compute nodes, as the tables are."""
+    if not any(recurrent.lstm_weights(q.model).values()):
+        return ""  # no copy of a model without LSTMs (every CNN's INT8 step)
     probe = copy.deepcopy(q.model)
     if q.tables:
         tables.quantize_tables(probe)
-    probe, done = recurrent.quantize_lstms(probe)
+    done = recurrent.quantize_lstms_(probe)
     if not done:
         return ""
     missed = _misses(probe, reference, x, q, cfg)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from compresskit.compressor.export import protos
-from compresskit.compressor.export.protos import SEQUENCE, SEQUENCE_KEY
+from compresskit.compressor.export.protos import SEQUENCE
 from compresskit.models.errors import InputError, StageError
 from compresskit.models.fileio import atomic_path, check_writable
 
@@ -466,8 +466,8 @@ def fixed_batch(onnx_path: Path, out_path: Path, batch: int) -> Path:
     A named dimension (`batch` from torch.export.Dim) is replaced everywhere in the graph with
     `onnx_model_utils.make_dim_param_fixed`, as `make_dynamic_shape_fixed --dim_param` does; an
     unnamed one is set on the input itself. A token model's symbolic sequence axis
-    (`export_onnx`'s `sequence`) is fixed to the length in its metadata (`sequence_length`). Output shapes are then re-inferred
-    (`fix_output_shapes`). The copy is written atomically and must pass
+    (`export_onnx`'s `sequence`) is fixed to the length in its metadata (`sequence_length`).
+    Output shapes are then re-inferred (`fix_output_shapes`). The copy is written atomically and must pass
     `onnx.checker.check_model(full_check=True)` (else StageError, nothing written).
 
     InputError if `batch` < 1 or no input has a dynamic first dimension. Returns the path.
@@ -495,12 +495,16 @@ def fixed_batch(onnx_path: Path, out_path: Path, batch: int) -> Path:
             first.Clear()  # unknown or an exporter's -1: only this input carries it
             first.dim_value = batch
             changed.append(value.name)
-    length = protos.metadata(model).get(SEQUENCE_KEY, "")
-    for value in model.graph.input:  # a token model's sequence too: NNAPI needs every shape
-        dims = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else []
-        for d in list(dims)[1:]:
-            if d.dim_param == SEQUENCE and length.isdigit() and int(length) > 0:
-                make_dim_param_fixed(model.graph, SEQUENCE, int(length))
+    # a token model's sequence too: NNAPI needs every shape (replaced everywhere, once)
+    length = protos.trained_length(protos.metadata(model))
+    symbolic = (
+        d.dim_param
+        for value in model.graph.input
+        if value.type.HasField("tensor_type")
+        for d in value.type.tensor_type.shape.dim[1:]
+    )
+    if length is not None and SEQUENCE in symbolic:
+        make_dim_param_fixed(model.graph, SEQUENCE, length)
     if not changed:
         shapes = ", ".join(
             f"{v.name}{[d.dim_value or d.dim_param or '?' for d in v.type.tensor_type.shape.dim]}"

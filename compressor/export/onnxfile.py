@@ -2,8 +2,8 @@
 say the files still answer like the model.
 
 * `export_onnx`: `torch.onnx.export` to one self-contained file (no external data), a dynamic
-  batch axis (and for token ids a dynamic sequence axis, checked), exactly the opset asked for (read back; converted, or refused before any work by
-  `probe_opset`), the lowest IR version that declares it unless one is given (9 for ONNX
+  batch axis (and for token ids a dynamic sequence axis, checked), exactly the opset asked for
+  (read back; converted, or refused before any work by `probe_opset`), the lowest IR version that declares it unless one is given (9 for ONNX
   Runtime 1.16-1.17), and only the opset imports its nodes use. Every file passes
   `onnx.checker.check_model(full_check=True)` and loads in ORT.
 * `quantize_int8`: static QDQ quantization of a `preprocess`ed model through
@@ -37,6 +37,7 @@ from torch import nn
 from compresskit import _datapass, _mem
 from compresskit.compressor import prune
 from compresskit.compressor.export import checks, compat, int8, protos, qdq
+from compresskit.compressor.export.protos import SEQUENCE, SEQUENCE_KEY
 from compresskit.models.errors import InputError, StageError, one_line
 from compresskit.models.fileio import atomic_path, scratch_cwd
 
@@ -235,7 +236,7 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: Export
     if example.dtype in INTEGER_INPUTS and example.dim() == 2:
         protos.set_metadata(proto, SEQUENCE_KEY, str(example.shape[1]))
         if fixed_why:
-            proto.doc_string += f"; sequence length fixed at {example.shape[1]}: {fixed_why}"
+            proto.doc_string += FIXED_AT.format(example.shape[1]) + fixed_why
     with atomic_path(path) as out:
         onnx.save(proto, str(out))
         del proto  # not beside the checker's and ORT's copies
@@ -243,8 +244,9 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: Export
     return path
 
 
-SEQUENCE, SEQUENCE_KEY = protos.SEQUENCE, protos.SEQUENCE_KEY
 INTEGER_INPUTS = (torch.int64, torch.int32)
+# how a file's doc string says why its sequence axis is not symbolic (`input_info` reads it)
+FIXED_AT = "; sequence length fixed at {}: "
 
 
 def sequence_length(example: torch.Tensor) -> int | None:
@@ -268,11 +270,11 @@ def input_info(proto) -> dict[str, Any]:
         "type": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
         "shape": [d.dim_param or d.dim_value for d in t.shape.dim],
     }
-    length = protos.metadata(proto).get(SEQUENCE_KEY, "")
-    if length.isdigit() and len(info["shape"]) == 2:
-        info["sequence_length"] = int(length)
+    length = protos.trained_length(protos.metadata(proto))
+    if length is not None and len(info["shape"]) == 2:
+        info["sequence_length"] = length
         info["sequence"] = "dynamic" if info["shape"][1] == SEQUENCE else "fixed"
-        mark = f"; sequence length fixed at {length}: "
+        mark = FIXED_AT.format(length)
         if mark in proto.doc_string:
             info["fixed_why"] = proto.doc_string.split(mark, 1)[1]
     return info
@@ -435,8 +437,10 @@ def _export(
                 k: torch.export.Dim(v, min=1, max=sequence) if k else torch.export.Dim(v)
                 for k, v in axes.items()
             }
-            kwargs: dict[str, Any] = {"dynamic_shapes": (dims,) if dims else None}
-            kwargs["external_data"] = False
+            kwargs: dict[str, Any] = {
+                "dynamic_shapes": (dims,) if dims else None,
+                "external_data": False,
+            }
         else:
             kwargs = {"dynamo": False, "input_names": [name], "dynamic_axes": {name: axes}}
             if outputs:
@@ -605,15 +609,14 @@ def _lean_preprocess(fp32: Path, out: Path) -> None:
         try:
             model = onnx.load(str(graph), load_external_data=False)
             try:
-                inferred_model = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, False)
+                model = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, False)
             except Exception:
                 # A symbolic sequence axis: the position table sliced to it gives
                 # Min(L + 1, sequence + 1), which inference cannot prove equal to sequence + 1
                 # and refuses to broadcast. auto_merge takes them as one, which they are for
                 # every length the file accepts (1..L); shapes only size buffers and guide the
                 # quantizer, no node depends on them.
-                inferred_model = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, True)
-            model = inferred_model
+                model = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, True)
             if model is None:  # it gave up on the graph
                 raise _NotLean
             onnx.save(model, str(graph))

@@ -56,6 +56,13 @@ def metadata(model) -> dict[str, str]:
     return {p.key: p.value for p in model.metadata_props}
 
 
+def trained_length(meta: dict[str, str]) -> int | None:
+    """The sequence length a token model's file was trained on, from its metadata (a
+    ModelProto's `metadata`, or ORT's `get_modelmeta().custom_metadata_map`); None without."""
+    value = meta.get(SEQUENCE_KEY, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def keep_only(repeated, keep) -> int:
     """Delete the elements of a repeated message field for which `keep(element)` is false, in
     place and in order; returns how many went. Why not `del field[:]` then `extend(kept)`:

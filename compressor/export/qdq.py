@@ -219,7 +219,7 @@ class Quantizer:
         if self.tables:
             tables.quantize_tables(out)
         if self.recurrent:
-            out, _ = recurrent.quantize_lstms(out)
+            recurrent.quantize_lstms_(out)
         compat.keep_used_opsets(out)
         if ir_version is not None:
             out.ir_version = ir_version

@@ -9,7 +9,7 @@ per-tensor scales, the activations quantized to uint8 on the fly at each step (J
 Inference", CVPR 2018, for the affine scheme; ORT's kernel for the integer matmuls). GRU and
 the plain RNN have no such kernel in ORT and stay FP32.
 
-`quantize_lstms` rewrites only the LSTM nodes of a model that may already hold QDQ units
+`quantize_lstms_` rewrites only the LSTM nodes of a model that may already hold QDQ units
 (the file `int8.choose` builds), through ORT's own `ONNXQuantizer` in its dynamic mode, as
 `quantize_dynamic(op_types_to_quantize=["LSTM"])` does. `int8.choose` keeps the rewrite only
 when the file still holds its agreement floor with FP32 (decided before the compute nodes, as
@@ -46,28 +46,27 @@ def _numel(t: Any) -> int:
     return n
 
 
-def quantize_lstms(model: Any) -> tuple[Any, dict[str, int]]:
-    """`model` (a ModelProto, left unchanged) with each LSTM whose weights are initializers as
-    a `DynamicQuantizeLSTM` (int8 weights), and {first output: weights} of those rewritten. A model
-    without such nodes comes back as it is, with {}."""
-    import logging
+def quantize_lstms_(model: Any) -> dict[str, int]:
+    """Rewrite, in place, each LSTM of `model` (a ModelProto) whose weights are initializers as
+    a `DynamicQuantizeLSTM` (int8 weights); returns {first output: weights} of those rewritten
+    ({} and `model` untouched when it has none), as `tables.quantize_tables` does for tables."""
+    import copy
 
     from onnxruntime.quantization import QuantType
     from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
     from onnxruntime.quantization.quant_utils import QuantizationMode
 
+    from compresskit.compressor.export.qdq import quiet
+
     found = {k: v for k, v in lstm_weights(model).items() if v}
     if not found:
-        return model, {}
-    import copy
-
-    work = copy.deepcopy(model)
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # "check if the model is already quantized": it holds QDQ
-    try:
+        return {}
+    # ORT's quantizer works on a copy: it also rewrites every Gemm as MatMul + Add (breaking
+    # the QDQ unit of a Gemm already in INT8, which ONNX Runtime 1.17.3 then aborted on when
+    # optimizing), so only its LSTM nodes are taken (`_transplant`).
+    with quiet():  # "check if the model is already quantized": it holds QDQ units
         quantizer = ONNXQuantizer(
-            work,
+            copy.deepcopy(model),
             False,  # per_channel: ORT's DynamicQuantizeLSTM takes per-tensor scales
             False,  # reduce_range
             QuantizationMode.IntegerOps,
@@ -81,34 +80,26 @@ def quantize_lstms(model: Any) -> tuple[Any, dict[str, int]]:
             {"MatMulConstBOnly": True},
         )
         quantizer.quantize_model()
-    finally:
-        root.setLevel(level)
     quantized = quantizer.model.model
     kernels = {n.output[0]: n for n in quantized.graph.node if n.op_type == KERNEL}
     rewritten = {k: v for k, v in found.items() if k in kernels}
-    if not rewritten:
-        return model, {}
-    return _transplant(model, quantized, kernels, rewritten), rewritten
+    if rewritten:
+        _transplant_(model, quantized, kernels, rewritten)
+    return rewritten
 
 
-def _transplant(model: Any, quantized: Any, kernels: dict, rewritten: dict[str, int]) -> Any:
-    """A copy of `model` with each rewritten LSTM replaced by its DynamicQuantizeLSTM from
-    `quantized` and the int8 weights, scales and zero points it reads; nothing else changes.
-    Why not ORT's output as it is: its quantizer also rewrites every Gemm as MatMul + Add
-    (breaking the QDQ unit of a Gemm already in INT8, which ONNX Runtime 1.17.3 then aborted
-    on when optimizing)."""
-    import copy
-
+def _transplant_(model: Any, quantized: Any, kernels: dict, rewritten: dict[str, int]) -> None:
+    """Replace, in `model`, each rewritten LSTM by its DynamicQuantizeLSTM from `quantized`,
+    with the int8 weights, scales and zero points it reads; nothing else changes."""
     from compresskit.compressor.export import protos
 
-    out = copy.deepcopy(model)
-    g = out.graph
+    g = model.graph
     have = {t.name for t in g.initializer}
     extra = {t.name: t for t in quantized.graph.initializer}
-    for i, n in enumerate(g.node):
+    for n in g.node:
         if n.op_type == LSTM and n.output and n.output[0] in rewritten:
             k = kernels[n.output[0]]
-            g.node[i].CopyFrom(k)
+            n.CopyFrom(k)
             for name in k.input:
                 if name and name not in have and name in extra:
                     g.initializer.append(extra[name])
@@ -117,9 +108,8 @@ def _transplant(model: Any, quantized: Any, kernels: dict, rewritten: dict[str, 
     for sub in (s for n in g.node for s in protos.subgraphs(n)):
         read |= {x for n in sub.node for x in n.input}
     protos.keep_only(g.initializer, lambda t: t.name in read)
-    if not any(o.domain == "com.microsoft" for o in out.opset_import):
-        out.opset_import.add(domain="com.microsoft", version=1)
-    return out
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.add(domain="com.microsoft", version=1)
 
 
 def int8_lstms(model: Any, original: Any) -> dict[str, int]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compresskit.compressor.export.protos import SEQUENCE, SEQUENCE_KEY
+from compresskit.compressor.export.protos import SEQUENCE, trained_length
 from compresskit.models import checkpoint, safeload
 from compresskit.models.errors import InputError, one_line
 from compresskit.models.zoo import ModelSpec
@@ -269,10 +269,10 @@ def _onnx_model(path: Path, size: int, label: str) -> Model:
     tokens = inputs[0].type == "tensor(int64)"
     first, *dims = inputs[0].shape
     shape = tuple(dims) if all(isinstance(d, int) for d in dims) else None
-    trained = session.get_modelmeta().custom_metadata_map.get(SEQUENCE_KEY, "")
-    dynamic_sequence = tokens and dims == [SEQUENCE] and trained.isdigit() and int(trained) > 0
+    trained = trained_length(session.get_modelmeta().custom_metadata_map)
+    dynamic_sequence = tokens and dims == [SEQUENCE] and trained is not None
     if dynamic_sequence:  # compress's export: 1..L tokens, L the length trained on
-        shape = (int(trained),)
+        shape = (trained,)
     fixed = first if isinstance(first, int) and first > 0 else None
     sibling = path.with_name(path.name.replace(".int8.", ".fp32.").replace(".ort", ".onnx"))
     source = sibling if ".int8." in path.name and sibling.is_file() else None
