@@ -359,6 +359,12 @@ def test_a_shrink_folders_fixed_batch_file_is_timed_at_its_batch(run, tmp_path):
     (skip,) = [s for s in got["skipped"] if "fixed batch" in s["reason"]]
     assert skip["model"] == "model.int8.fixed.onnx"
     assert skip["reason"].endswith("fixed batch of 1: not timed at batch 4")
+    # two thread counts: the skip is listed once, not once per count
+    result = run("bench", folder, "--batch", "1,4", "--threads", "1,2", *FAST, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert [s["reason"] for s in result.json()["skipped"] if "fixed batch" in s["reason"]] == [
+        skip["reason"]
+    ]
 
 
 def test_an_onnx_without_a_float_or_int64_input_is_refused(run, tmp_path):

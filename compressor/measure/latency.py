@@ -467,13 +467,12 @@ def measure(
                 cell, ready = [], []
                 for v in list(live):
                     if v.model.fixed_batch and batch != v.model.fixed_batch:
-                        skipped.append(
-                            _skip(
-                                v,
-                                f"exported with a fixed batch of {v.model.fixed_batch}: not "
-                                f"timed at batch {batch}",
-                            )
+                        why = (
+                            f"exported with a fixed batch of {v.model.fixed_batch}: not timed "
+                            f"at batch {batch}"
                         )
+                        if (skip := _skip(v, why)) not in skipped:  # once, whatever the threads
+                            skipped.append(skip)
                         continue
                     x = inputs(v.model, batch, data, rng)
                     try:
