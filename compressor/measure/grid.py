@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compresskit.compressor.measure import envinfo, latency, variants
+from compresskit.compressor.measure import contention, envinfo, latency, variants
 from compresskit.compressor.measure.variants import DEFAULT_PROVIDERS
 from compresskit.models import data as data_mod
 from compresskit.models import safeload, zoo
@@ -212,7 +212,23 @@ def notes(environment: dict[str, Any], results: list[dict[str, Any]]) -> list[st
     out = []
     load = environment.get("load_average_1min")
     cores = environment.get("usable_cores") or environment.get("logical_cores")
-    if load is not None and cores and load > cores:  # more runnable work than cores
+    measured = [r for r in results if r.get("other_cores") is not None]
+    if measured and cores:  # measured over each cell's timing window (Linux)
+        cells: dict[tuple[int, int], float] = {}
+        for r in measured:
+            if contention.contended(r["other_cores"], cores, r["threads"]):
+                cells[r["batch"], r["threads"]] = r["other_cores"]
+        if cells:
+            where = ", ".join(
+                f"batch {b} at {t} thread{'s' * (t > 1)} ({o:.1f} cores busy)"
+                for (b, t), o in sorted(cells.items())
+            )
+            out.append(
+                f"other processes kept cores busy while these were timed, on {cores} usable "
+                f"cores: {where}; their latencies read high and the measured peaks (and % "
+                "peak) low"
+            )
+    elif load is not None and cores and load > cores:  # more runnable work than cores
         out.append(
             f"load average {load:.1f} on {cores} usable cores: other work ran beside the "
             "timings, so latencies read high and the measured peaks (and % peak) low"

@@ -431,7 +431,7 @@ def measure(
     """Run the grid. Returns (results, skipped, extra): `extra` holds the peak probes and which
     variant the agreement and speed-up columns are measured against."""
     from compresskit.compressor import stats
-    from compresskit.compressor.measure import envinfo
+    from compresskit.compressor.measure import contention, envinfo
 
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -481,6 +481,7 @@ def measure(
                     except Skip as e:  # reported once; not retried in later cells
                         skipped.append(_skip(v, str(e)))
                         live.remove(v)
+                before = contention.sample()
                 times = (
                     interleaved_timed(
                         [p.run for p in ready], cfg.min_seconds, cfg.min_runs, cfg.warmup
@@ -488,10 +489,13 @@ def measure(
                     if ready
                     else []
                 )
+                # what other processes took of the cores while this cell was timed
+                other = contention.other_cores(before, contention.sample())
                 first = None
                 for v, p, t in zip(cell, ready, times, strict=True):
                     row = _row(v, batch, threads, stats.summarize(t, batch), p, accuracy)
                     row["threads_requested"] = requested
+                    row["other_cores"] = None if other is None else round(other, 2)
                     macs = _macs(v, batch, data)
                     row["macs"] = macs
                     if v.name == speed_reference or first is None:
