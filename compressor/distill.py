@@ -341,7 +341,8 @@ def distill_student(
     x = data.x_train[:2]
     classes = []
     for i, m in enumerate(members):
-        data_mod.check_fits(m, data, "teacher" if i == 0 else str(d.teachers[i - 1]))
+        name = "teacher" if i == 0 else str(d.teachers[i - 1])
+        data_mod.check_fits(m, data, name, trains=False)  # teachers run in eval mode only
         with torch.no_grad():
             classes.append(m.eval()(x).shape[1])
     if len(set(classes)) > 1:

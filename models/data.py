@@ -670,12 +670,24 @@ def _npz_x(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
 
+SINGLE_LABEL = (
+    "compress trains single-label classifiers (regression, multi-label and per-pixel targets "
+    "are not supported)"
+)
+
+
 def _npz_y(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
     if a.ndim != 1:
-        raise InputError(f"--data {spec!r}: labels {name} must be 1-D, got shape {a.shape}")
+        raise InputError(
+            f"--data {spec!r}: labels {name} must be 1-D, one class id per sample, got shape "
+            f"{a.shape}; {SINGLE_LABEL}"
+        )
     if a.dtype.kind == "f":
         if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
-            raise InputError(f"--data {spec!r}: labels {name} must be whole numbers")
+            raise InputError(
+                f"--data {spec!r}: labels {name} must be whole numbers, one class id per "
+                f"sample; {SINGLE_LABEL}"
+            )
     elif a.dtype.kind not in "iub":
         raise InputError(f"--data {spec!r}: labels {name} have dtype {a.dtype}; use integers")
     return torch.from_numpy(a.astype(np.int64))
@@ -882,7 +894,7 @@ def _check_fields(d: Dataset) -> None:
         if y.dtype != torch.int64 or y.ndim != 1:
             raise InputError(
                 f"Dataset {yn} is {y.dtype} of shape {tuple(y.shape)}; labels are int64 (N,) "
-                "class numbers"
+                f"class numbers: {SINGLE_LABEL}"
             )
         if len(x) == 0:
             if part == "val":
@@ -1044,12 +1056,15 @@ def _layout_hint(data: Dataset) -> str:
     )
 
 
-def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
+def check_fits(model: torch.nn.Module, data: Dataset, model_name: str, trains: bool = True) -> None:
     """Fail with one line when `data` cannot go through `model` (arguments, shape, token ids
-    beyond its vocabulary, or class count).
+    beyond its vocabulary, class count), or when its output is not one (batch, classes) tensor
+    of logits.
 
-    Runs one forward pass on two training samples, in eval mode so BatchNorm statistics stay
-    untouched.
+    Runs forward passes on one and two training samples in eval mode and, for a model that
+    `trains`, on two in training mode (an auxiliary head returns a tuple there only). The
+    training-mode pass leaves the model as it found it: buffers (BatchNorm statistics) are put
+    back and torch's generator (dropout) is forked.
     """
     check_one_input(model, model_name)
     what = "token ids" if data.is_tokens else "inputs" if _user_arrays(data) else "images"
@@ -1084,30 +1099,74 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str) -> None:
             "float32: pass model.float()"
         )
     was_training = model.training
-    model.eval()
+    try:
+        model.eval()
+        out = _forward(model, data, 2, what, hint, model_name)
+        _check_output(out, 2, model_name, data, hint)
+        one = _forward(model, data, 1, what, hint, model_name)
+        if not isinstance(one, torch.Tensor) or tuple(one.shape) != (1, out.shape[1]):
+            got = tuple(one.shape) if isinstance(one, torch.Tensor) else type(one).__name__
+            raise InputError(
+                f"model {model_name} returns {got} for a batch of 1 but "
+                f"{tuple(out.shape)} for a batch of 2: its forward drops the batch axis "
+                "(a .squeeze() of an (N, C, 1, 1) head does at batch 1); use .flatten(1)"
+            )
+        if trains:
+            kept = [b.detach().clone() for b in model.buffers()]
+            model.train()
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    out = _forward(model, data, 2, what, hint, model_name, " in training mode")
+            finally:
+                with torch.no_grad():
+                    for b, k in zip(model.buffers(), kept, strict=True):
+                        b.copy_(k)
+            _check_output(out, 2, model_name, data, hint, " in training mode")
+    finally:
+        model.train(was_training)
+    if out.shape[1] >= 2 and _probabilities(out):
+        raise InputError(
+            f"model {model_name} returns probabilities (each row is >= 0 and sums to 1): "
+            "train and shrink need logits, as cross-entropy takes them; end forward before "
+            "the softmax and apply it in your app (log_softmax may stay)"
+        )
+    check_labels(data, out.shape[1], model_name)
+
+
+def _forward(model, data: Dataset, n: int, what: str, hint: str, model_name: str, mode=""):
     try:
         with torch.no_grad():
-            out = model(data.x_train[:2])
+            return model(data.x_train[:n])
     except Exception as e:  # the model's own code decides what it raises
         detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
         hint = hint or _layout_hint(data)
         raise InputError(
             f"--data {data.spec!r}: {what} of shape {tuple(data.in_shape)} do not fit model "
-            f"{model_name} ({type(e).__name__}: {detail[:200]}){hint}"
+            f"{model_name}{mode} ({type(e).__name__}: {detail[:200]}){hint}"
         ) from None
-    finally:
-        model.train(was_training)
-    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != 2:
+
+
+def _check_output(out, n: int, model_name: str, data: Dataset, hint: str, mode="") -> None:
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != n:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         if isinstance(out, dict | tuple | list):
             # bench scores a "logits" entry of several outputs; training needs the one tensor
             hint = (
                 "; train and shrink need the logits alone: return them from forward (a "
                 "Hugging Face model: .logits), keeping other outputs for your own code"
+                if not mode
+                else "; train and shrink need the logits alone in training mode too: build it "
+                "without its auxiliary heads (torchvision's GoogLeNet: aux_logits=False)"
             )
         hint = hint or _layout_hint(data)
         raise InputError(
-            f"model {model_name} returns {got} for a batch of 2; "
-            f"a classifier returns one tensor of shape (batch, classes){hint}"
+            f"model {model_name} returns {got} for a batch of {n}{mode}; "
+            "compress trains single-label classifiers: one tensor of shape (batch, classes)"
+            f"{hint}"
         )
-    check_labels(data, out.shape[1], model_name)
+
+
+def _probabilities(out: torch.Tensor) -> bool:
+    """Every row non-negative and summing to 1: a softmax output, not logits."""
+    out = out.detach().float()
+    return bool((out >= -1e-6).all() and ((out.sum(1) - 1).abs() < 1e-4).all())

@@ -37,6 +37,19 @@ def usermod(tmp_path, monkeypatch):
             def forward(self, x):
                 raise ValueError("bad input in my model")
 
+        class Squeezes(Net):  # an (N, C, 1, 1) head squeezed: (C,) at batch 1
+            def forward(self, x):
+                return self.fc(x.flatten(1))[:, :, None, None].squeeze()
+
+        class AuxInTraining(Net):  # GoogLeNet's auxiliary logits, in training mode only
+            def forward(self, x):
+                out = self.fc(x.flatten(1))
+                return (out, out) if self.training else out
+
+        class Softmax(Net):
+            def forward(self, x):
+                return self.fc(x.flatten(1)).softmax(1)
+
         class FailsInTraining(Net):
             def forward(self, x):
                 if self.training and x.shape[0] > 2:
@@ -65,7 +78,26 @@ def _one_line(result, code, message):
         (
             ["--model", "odd_models:ReturnsTuple"],
             2,
-            "returns tuple for a batch of 2; a classifier returns one tensor of shape (batch, classes); train and shrink need the logits alone",
+            "returns tuple for a batch of 2; compress trains single-label classifiers: one "
+            "tensor of shape (batch, classes); train and shrink need the logits alone",
+        ),
+        (
+            ["--model", "odd_models:Squeezes"],
+            2,
+            "returns (10,) for a batch of 1 but (2, 10) for a batch of 2: its forward drops "
+            "the batch axis (a .squeeze() of an (N, C, 1, 1) head does at batch 1); use "
+            ".flatten(1)",
+        ),
+        (
+            ["--model", "odd_models:AuxInTraining"],
+            2,
+            "returns tuple for a batch of 2 in training mode; compress trains single-label "
+            "classifiers",
+        ),
+        (
+            ["--model", "odd_models:Softmax"],
+            2,
+            "returns probabilities (each row is >= 0 and sums to 1): train and shrink need logits",
         ),
         (["--model", "odd_models:ForwardRaises"], 2, "ValueError: bad input in my model"),
         (["--model", "odd_models:FailsInTraining"], 1, "IndexError: index 7 is out of bounds"),

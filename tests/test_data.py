@@ -118,7 +118,17 @@ def _npz(tmp_path, **arrays):
             lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.zeros(9)),
             "x has 10 images but y has 9 labels",
         ),
-        (lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.full(10, 0.5)), "whole numbers"),
+        (
+            # a regression target reads as a task compress does not do, not as "round them"
+            lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.full(10, 0.5)),
+            "whole numbers, one class id per sample; compress trains single-label classifiers "
+            r"\(regression, multi-label and per-pixel targets are not supported\)",
+        ),
+        (
+            lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.zeros((10, 8, 8), np.int64)),
+            r"labels y must be 1-D, one class id per sample, got shape \(10, 8, 8\); compress "
+            "trains single-label classifiers",
+        ),
         (
             lambda t: _npz(t, x=np.zeros((10, 8, 8)), y=np.zeros(10), x_test=np.zeros((3, 8, 8))),
             "both x_test and y_test",
@@ -184,6 +194,28 @@ def test_more_classes_than_the_model_predicts(mnist_dir):
     model = build(ModelSpec("mlp", {"in_shape": [1, 28, 28], "num_classes": 5}))
     with pytest.raises(InputError, match="labels reach 9 but model mlp predicts 5"):
         check_fits(model, data, "mlp")
+
+
+def test_the_training_mode_probe_leaves_statistics_and_the_generator_as_they_were():
+    """check_fits runs the model in training mode (an auxiliary head shows only there): a
+    BatchNorm's running averages and torch's generator (dropout) are as before, and so is the
+    mode the model came in."""
+    data = load("digits")
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16),
+        torch.nn.Dropout(0.5), torch.nn.Linear(16, 10),
+    )  # fmt: skip
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    check_fits(model, data, "net")
+    assert torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert int(model[2].num_batches_tracked) == 0 and model.training
+    model.eval()
+    check_fits(model, data, "net")
+    assert not model.training
 
 
 def test_a_model_of_flat_features_is_told_how_they_arrive(tmp_path):
