@@ -7,6 +7,7 @@ also the one JSON object on stdout: {"error": "...", "exit_code": N}.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -141,12 +142,44 @@ class _Log:
     def write(self, text: str) -> int:
         n = self.stream.write(text)
         if not any(code in text for code in _REDRAW):
-            self.file.write(_ANSI.sub("", text))
+            self._put(_ANSI.sub("", text))
         return n
 
     def flush(self) -> None:
         self.stream.flush()
-        self.file.flush()
+        if self.file is not None:
+            try:
+                self.file.flush()
+            except OSError as e:
+                self._broken(e)
+
+    def _put(self, text: str) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(text)
+        except OSError as e:  # a full disk, a quota: the log is a copy, the command goes on
+            self._broken(e)
+
+    def _broken(self, e: OSError) -> None:
+        f, self.file = self.file, None
+        with contextlib.suppress(OSError):
+            f.close()
+        self.stream.write(
+            f"warning: --log-file {self.path}: cannot write it ({e.strerror or e}); the log "
+            "stops here, the command goes on\n"
+        )
+
+    def close(self) -> None:
+        f, self.file = self.file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError as e:  # the last buffered lines did not fit
+                self.stream.write(
+                    f"warning: --log-file {self.path}: its end could not be written "
+                    f"({e.strerror or e})\n"
+                )
 
     def isatty(self) -> bool:
         return self.stream.isatty()
@@ -159,7 +192,7 @@ class _Log:
         return getattr(self.stream, "encoding", "utf-8")
 
     def debug(self, text: str) -> None:
-        self.file.write(f"debug: {text.rstrip()}\n")
+        self._put(f"debug: {text.rstrip()}\n")
 
     def warning(self, message, category, filename, lineno, file=None, line=None) -> None:
         self.debug(warnings.formatwarning(message, category, filename, lineno, line))
@@ -185,7 +218,7 @@ def _close_log() -> None:
     if log is not None:
         if sys.stderr is log:
             sys.stderr = log.stream
-        log.file.close()
+        log.close()
 
 
 # Names of models, archives and data: never a log's or a report's (writing there replaces them).
@@ -226,12 +259,18 @@ def log_option(f):
                     ctx,
                     param,
                 )
+            log = None
             try:
-                _State.log = _Log(os.fsdecode(value), sys.stderr)
+                log = _Log(os.fsdecode(value), sys.stderr)
+                # the first line written now: a disk too full for it is refused before any work
+                log.file.write(f"debug: compress {' '.join(_State.argv)}\n")
             except OSError as e:
+                if log is not None:
+                    with contextlib.suppress(OSError):  # its buffer cannot be written either
+                        log.file.close()
                 raise click.BadParameter(f"{value}: cannot write it ({e.strerror})") from None
+            _State.log = log
             sys.stderr = _State.log
-            _State.log.debug(f"compress {' '.join(_State.argv)}")
             if not os.environ.get("COMPRESS_DEBUG"):  # warnings: to the log, not the terminal
                 warnings.simplefilter("default")
                 warnings.showwarning = _State.log.warning

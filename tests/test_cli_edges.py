@@ -721,3 +721,58 @@ def test_a_log_file_replaces_only_an_earlier_log(run, tmp_path):
         args = ("train", "--epochs", "1", "-q", "--out", tmp_path / "m.pt", *force)
         assert run(*args, "--log-file", log).exit_code == 0
     assert log.read_text().startswith("debug: compress train")
+
+
+class _FullDisk:
+    """A log file on a disk that fills after `room` writes (ENOSPC, as a quota or tmpfs)."""
+
+    def __init__(self, room: int) -> None:
+        self.room, self.lines = room, []
+
+    def write(self, text):
+        if self.room <= 0:
+            raise OSError(28, "No space left on device")
+        self.room -= 1
+        self.lines.append(text)
+
+    def flush(self):
+        if self.room <= 0:
+            raise OSError(28, "No space left on device")
+
+    def close(self):
+        self.flush()
+
+
+@pytest.mark.parametrize("room", [0, 3])
+def test_a_log_file_on_a_full_disk_is_one_line_not_a_traceback(run, tmp_path, monkeypatch, room):
+    """A 400 kB tmpfs: a 30-line traceback, exit 1 and no JSON on stdout. Full before the run
+    starts: refused, exit 2. Full during it: one warning, the log stops, the command finishes."""
+    from compresskit.cli import main
+
+    real = main._Log.__init__
+    disks = []
+
+    def on_a_full_disk(self, path, stream, append=False):
+        real(self, path, stream, append)
+        self.file.close()
+        self.file = _FullDisk(room)
+        disks.append(self.file)
+
+    monkeypatch.setattr(main._Log, "__init__", on_a_full_disk)
+    log = tmp_path / "x.log"
+    out = tmp_path / "m.pt"
+    result = run("train", "--model", "mlp", "--epochs", "1", "--out", out, "--log-file", log,
+                 "--json")  # fmt: skip
+    assert "Traceback" not in result.stderr
+    if room == 0:
+        _one_line(result, 2, f"{log}: cannot write it (No space left on device)")
+        assert result.json()["exit_code"] == 2 and not out.exists()
+        return
+    assert result.exit_code == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if "--log-file" in line]
+    assert warned == [
+        f"warning: --log-file {log}: cannot write it (No space left on device); the log stops "
+        "here, the command goes on"
+    ]
+    assert result.json()["test_accuracy"] > 0 and out.exists()
+    assert len(disks[0].lines) == 3 and disks[0].lines[0].startswith("debug: compress train")
