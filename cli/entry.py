@@ -89,11 +89,15 @@ def main() -> None:
         run()
     except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported
         interrupted()
-    except SystemExit as e:
-        if e.code == EXIT_INTERRUPTED:  # reported by cli.main: no second Ctrl-C in shutdown,
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # whose cleanup (queues, temp
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise  # folders of worker pools) still runs
+    except SystemExit:
+        # The command has said its result (or its error) and written its files: a signal in
+        # the second or so of interpreter teardown that follows (torch, ONNX Runtime) killed
+        # the process by that signal (exit -15 after a complete --json result), and a second
+        # Ctrl-C after an interrupt printed a traceback. The teardown's cleanup (queues, temp
+        # folders of worker pools) still runs; only the signals wait for it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
 
 
 if __name__ == "__main__":
