@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from compresskit.cli import entry
+from compresskit.models import fileio
 from compresskit.models.errors import CompressError
 from compresskit.models.jsonable import finite
 
@@ -370,6 +371,9 @@ class CompressGroup(click.Group):
                 _fail("interrupted", EXIT_INTERRUPTED)
             if os.environ.get("COMPRESS_DEBUG"):
                 raise
+            if (reason := fileio.machine_failure(e)) is not None:  # the machine's, not ours
+                where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
+                _fail(f"{reason}{where}; free space (or memory) and run it again", EXIT_FAILURE)
             detail = (str(e).strip().splitlines() or [""])[0]
             _fail(
                 f"{type(e).__name__}: {detail} (unexpected; COMPRESS_DEBUG=1 shows the traceback)",

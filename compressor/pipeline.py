@@ -33,7 +33,14 @@ from compresskit.models import checkpoint
 from compresskit.models.base import batch_statistics
 from compresskit.models.data import Dataset, check_kind, embedding_rows, npz_layout
 from compresskit.models.errors import InputError, StageError, one_line
-from compresskit.models.fileio import atomic_path, check_writable, refuse_link, same_file, umask
+from compresskit.models.fileio import (
+    atomic_path,
+    check_writable,
+    machine_failure,
+    refuse_link,
+    same_file,
+    umask,
+)
 from compresskit.models.zoo import ModelSpec, build, state_shapes
 
 TAYLOR_SAMPLES = 256  # training samples whose gradients rank channels (Taylor importance)
@@ -711,6 +718,10 @@ def _export(
         except InputError:
             raise
         except Exception as e:
+            if (reason := machine_failure(e, tmp)) is not None:
+                # a full disk or memory is the machine's, not a graph ORT cannot take:
+                # shipping FP32 with exit 0 hid it from the job that wanted the INT8 file
+                raise StageError(f"the INT8 step: {reason} (in {tmp.resolve().parent})") from e
             # Everything before (the archive, the FP32 file, its parity) stands: an INT8 step
             # that ONNX Runtime's tools cannot take (an STFT front end crashed its shape
             # inference) ships the FP32 file with the reason, not an exit 1 that threw the

@@ -13,12 +13,48 @@ parent folders are the user's own layout and are followed.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from compresskit.models.errors import InputError
+from compresskit.models.errors import InputError, StageError
+
+# The machine's failures, not the input's: a full disk or quota, a read-only remount, an I/O
+# error. They fail the run (exit 1) with what happened, never read as a model problem.
+MACHINE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+# torch.save and ONNX Runtime report a full disk as their own C++ errors ("unexpected pos
+# 368704 vs 368596", "basic_ios::clear", "Failed to save"): less than this free where the
+# failed write went is read as the disk being full.
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def machine_failure(e: BaseException, folder: str | os.PathLike | None = None) -> str | None:
+    """What went wrong when `e` is the machine's (out of memory, disk full, I/O), else None.
+    `folder`: where the failed write went, to recognise a full disk behind a library's own
+    error text."""
+    if isinstance(e, MemoryError):
+        return "out of memory"
+    if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
+        return (e.strerror or os.strerror(e.errno)).lower()
+    if folder is not None and isinstance(e, Exception):
+        try:
+            if shutil.disk_usage(folder).free < NEARLY_FULL_BYTES:
+                return "no space left on device"
+        except OSError:
+            pass
+    return None
+
+
+def visible_folder(path: str | os.PathLike) -> Path:
+    """The folder a user knows `path` by: above the hidden staging folders (`.out.host-pid.x`)
+    that outputs are written in before they are renamed into place."""
+    folder = Path(os.path.abspath(path)).parent
+    while folder.name.startswith(".") and folder.parent != folder:
+        folder = folder.parent
+    return folder
 
 
 def check_writable(
@@ -116,9 +152,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.chmod(tmp_path, 0o666 & ~umask())  # mkstemp makes 0600; give the usual mode
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as e:
+        reason = machine_failure(e, path.parent)  # before the temporary file frees its room
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+        if reason is not None and not isinstance(e, StageError | InputError):
+            raise StageError(
+                f"cannot write {path.name} in {visible_folder(path)}: {reason}; free space "
+                "there or write elsewhere"
+            ) from e
         raise
 
 

@@ -150,6 +150,35 @@ def test_interrupted_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
 
 
+def test_a_full_disk_names_the_file_and_the_folder_and_leaves_no_temp(tmp_path, monkeypatch):
+    """torch.save on a full tmpfs said "RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos 368704 vs 368596 (unexpected)": nothing about a disk, or which file."""
+    import shutil
+
+    from compresskit.models import StageError, fileio
+
+    staged = tmp_path / ".out.host-1.x1y2"  # shrink's hidden staging folder beside --out
+    staged.mkdir()
+    path = staged / "model.pt"
+    with pytest.raises(StageError) as info, atomic_path(path):
+        raise OSError(28, "No space left on device")
+    assert str(info.value) == (
+        f"cannot write model.pt in {tmp_path}: no space left on device; free space there or "
+        "write elsewhere"
+    )
+    # a library's own words for it: read from the free space where the write went
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(StageError, match="no space left on device"), atomic_path(path):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 368704")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1 << 30))
+    with pytest.raises(RuntimeError, match="unexpected pos"), atomic_path(path):
+        raise RuntimeError("unexpected pos 368704")  # room enough: not the disk, as it was
+    assert list(staged.iterdir()) == []
+    assert fileio.machine_failure(MemoryError()) == "out of memory"
+    assert fileio.machine_failure(OSError(2, "No such file or directory")) is None
+
+
 def test_check_writable(tmp_path):
     assert check_writable(tmp_path / "a.pt") == tmp_path / "a.pt"
     with pytest.raises(InputError, match="does not exist"):

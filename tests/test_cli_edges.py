@@ -776,3 +776,31 @@ def test_a_log_file_on_a_full_disk_is_one_line_not_a_traceback(run, tmp_path, mo
     ]
     assert result.json()["test_accuracy"] > 0 and out.exists()
     assert len(disks[0].lines) == 3 and disks[0].lines[0].startswith("debug: compress train")
+
+
+@pytest.mark.parametrize(
+    ("failure", "said"),
+    [
+        (OSError(28, "No space left on device", "/data/x.bin"),
+         "error: no space left on device writing /data/x.bin; free space (or memory) and run "
+         "it again"),
+        (MemoryError(), "error: out of memory; free space (or memory) and run it again"),
+        (OSError(2, "No such file or directory"),
+         "error: FileNotFoundError: [Errno 2] No such file or directory (unexpected; "),
+    ],
+)  # fmt: skip
+def test_the_machines_failures_are_said_as_such(run, monkeypatch, failure, said):
+    """A full disk outside an output write (30 kB left) read "OSError: [Errno 28] No space
+    left on device (unexpected; COMPRESS_DEBUG=1 shows the traceback)"."""
+    import click
+
+    from compresskit.cli.main import cli
+
+    @click.command("fill")
+    def fill():
+        raise failure
+
+    monkeypatch.setitem(cli.commands, "fill", fill)
+    result = run("fill")
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith(said), result.stderr

@@ -715,3 +715,27 @@ def test_an_int8_step_that_fails_ships_the_fp32_file_with_the_reason(
     # --strict fails the run on it, nothing written
     result = run(*args[:-1], tmp_path / "strict", "--strict", "-q")
     assert result.exit_code == 1 and not (tmp_path / "strict").exists()
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), MemoryError()])
+def test_a_full_disk_in_the_int8_step_fails_the_run_not_the_int8_file(
+    run, tmp_path, trained, monkeypatch, failure
+):
+    """Another job filled the disk during calibration: the run shipped the FP32 file with exit
+    0 ("the INT8 step failed: OSError ..."), and a CI job that wanted the INT8 file found out
+    later. The machine's failures fail the run, nothing written."""
+    from compresskit.compressor import export
+
+    folder, _, _ = trained
+
+    def full(fp32, out):
+        raise failure
+
+    monkeypatch.setattr(export, "preprocess", full)
+    out = tmp_path / "out"
+    result = run("shrink", folder / "lenet300.pt", "--recipe", folder / "fast.toml", "--out",
+                 out, "--json", "-q")  # fmt: skip
+    assert result.exit_code == 1, result.stderr
+    said = "no space left on device" if isinstance(failure, OSError) else "out of memory"
+    assert result.json()["error"] == f"the INT8 step: {said} (in {tmp_path})"
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -36,6 +36,7 @@ import numpy as np
 
 from compresskit.compressor.export import protos
 from compresskit.compressor.export.protos import SEQUENCE
+from compresskit.models import fileio
 from compresskit.models.errors import InputError, StageError
 from compresskit.models.fileio import atomic_path, check_writable
 
@@ -233,6 +234,11 @@ def to_ort(onnx_path: Path, out_path: Path) -> dict:
             ) from None
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+            if fileio.machine_failure(RuntimeError(lines[-1]), tmp) is not None:
+                raise StageError(  # ORT's "Failed to save ORT format model": a full disk
+                    f"cannot write {out.name} in {fileio.visible_folder(out)}: no space left "
+                    "on device; free space there or write elsewhere"
+                )
             raise StageError(f"{onnx_path}: convert_onnx_models_to_ort failed: {lines[-1]}")
         # Glob rather than predict names: ORT_CONVERT_ONNX_MODELS_TO_ORT_OPTIMIZATION_LEVEL
         # in the environment adds the level to both names (model.basic.ort).
