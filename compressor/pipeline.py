@@ -37,6 +37,7 @@ from compresskit.models.fileio import (
     atomic_path,
     check_writable,
     machine_failure,
+    output_lock,
     refuse_link,
     same_file,
     umask,
@@ -177,7 +178,6 @@ def _seeded(fn):
     return run
 
 
-@_seeded
 def shrink_to_folder(
     model: nn.Module,
     spec: ModelSpec,
@@ -193,15 +193,33 @@ def shrink_to_folder(
 
     The guardrails (`compressor.guard`) are checked on the finished report: their findings go
     in `report["guard"]`, and under `guard.strict` any finding fails the run (StageError)
-    before anything is written."""
-    check_out_dir(out, force)
+    before anything is written. A second run into the same `out` while this one goes is
+    refused (InputError), before its checks."""
+    check_out_dir(out, force)  # a bad --out is said as such, not as a lock problem
+    with output_lock(out) as locked:
+        return _shrink_to_folder(model, spec, recipe, hooks, out, metadata, data, force, locked)
+
+
+@_seeded
+def _shrink_to_folder(
+    model: nn.Module,
+    spec: ModelSpec,
+    recipe: Recipe,
+    hooks: shrink_mod.Hooks,
+    out: Path,
+    metadata: dict[str, Any],
+    data: Dataset | None,
+    force: bool,
+    locked: bool,
+) -> dict[str, Any]:
+    check_out_dir(out, force)  # again under the lock: a run that ended meanwhile wrote there
     name = stem(recipe)
     clock = _Clock(hooks.info)
     hooks = clock.timed_retrain(hooks)
     calib = preflight(recipe, data, model)
     if recipe.export.enabled and data is not None:
         _probe_opset(model, recipe, data)
-    _remove_abandoned(out)
+    _remove_abandoned(out, locked)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{_owner()}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
     try:
@@ -869,16 +887,21 @@ def _owner(pid: int | None = None) -> str:
     return f"{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
-def _remove_abandoned(out: Path) -> None:
-    """Staging folders of earlier runs into `out` whose process has ended without cleaning up
-    (killed by SIGKILL or the OOM killer: SIGTERM and Ctrl-C clean up), on this host. A run
-    still going, another host's run or a folder named otherwise is left alone."""
+def _remove_abandoned(out: Path, locked: bool = False) -> None:
+    """Staging folders of earlier runs into `out` on this host whose process ended without
+    cleaning up (killed by SIGKILL or the OOM killer: SIGTERM and Ctrl-C clean up). Holding
+    `out`'s lock (`locked`), every one of this host's is abandoned whatever pid it names (in
+    a container the next job often gets the dead one's pid); without it, those whose process
+    is gone. Another host's run, or a folder named otherwise, is left alone."""
     import glob as glob_mod
 
     head = f".{out.name}.{socket.gethostname()}-"
     for folder in out.parent.glob(glob_mod.escape(head) + "*"):
         pid = folder.name[len(head) :].split(".", 1)[0]
         if not pid.isdigit() or not folder.is_dir() or folder.is_symlink():
+            continue
+        if locked:
+            shutil.rmtree(folder, ignore_errors=True)
             continue
         try:
             os.kill(int(pid), 0)

@@ -41,7 +41,7 @@ from compresskit.models import checkpoint, data, zoo
 from compresskit.models.base import batch_statistics
 from compresskit.models.data import SPECS_HELP, Dataset, as_dataset, spec_files
 from compresskit.models.errors import InputError, brief
-from compresskit.models.fileio import check_writable
+from compresskit.models.fileio import check_writable, output_lock
 
 # Settings a resumed run may change: the rest must match the checkpoint's.
 _RESUME_MAY_CHANGE = {
@@ -381,8 +381,15 @@ def run(
                 f"--workers {job.workers} with --device cuda: this machine has {count} GPU(s); "
                 f"give --workers {count} or fewer"
             )
-    if launch.DistEnv.from_torchrun() is not None:
+    if launch.DistEnv.from_torchrun() is not None:  # ranks on several hosts: torchrun's job
         return _dispatch(job, events_factory, gpu)
+    # A second run writing this checkpoint (its epoch checkpoints too) is refused while this
+    # one goes: both finished with exit 0 and the file held whichever wrote last.
+    with output_lock(job.out):
+        return _run_here(job, events, events_factory, gpu)
+
+
+def _run_here(job: TrainJob, events, events_factory, gpu: bool) -> TrainResult:
     # more local processes than the machine runs: refused before anything loads
     if job.ps is not None:
         launch.check_processes(job.ps.workers + job.ps.servers)
@@ -677,6 +684,8 @@ def _prepare(job: TrainJob, events: Events):
                 f"of {job.config.epochs} epochs"
             )
     else:
+        if job.resume:  # a requeued job's first run; a mistyped path would say so here too
+            events.info(f"nothing to resume at {job.out} yet: training from the start")
         ds = _load(job.data, _input_name(job.model))
         data.check_kind(job.model, ds)
         spec = zoo.resolve_spec(job.model, job.model_kwargs, ds.in_shape, ds.num_classes)

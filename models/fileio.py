@@ -16,6 +16,7 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -162,6 +163,59 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
                 "there or write elsewhere"
             ) from e
         raise
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike) -> Iterator[bool]:
+    """Hold `out` for this run: a second run writing the same output (a checkpoint, a shrink
+    folder) is refused at once, not left to replace the first one's files unasked when both
+    finish. The lock is `flock` on a hidden `.NAME.lock` beside `out`, which holds the owner
+    (host-pid) and is removed at the end; the kernel drops a lock whose process died, so a
+    file left by a killed run locks nothing. Where `flock` is missing (Windows) or refused
+    (some network file systems), the block runs unlocked, as before. Yields whether it holds
+    the lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    out = Path(os.path.abspath(out))
+    lock = out.parent / f".{out.name}.lock"
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    while True:
+        try:
+            fd = os.open(lock, flags, 0o666 & ~umask())
+        except OSError:  # no right to create it, a link planted there: unlocked, as before
+            yield False
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise InputError(
+                f"{out}: another compress run ({holder}) is writing it; wait for it to end "
+                "or write elsewhere"
+            ) from None
+        except OSError:  # a file system without flock
+            os.close(fd)
+            yield False
+            return
+        try:  # still the file at that path, not one a finishing run has just removed
+            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        with contextlib.suppress(OSError):  # who holds it: only for the other run's message
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{socket.gethostname()}-{os.getpid()}".encode(), 0)
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # before the lock is let go, so no one locks a removed file
+        os.close(fd)
 
 
 @contextlib.contextmanager

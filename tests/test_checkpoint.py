@@ -1,4 +1,5 @@
 import gc
+import os
 import zipfile
 from pathlib import Path
 
@@ -177,6 +178,31 @@ def test_a_full_disk_names_the_file_and_the_folder_and_leaves_no_temp(tmp_path, 
     assert list(staged.iterdir()) == []
     assert fileio.machine_failure(MemoryError()) == "out of memory"
     assert fileio.machine_failure(OSError(2, "No such file or directory")) is None
+
+
+def test_an_output_is_held_by_one_run_at_a_time(tmp_path):
+    """Two runs into one --out both finished with exit 0, and the second replaced the first's
+    files unasked; now the second is refused at once, naming the first."""
+    import socket
+
+    from compresskit.models import fileio
+
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.lock"
+    lock.write_text("a killed run's")  # left by SIGKILL: the kernel let its lock go
+    with fileio.output_lock(out) as held:
+        assert held and lock.read_text() == f"{socket.gethostname()}-{os.getpid()}"
+        with pytest.raises(InputError) as info, fileio.output_lock(out):
+            pass
+        assert str(info.value) == (
+            f"{out}: another compress run ({socket.gethostname()}-{os.getpid()}) is writing "
+            "it; wait for it to end or write elsewhere"
+        )
+        with fileio.output_lock(tmp_path / "other"):  # another output: its own lock
+            pass
+    assert list(tmp_path.iterdir()) == []  # the lock file goes with the run
+    with fileio.output_lock(out) as held:  # and the next run takes it
+        assert held
 
 
 def test_check_writable(tmp_path):

@@ -804,3 +804,14 @@ def test_the_machines_failures_are_said_as_such(run, monkeypatch, failure, said)
     result = run("fill")
     assert result.exit_code == 1
     assert result.stderr.strip().startswith(said), result.stderr
+
+
+def test_resume_with_no_checkpoint_yet_says_it_starts_afresh(run, tmp_path):
+    """A requeued job runs the same `--resume` command from its first run on; a mistyped path
+    trained from scratch without a word."""
+    out = tmp_path / "m.pt"
+    result = run("train", "--model", "mlp", "--epochs", "1", "--out", out, "--resume")
+    assert result.exit_code == 0, result.stderr
+    assert f"nothing to resume at {out} yet: training from the start" in result.stderr
+    again = run("train", "--model", "mlp", "--epochs", "2", "--out", out, "--resume")
+    assert again.exit_code == 0 and "nothing to resume" not in again.stderr

@@ -681,6 +681,27 @@ def test_a_killed_runs_staging_folder_is_removed_by_the_next(tmp_path):
         (folder / "model.dcz").write_bytes(b"half")
     pipeline._remove_abandoned(out)
     assert not abandoned.exists() and running.exists() and other.exists()
+    # holding out's lock, this host's folders are all abandoned, whatever pid they name (a
+    # container's next job often has the dead one's pid); another host's are left alone
+    pipeline._remove_abandoned(out, locked=True)
+    assert not running.exists() and other.exists()
+
+
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_goes(run, tmp_path, trained):
+    from compresskit.models import fileio
+
+    folder, _, _ = trained
+    out = tmp_path / "out"
+    with fileio.output_lock(out):  # the first run, still going
+        result = run("shrink", folder / "lenet300.pt", "--recipe", folder / "fast.toml",
+                     "--out", out, "--json", "-q")  # fmt: skip
+        assert result.exit_code == 2, result.stderr
+        assert "another compress run" in result.json()["error"]
+        trained_out = tmp_path / "m.pt"
+        with fileio.output_lock(trained_out):
+            again = run("train", "--model", "mlp", "--epochs", "1", "--out", trained_out, "-q")
+        assert again.exit_code == 2 and "another compress run" in again.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 _CAPTURE = {"capture_output": True, "text": True, "check": True}
