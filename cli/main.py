@@ -349,6 +349,15 @@ class CompressGroup(click.Group):
         if not argv:  # bare `compress`: the help, not an error
             click.echo(self.get_help(click.Context(self, info_name=prog_name)))
             sys.exit(EXIT_OK)
+        for token in argv:
+            if not fileio.is_utf8(token):
+                # torch.load, ONNX's checker and ONNX Runtime take paths as UTF-8: such a name
+                # was "truncated, corrupt" to shrink, or failed after the whole run
+                _fail(
+                    f"{token!r} is not UTF-8: torch, ONNX and ONNX Runtime read file names as "
+                    "UTF-8; rename it",
+                    EXIT_USAGE,
+                )
         try:
             with warnings.catch_warnings():
                 # Library warnings (torch's among them) would break the one-line contract

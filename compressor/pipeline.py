@@ -41,6 +41,7 @@ from compresskit.models.fileio import (
     refuse_link,
     same_file,
     umask,
+    utf8_path,
 )
 from compresskit.models.zoo import ModelSpec, build, state_shapes
 
@@ -136,8 +137,11 @@ def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -
     A file there that is one of the run's `inputs` (the user's checkpoint saved as model.pt) is
     refused even with `force`: replacing it would lose the user's weights."""
     refuse_link(out, "--out")
+    utf8_path(out, "--out")
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder; give a folder path")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise InputError(f"--out {out}: {out.parent} is a file, not a folder; give a folder path")
     if not out.parent.is_dir():
         raise InputError(f"--out {out}: folder {out.parent} does not exist; create it first")
     check_writable(out.parent / f"{out.name}.probe")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compresskit.models import fileio
 from compresskit.models.errors import InputError
 from compresskit.models.fileio import atomic_path
 from compresskit.models.zoo import ModelSpec, build, resolve_spec, state_shapes
@@ -307,6 +308,7 @@ def load(
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such checkpoint file")
+    fileio.utf8_path(path)  # torch.load's C++ reader called such a file "truncated, corrupt"
     check_sizes(path, max_elements)
     mapped = not train_state and _is_zip(path)  # mmap needs torch's zip format
     try:

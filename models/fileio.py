@@ -58,6 +58,27 @@ def visible_folder(path: str | os.PathLike) -> Path:
     return folder
 
 
+def is_utf8(name: str | os.PathLike) -> bool:
+    """Whether a name (a path, a command-line word) is valid UTF-8: on POSIX, undecodable bytes
+    in a file name reach Python as lone surrogates, which torch, ONNX and ONNX Runtime cannot
+    pass to their C++ file functions."""
+    try:
+        os.fspath(name).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def utf8_path(path: str | os.PathLike, flag: str = "") -> None:
+    """Refuse a path that is not UTF-8, naming it (with `flag`) and the fix."""
+    if not is_utf8(path):
+        where = f"{flag} " if flag else ""
+        raise InputError(
+            f"{where}{os.fspath(path)!r} is not UTF-8: torch, ONNX and ONNX Runtime read file "
+            "names as UTF-8; rename it"
+        )
+
+
 def check_writable(
     path: str | os.PathLike,
     flag: str = "--out",
@@ -72,6 +93,7 @@ def check_writable(
     read-only mounts and no for ACL-granted users.
     """
     refuse_link(path, flag)
+    utf8_path(path, flag)
     path = Path(os.path.abspath(path))
     for given in inputs:
         if path.is_file() and same_file(path, given):

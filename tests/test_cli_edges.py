@@ -815,3 +815,26 @@ def test_resume_with_no_checkpoint_yet_says_it_starts_afresh(run, tmp_path):
     assert f"nothing to resume at {out} yet: training from the start" in result.stderr
     again = run("train", "--model", "mlp", "--epochs", "2", "--out", out, "--resume")
     assert again.exit_code == 0 and "nothing to resume" not in again.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file names are bytes")
+def test_names_that_are_not_utf8_are_refused_before_any_work(run, tmp_path, teacher_pt):
+    """A checkpoint named caf\\xe9.pt (Latin-1) was "truncated, corrupt" to shrink and bench,
+    and a shrink --out of such a name failed in ONNX's checker after the whole run."""
+    from compresskit.models import checkpoint
+
+    odd = tmp_path / "caf\udce9.pt"  # the byte 0xE9 as Python holds it
+    odd.write_bytes(teacher_pt.read_bytes())
+    fix = "is not UTF-8: torch, ONNX and ONNX Runtime read file names as UTF-8; rename it"
+    for args in (["shrink", odd, "--out", tmp_path / "o"], ["bench", odd],
+                 ["shrink", teacher_pt, "--out", tmp_path / "out\udcff"]):  # fmt: skip
+        _one_line(run(*args), 2, fix)
+    with pytest.raises(InputError, match=fix):
+        checkpoint.load(odd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["caf\udce9.pt", "teacher.pt"])
+
+
+def test_an_out_under_a_file_is_said_to_be_under_a_file(run, tmp_path, teacher_pt):
+    (tmp_path / "afile").write_text("x")
+    result = run("shrink", teacher_pt, "--out", tmp_path / "afile" / "out")
+    _one_line(result, 2, f"{tmp_path / 'afile'} is a file, not a folder; give a folder path")
