@@ -22,7 +22,7 @@ import click
 
 from compresskit.cli import entry
 from compresskit.models import fileio
-from compresskit.models.errors import CompressError
+from compresskit.models.errors import CompressError, StageError
 from compresskit.models.jsonable import finite
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -314,7 +314,24 @@ def input_name(name: str | None, model_flag: str | None) -> str | None:
 
 def emit_json(obj: dict[str, Any]) -> None:
     # NaN and infinity are not JSON: they become null.
-    click.echo(json.dumps(finite(obj), indent=2, sort_keys=False, default=str, allow_nan=False))
+    text = json.dumps(finite(obj), indent=2, sort_keys=False, default=str, allow_nan=False)
+    try:
+        click.echo(text)
+    except BrokenPipeError:
+        raise  # the reader left early (`| head`): exit 1 quietly, as click does
+    except OSError as e:  # `> /dev/full`, a full disk: said once, not two chained tracebacks
+        _drop_stdout()
+        raise StageError(
+            f"stdout: cannot write the JSON result ({e.strerror or e}); the command's files "
+            "are written"
+        ) from None
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device: what is left in its buffer cannot be written, and the
+    interpreter's last flush would print an "Exception ignored" traceback for it."""
+    with contextlib.suppress(OSError):
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the rest of the process)
 
 
 class CompressGroup(click.Group):
@@ -399,7 +416,8 @@ def _fail(message: str, code: int) -> None:
         _State.log.debug(traceback.format_exc())  # the log keeps what COMPRESS_DEBUG shows
     click.echo(f"error: {message}", err=True)
     if _State.json:
-        emit_json({"error": message, "exit_code": code})
+        with contextlib.suppress(CompressError):  # stdout cannot take it: the line above
+            emit_json({"error": message, "exit_code": code})  # said it
     _exit(code)
 
 

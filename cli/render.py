@@ -31,7 +31,10 @@ LINE_EVERY_S = 15.0  # progress lines off a terminal
 stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 # Off a terminal (pipes, CI logs) rich assumes 80 columns; tables read better wider.
 stdout = Console(
-    highlight=False, soft_wrap=True, markup=False, width=None if sys.stdout.isatty() else 200
+    highlight=False,
+    soft_wrap=True,
+    markup=False,
+    width=None if sys.stdout is not None and sys.stdout.isatty() else 200,
 )
 
 

@@ -838,3 +838,27 @@ def test_an_out_under_a_file_is_said_to_be_under_a_file(run, tmp_path, teacher_p
     (tmp_path / "afile").write_text("x")
     result = run("shrink", teacher_pt, "--out", tmp_path / "afile" / "out")
     _one_line(result, 2, f"{tmp_path / 'afile'} is a file, not a folder; give a folder path")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_json_result_stdout_cannot_take_is_one_line(tmp_path):
+    """`--json > /dev/full`: two chained tracebacks after the training had finished."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("compress", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.skip("needs the installed console script")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [exe, "train", "--model", "mlp", "--epochs", "1", "--out", tmp_path / "m.pt",
+             "--json", "-q"],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+        )  # fmt: skip
+    assert (tmp_path / "m.pt").is_file()
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: stdout: cannot write the JSON result (No space left on device); the "
+        "command's files are written"
+    ]
