@@ -156,12 +156,19 @@ def bench(
         trust_model=trust_model,
         progress=(lambda m: None) if quiet else (lambda m: render.stderr.print(m)),
     ).to_json()
-    if report_path and report_path.suffix.lower() == ".json":
-        benchreport.write_json(result, report_path)
-    elif report_path:
-        benchreport.write_markdown(result, report_path, plot=plot_path)
+    # Both or neither: the plot first, then the report; a report that cannot be written takes
+    # the new plot with it (a full disk had left a report of a failed run for CI to find).
     if plot_path:
         benchreport.plot(result, plot_path)
+    try:
+        if report_path and report_path.suffix.lower() == ".json":
+            benchreport.write_json(result, report_path)
+        elif report_path:
+            benchreport.write_markdown(result, report_path, plot=plot_path)
+    except BaseException:
+        if plot_path:
+            plot_path.unlink(missing_ok=True)
+        raise
     if as_json:
         render.bench_notes(result)  # stderr: the JSON on stdout carries them too
         emit_json(result)

@@ -34,6 +34,7 @@ RESULT_KEYS = {
     "cold_start_ms",
     "macs",
     "speedup_vs_first",
+    "other_cores",
 }
 FAST = ["--min-runs", "5", "--min-seconds", "0", "--providers", "torch,cpu,cuda,tensorrt"]
 
@@ -759,3 +760,21 @@ def test_baselines_that_add_nothing_or_calibrate_on_noise_say_so(run, shrunk):
     assert any("no FP32 ONNX file among the inputs" in n for n in none.json()["notes"])
     noise = run("bench", shrunk / "model.fp32.onnx", "--baselines", *fast)
     assert any("calibrated on random inputs" in n for n in noise.json()["notes"])
+
+
+@pytest.mark.parametrize("fails", ["write_markdown", "plot"])
+def test_a_report_and_a_plot_are_written_both_or_neither(run, shrunk, tmp_path, monkeypatch, fails):
+    """The disk filled while the plot was written: the report of the failed run stayed, for a
+    CI step to pick up, and the rerun then needed --force."""
+    from compresskit.compressor.measure import benchreport
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(benchreport, fails, full)
+    plot, report = tmp_path / "b.png", tmp_path / "b.md"
+    result = run("bench", shrunk / "model.fp32.onnx", "--batch", "1", *FAST, "--plot", plot,
+                 "--report", report, "-q")  # fmt: skip
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: no space left on device"), result.stderr
+    assert not plot.exists() and not report.exists()
