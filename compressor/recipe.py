@@ -472,8 +472,16 @@ def read(path: str | Path) -> dict[str, Any]:
             f"recipe file {path}: over {MAX_RECIPE_BYTES // 2**20} MiB, far more than any recipe "
             "(a few hundred bytes); is it the right file?"
         )
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # Notepad's "Unicode": UTF-16 with its mark
+        raise InputError(f"recipe file {path}: saved as UTF-16; save it as UTF-8")
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark, as Windows editors write, is no key
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"recipe file {path}: not UTF-8 (byte {data[e.start]:#04x} at {e.start}); save it "
+            "as UTF-8"
+        ) from None
+    try:
         if kind == "JSON":
             raw = json.loads(text, object_pairs_hook=_unique_keys)
         elif kind == "YAML":

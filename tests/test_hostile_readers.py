@@ -256,6 +256,28 @@ def test_recipe_over_a_mebibyte_is_refused_unparsed(tmp_path):
         recipe.read(p)
 
 
+@pytest.mark.parametrize(
+    ("encode", "message"),
+    [
+        (lambda t: t.encode("utf-16"), "saved as UTF-16; save it as UTF-8"),
+        (lambda t: t.encode("latin-1"), r"not UTF-8 \(byte 0xe9 at 13\); save it as UTF-8"),
+        (lambda t: b"\xef\xbb\xbf" + t.replace("\n", "\r\n").encode(), None),  # BOM + CRLF
+    ],
+)
+def test_recipe_encodings_are_named_with_the_fix(tmp_path, encode, message):
+    """A Notepad "Unicode" recipe read "not valid TOML: 'utf-8' codec can't decode byte
+    0xff in position 0", with no word of what to do."""
+    from compresskit.compressor import recipe
+
+    path = tmp_path / "r.toml"
+    path.write_bytes(encode("# recipe: caf\u00e9\n[prune]\nsparsity = 0.5\n"))
+    if message is None:
+        assert recipe.load(path).prune.sparsity == 0.5
+        return
+    with pytest.raises(InputError, match=message):
+        recipe.load(path)
+
+
 def test_cli_dry_run_refuses_the_alias_bomb(tmp_path, run):
     bomb = alias_bomb(tmp_path / "bomb.yaml")
     with bounded(seconds=2):
