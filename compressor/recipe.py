@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -717,6 +718,9 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise _bad(source, "distill.teachers", dd["teachers"], "a list of checkpoint paths")
     if dd["teachers"] and not dd["student"]:
         raise InputError(f"{source}: distill.teachers needs a distill.student to teach")
+    # `~` as a shell would expand it (a stored recipe names files in a home folder); relative
+    # paths stay relative to the folder compress runs in, as on the command line
+    dd["teachers"] = [os.path.expanduser(t) for t in dd["teachers"]]
     _int(r, source, "distill", "epochs", 1)
     _positive(r, source, "distill", "lr")
     _positive(r, source, "distill", "temperature")
@@ -765,6 +769,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise _bad(
             source, "export.calibration_data", r["export"]["calibration_data"], "a .npy path"
         )
+    r["export"]["calibration_data"] = os.path.expanduser(r["export"]["calibration_data"])
     _int(r, source, "export", "fixed_batch", 0, 1 << 20)
     if not (_number(r["export"]["min_agreement"]) and 0 <= r["export"]["min_agreement"] <= 1):
         raise _bad(

@@ -112,3 +112,17 @@ def test_numpy_scalars_are_held_as_python_numbers():
     )
     assert type(r.quantize.fc_bits) is int and type(r.prune.sparsity["fc1"]) is float
     assert Recipe.from_dict(json.loads(r.dumps("json"))) == r
+
+
+def test_home_folders_in_recipe_paths_are_expanded(monkeypatch, tmp_path):
+    """`calibration_data = "~/c.npy"` was looked for in a folder named `~`."""
+    from compresskit.compressor import recipe
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    r = recipe.resolve(
+        {"export": {"calibration_data": "~/c.npy"},
+         "distill": {"student": "lenet5", "teachers": ["~/t.pt", "rel.pt"]}},
+        source="r.toml",
+    )  # fmt: skip
+    assert r.export.calibration_data == str(tmp_path / "c.npy")
+    assert r.distill.teachers == (str(tmp_path / "t.pt"), "rel.pt")
