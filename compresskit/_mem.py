@@ -106,3 +106,14 @@ def eval_batch(model: nn.Module, x: torch.Tensor, budget: int = EVAL_BUDGET) -> 
     batch = max(1, min(EVAL_MAX_BATCH, budget // per_sample))
     _eval_batches[model] = (key, batch)
     return batch
+
+
+def peak_rss() -> int | None:
+    """This process's peak resident memory so far, in bytes (None where the OS does not say):
+    a shrink's own peak when run from the command line; in a notebook, the session's."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS says bytes, Linux KiB

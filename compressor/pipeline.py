@@ -349,6 +349,7 @@ def _shrink_to_folder(
         with clock.step("report"):
             report_mod.plots(report, tmp)
         report["timings"] = clock.record()
+        report["memory"] = {"peak_rss_bytes": _mem.peak_rss()}
         # What the bytes may depend on: retraining's float sums follow the torch thread count
         # (a one-core container writes other bits), and --target host times this CPU.
         report["environment"] = envinfo.environment()

@@ -49,6 +49,26 @@ def _kb(n: int) -> str:
     return f"{n / 1000:.1f} KB"
 
 
+def _cost_lines(report: dict[str, Any]) -> list[str]:
+    """What the run cost: seconds (training apart) and the process's peak memory."""
+    t = report.get("timings")
+    if not t:
+        return []
+    said = f"{t['total']:.1f} s, of which training {t['training']:.1f} s"
+    steps = sorted(
+        ((k, v) for k, v in t.items() if k not in _TOTALS and v >= 0.05), key=lambda kv: -kv[1]
+    )
+    if steps:
+        said += "; by step: " + ", ".join(f"{k} {v:.1f} s" for k, v in steps)
+    peak = (report.get("memory") or {}).get("peak_rss_bytes")
+    if peak:
+        said += f". Peak resident memory {peak / 2**20:,.0f} MiB"
+    return ["## Cost", "", said + ".", ""]
+
+
+_TOTALS = ("training", "non_training", "data_passes", "per_weight", "total")
+
+
 def markdown(
     report: dict[str, Any],
     title: str = "compress shrink",
@@ -164,6 +184,7 @@ def markdown(
         *([uncovered_note(report) + ".", ""] if report.get("uncovered") else []),
         *_sensitivity_lines(report),
         *_plot_lines(report, plots),
+        *_cost_lines(report),
         "## Recipe",
         "",
         "```toml",

@@ -118,6 +118,15 @@ def test_timings_split_non_training_seconds_into_data_passes_and_the_rest(traine
     # training + data passes + the rest is the whole run, to each figure's rounding
     assert abs(t["training"] + t["data_passes"] + t["per_weight"] - t["total"]) < 0.005
     assert abs(t["data_passes"] + t["per_weight"] - t["non_training"]) < 0.005
+    # the peak memory a user could only read from /usr/bin/time, and report.md says both
+    import resource
+
+    saved = json.loads((out / "report.json").read_text())
+    peak = saved["memory"]["peak_rss_bytes"]
+    assert 50 * 2**20 < peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cost = (out / "report.md").read_text().split("## Cost\n\n")[1].split("\n")[0]
+    assert cost.startswith(f"{t['total']:.1f} s, of which training {t['training']:.1f} s; by")
+    assert cost.endswith(f". Peak resident memory {peak / 2**20:,.0f} MiB.")
 
 
 def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
