@@ -704,7 +704,8 @@ def _export(
             "weights": checks,
         }
 
-    with clock.step("parity"):
+    parity_what = f"parity: the FP32 file against PyTorch on the {len(data.x_test):,} test samples"
+    with clock.step("parity", parity_what):
         result = {"fp32": describe(fp32)}
     if not e.int8:
         return result
@@ -737,7 +738,9 @@ def _export(
             export.check_calibration(prepared, calib)
             with export.errors_only():
                 # the FP32 file by path: its bytes are read only where host timing needs them
-                choice = int8.choose(prepared, fp32, calib, check_x, q, flags, cfg.ir_version)
+                choice = int8.choose(
+                    prepared, fp32, calib, check_x, q, flags, cfg.ir_version, clock.info
+                )
         except InputError:
             raise
         except Exception as e:

@@ -78,6 +78,7 @@ saturation: `auto` turns it on for `host` builds on such CPUs.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,6 +283,25 @@ class Choice:
     lstms_fp32: str = ""  # why LSTMs that could be 8-bit stay FP32, when they do
 
 
+PROGRESS_EVERY_S = 10.0  # a line at most this often while the INT8 search goes on
+
+
+class _Ticker:
+    """`say(message)` passed on at most every `every` seconds: the fallback search and the
+    host timing run for a minute or more on a big model (98 s silent on a 41M-weight BERT)."""
+
+    def __init__(self, progress: Callable[[str], None] | None, every: float | None = None):
+        self.progress = progress
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.last = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        now = time.monotonic()
+        if self.progress is not None and now - self.last >= self.every:
+            self.last = now
+            self.progress(message)
+
+
 def choose(
     prepared: Path,
     fp32: bytes | Path,
@@ -290,16 +310,19 @@ def choose(
     cfg: QuantConfig,
     cpu_flags: set[str],
     ir_version: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Choice:
     """Pick the INT8 file for `cfg.target` among our scheme and ORT's default.
 
     The file shipped holds top-1 agreement >= cfg.min_agreement with FP32 on `check_x` (nodes
     go back to FP32 until it does; with none left in INT8 no file ships). StageError when even
     the all-FP32 graph misses the floor: the check itself is then broken (NaN, a runtime that
-    answers differently from run to run)."""
+    answers differently from run to run). `progress` hears how the search goes, at most every
+    `PROGRESS_EVERY_S` seconds."""
     rr = resolve_reduce_range(cfg, cpu_flags)
     host = cfg.target == "host"
     q = Quantizer(prepared, calib, cfg.method)
+    q.tick = _Ticker(progress)
     # Every check run at the calibration's activation-sized batch: at 64 samples a run,
     # EfficientNet-B0's fallback search (unfused Q/DQ graphs) peaked ~150 MiB over its
     # start. Outputs do not depend on the batch (compared bit for bit on four models).
@@ -551,6 +574,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
             if all(n in excluded for n in group):
                 continue
             cand = build(group)
+            q.tick(f"INT8 ({scheme.name}): timing each node in INT8 against FP32, {builds} built")
             t = paired_rounds([cand.SerializeToString(), model.SerializeToString()], timing_x)
             if fp32_clearly_faster(t[:, 0], t[:, 1]):
                 ms = 1000 * np.median(t, axis=0)
@@ -614,6 +638,11 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 searched += 0 if exact else 1
                 m, nb = make(back, exact)
                 out = run_within(m, floor)
+                if not exact:  # the file for the nodes found, made once at the end
+                    q.tick(
+                        f"INT8 ({scheme.name}): finding the nodes that go back to FP32 for the "
+                        f"floor: candidate {searched}, {len(back)} of {len(int8)} nodes back"
+                    )
                 return (m if exact else None), out, nb
 
             int8 = [n.name for n in int8_compute_nodes(model.graph)]
@@ -646,6 +675,7 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 few = x[:EFFECT_SAMPLES]
 
                 def alone(u: str) -> float:  # the unit's nodes alone in INT8
+                    q.tick(f"INT8 ({scheme.name}): the effect of each node alone on the logits")
                     mine = set(group[u])
                     out = run(make([o for o in int8 if o not in mine])[0], few)
                     return float(np.mean((out - reference[: len(few)]) ** 2))

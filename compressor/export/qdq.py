@@ -14,7 +14,7 @@ import io
 import logging
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +141,7 @@ class Quantizer:
     """ORT's QDQ quantizer over one `quant_pre_process`ed model, calibrated once."""
 
     def __init__(self, prepared: Path, calib: np.ndarray, method: str = "minmax") -> None:
+        self.tick: Callable[[str], None] = lambda message: None  # the INT8 search's progress
         from onnxruntime.quantization import CalibrationMethod
         from onnxruntime.quantization.calibrate import create_calibrator
         from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
