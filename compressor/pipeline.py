@@ -131,6 +131,22 @@ class _Clock:
         }
 
 
+def _guard_now(report: dict[str, Any], recipe: Recipe, out: Path, info) -> None:
+    """The stages' guardrails as soon as the stages are done, before export and the INT8 step
+    (a minute or more on a big model): a strict run stops here, nothing written; another says
+    so now, so its user can stop a run they will not ship (the summary says it again)."""
+    cfg = guard.GuardConfig.from_recipe(recipe.guard)
+    found = guard.findings(report, cfg)
+    if cfg.strict and found:
+        raise StageError(
+            f"guardrail: {found[0]['message']}"
+            + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+            + f"; --strict: nothing written to {out}"
+        )
+    for f in found:
+        info(f"guard: {f['message']} (found before export; the run goes on)")
+
+
 def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -> Path:
     """--out must be a folder we can create or fill; fail before any work. A folder that
     already holds outputs of an earlier run is refused unless `force` (they would be replaced).
@@ -285,6 +301,7 @@ def _shrink_to_folder(
             else report["baseline"]["test_accuracy"]
         )
         _teacher_student(report, distilled, teacher_name, spec.name, model, final_acc)
+        _guard_now(report, recipe, out, clock.info)
         if recipe.export.enabled:
             if data is None:
                 raise InputError("export needs the data set (calibration and parity)")

@@ -344,3 +344,31 @@ def test_sparsity_auto_says_what_it_proposed(run, teacher, tmp_path):
         "budget, so nothing is pruned; raise prune.budget, or give --sparsity"
     )
     assert report_mod.sensitivity_note({**report, "sensitivity": None}) == ""
+
+
+def test_a_stage_over_the_limit_is_said_before_export_and_strict_stops_there(
+    run, teacher, tmp_path, monkeypatch
+):
+    """A ResNet-50 whose pruning cost 26 points went on through a 58 s INT8 search before the
+    warning came; --strict threw the same work away only at the end."""
+    from compresskit.compressor import export
+
+    _folder, ck = teacher
+    lossy = tmp_path / "lossy.toml"
+    lossy.write_text(
+        "[prune]\nsparsity = 0.995\nrounds = 1\nretrain_epochs = 0\n"
+        "[quantize]\nfinetune_epochs = 0\n[export]\nint8 = false\nort = false\n"
+    )
+    result = run("shrink", ck, "--recipe", lossy, "--out", tmp_path / "o")
+    assert result.exit_code == 0, result.stderr
+    said = result.stderr.splitlines()
+    early = next(i for i, s in enumerate(said) if s.startswith("guard: pruning cost"))
+    assert said[early].endswith("(found before export; the run goes on)")
+    assert early < next(i for i, s in enumerate(said) if s.startswith("export: FP32 ONNX"))
+
+    def never(*args, **kwargs):
+        raise AssertionError("exported after a strict guardrail")
+
+    monkeypatch.setattr(export, "export_onnx", never)
+    strict = run("shrink", ck, "--recipe", lossy, "--out", tmp_path / "s", "--strict", "-q")
+    assert strict.exit_code == 1 and "--strict: nothing written" in strict.stderr
