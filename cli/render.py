@@ -211,6 +211,14 @@ def plan_comment(model_path: Path, rows: list[dict]) -> str:
         lines.append(
             f"#   {r['layer']:<{width}}  {r['kind']:<9}  {r['weights']:>10,}  {bits:>4}  {sparsity}"
         )
+    dense = sum(r["weights"] for r in rows if r["kind"] == "dense")
+    if dense:
+        total = sum(r["weights"] for r in rows)
+        lines += [
+            "#",
+            f"# stored dense: {dense:,} of these {total:,} weights ({dense / total:.0%}), which "
+            "bounds the archive's ratio",
+        ]
     return "\n".join(lines) + "\n"
 
 

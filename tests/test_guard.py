@@ -372,3 +372,40 @@ def test_a_stage_over_the_limit_is_said_before_export_and_strict_stops_there(
     monkeypatch.setattr(export, "export_onnx", never)
     strict = run("shrink", ck, "--recipe", lossy, "--out", tmp_path / "s", "--strict", "-q")
     assert strict.exit_code == 1 and "--strict: nothing written" in strict.stderr
+
+
+def test_the_plan_names_what_is_stored_dense():
+    """A BERT's embedding tables (38% of its weights) were missing from --dry-run's plan, and
+    the default's 5.7x came as a surprise after the run."""
+    from pathlib import Path
+
+    import torch
+
+    from compresskit.cli import render
+    from compresskit.compressor import recipe, shrink
+    from compresskit.models import ModelSpec, build
+
+    model = build(ModelSpec("textcls", {"vocab_size": 500, "in_shape": [16], "num_classes": 4}))
+    ids = torch.randint(1, 500, (2, 16))
+    rows = shrink.plan(model, recipe.resolve({}, source="r"), ids)
+    dense = {r["layer"]: r for r in rows if r["kind"] == "dense"}
+    table = next(n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding))
+    assert dense[table]["weights"] == model.get_submodule(table).weight.numel()
+    assert dense[table]["sparsity"] == (
+        "stored dense (float16): an Embedding; prune.embeddings / quantize.embeddings = true "
+        "include it"
+    )
+    # the model's own positional table, an nn.Parameter no layer holds
+    assert dense["(model)"]["sparsity"] == (
+        "stored dense (float16): a bare nn.Parameter of TextClassifier, not a layer compress prunes"
+    )
+    total = sum(r["weights"] for r in rows)
+    kept = sum(r["weights"] for r in dense.values())
+    said = render.plan_comment(Path("m.pt"), rows).splitlines()[-1]
+    assert said == (
+        f"# stored dense: {kept:,} of these {total:,} weights ({kept / total:.0%}), which "
+        "bounds the archive's ratio"
+    )
+    # with embeddings in, the table is a layer like the others
+    rows = shrink.plan(model, recipe.resolve({"prune": {"embeddings": True}}, source="r"), ids)
+    assert [r["layer"] for r in rows if r["kind"] == "dense"] == ["(model)"]
