@@ -39,6 +39,11 @@ def interrupted(message: str | None = "interrupted") -> None:
     try:
         if message:
             sys.stderr.write(f"error: {message}\n")
+            if "--json" in sys.argv[1:]:  # the one JSON object a script reads, even here
+                import json
+
+                sys.stdout.write(json.dumps({"error": message, "exit_code": EXIT_INTERRUPTED}))
+                sys.stdout.write("\n")
         sys.stderr.flush()
         sys.stdout.flush()
     except Exception:  # a closed pipe: the exit code still says it
@@ -69,6 +74,14 @@ def main() -> None:
     ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if ours:
         signal.signal(signal.SIGINT, _while_importing)
+    # SIGTERM too (a scheduler's timeout in the first half second): killed by the signal
+    # before, with no line and exit -15; not under torchrun, which stops ranks with it.
+    term = (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        and "TORCHELASTIC_RUN_ID" not in os.environ
+    )
+    if term:
+        signal.signal(signal.SIGTERM, _while_importing)
     try:
         from compresskit.cli.main import main as run
     except KeyboardInterrupt:  # a SIGINT that arrived before the handler was set
@@ -80,10 +93,7 @@ def main() -> None:
     # `shrink` left `.OUT.xxxx/` with half its files beside --out.
     # Not under torchrun: it stops the surviving ranks with SIGTERM when one fails, and
     # each would report that as its own interrupt.
-    if (
-        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        and "TORCHELASTIC_RUN_ID" not in os.environ
-    ):
+    if term:
         signal.signal(signal.SIGTERM, _while_running)
     try:
         run()
