@@ -36,6 +36,7 @@ from compresskit.models.errors import InputError, StageError, one_line
 from compresskit.models.fileio import (
     atomic_path,
     check_writable,
+    hidden,
     machine_failure,
     output_lock,
     refuse_link,
@@ -160,7 +161,7 @@ def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -
         raise InputError(f"--out {out}: {out.parent} is a file, not a folder; give a folder path")
     if not out.parent.is_dir():
         raise InputError(f"--out {out}: folder {out.parent} does not exist; create it first")
-    check_writable(out.parent / f"{out.name}.probe")
+    check_writable(out.parent / f"{hidden(out.name)}.probe")
     if out.is_dir():  # we replace our files inside it: each must be replaceable
         check_writable(out / ".compress.probe")
         for name in OUTPUTS:
@@ -240,7 +241,7 @@ def _shrink_to_folder(
     if recipe.export.enabled and data is not None:
         _probe_opset(model, recipe, data)
     _remove_abandoned(out, locked)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{_owner()}.", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{hidden(out.name)}.{_owner()}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
     try:
         distilled = None
@@ -920,7 +921,7 @@ def _remove_abandoned(out: Path, locked: bool = False) -> None:
     is gone. Another host's run, or a folder named otherwise, is left alone."""
     import glob as glob_mod
 
-    head = f".{out.name}.{socket.gethostname()}-"
+    head = f"{hidden(out.name)}.{socket.gethostname()}-"
     for folder in out.parent.glob(glob_mod.escape(head) + "*"):
         pid = folder.name[len(head) :].split(".", 1)[0]
         if not pid.isdigit() or not folder.is_dir() or folder.is_symlink():

@@ -41,7 +41,7 @@ from compresskit.models import checkpoint, data, zoo
 from compresskit.models.base import batch_statistics
 from compresskit.models.data import SPECS_HELP, Dataset, as_dataset, spec_files
 from compresskit.models.errors import InputError, brief
-from compresskit.models.fileio import check_writable, output_lock
+from compresskit.models.fileio import check_writable, hidden, output_lock
 
 # Settings a resumed run may change: the rest must match the checkpoint's.
 _RESUME_MAY_CHANGE = {
@@ -422,7 +422,7 @@ def _dispatch(job: TrainJob, events_factory, gpu: bool) -> TrainResult:
 def _remove_partial_writes(out: Path, since: float, before: float = math.inf) -> None:
     """The temporary files `atomic_path` made for `out` since `since` (a killed rank's), last
     written before `before`."""
-    for tmp in Path(out).parent.glob(f".{glob.escape(Path(out).name)}.*.tmp"):
+    for tmp in Path(out).parent.glob(f"{glob.escape(hidden(Path(out).name))}.*.tmp"):
         with contextlib.suppress(OSError):
             if since - 1 <= tmp.stat().st_mtime < before:
                 tmp.unlink()

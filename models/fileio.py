@@ -58,6 +58,21 @@ def visible_folder(path: str | os.PathLike) -> Path:
     return folder
 
 
+# Hidden names made from an output's name (`.NAME.xxxx.tmp`, `.NAME.lock`, shrink's staging
+# folder) add up to 30 bytes: a legal 243-byte name was refused as "not writable". They carry
+# the name's first bytes only.
+HIDDEN_NAME_BYTES = 120
+
+
+def hidden(name: str) -> str:
+    """`.NAME` for temporary files and folders beside NAME: its first `HIDDEN_NAME_BYTES`
+    bytes (whole UTF-8 characters), so that the suffixes fit the file system's 255 bytes."""
+    raw = os.fsencode(name)
+    if len(raw) <= HIDDEN_NAME_BYTES:
+        return f".{name}"
+    return "." + os.fsdecode(raw[:HIDDEN_NAME_BYTES]).encode("utf-8", "ignore").decode("utf-8")
+
+
 def is_utf8(name: str | os.PathLike) -> bool:
     """Whether a name (a path, a command-line word) is valid UTF-8: on POSIX, undecodable bytes
     in a file name reach Python as lone surrogates, which torch, ONNX and ONNX Runtime cannot
@@ -113,7 +128,7 @@ def check_writable(
     if not parent.is_dir():
         raise InputError(f"{flag} {path}: {parent} is not a folder")
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+        fd, probe = tempfile.mkstemp(prefix=f"{hidden(path.name)}.", suffix=".probe", dir=parent)
     except OSError as e:
         raise InputError(
             f"{flag} {path}: folder {parent} is not writable ({e.strerror}); choose another"
@@ -166,7 +181,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(os.path.abspath(path))
     if path.exists() and not path.is_file():
         raise InputError(f"{path}: exists and is not a regular file; refusing to replace it")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{hidden(path.name)}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -202,7 +217,7 @@ def output_lock(out: str | os.PathLike) -> Iterator[bool]:
         yield False
         return
     out = Path(os.path.abspath(out))
-    lock = out.parent / f".{out.name}.lock"
+    lock = out.parent / f"{hidden(out.name)}.lock"
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
     while True:
         try:

@@ -862,3 +862,22 @@ def test_a_json_result_stdout_cannot_take_is_one_line(tmp_path):
         "error: stdout: cannot write the JSON result (No space left on device); the "
         "command's files are written"
     ]
+
+
+def test_long_legal_names_are_written(run, tmp_path, teacher_pt):
+    """A 243-byte --out was refused as "folder is not writable (File name too long)": the
+    hidden names compress makes beside it added up to 30 bytes."""
+    out = tmp_path / ("L" * 240 + ".pt")
+    result = run("train", "--model", "mlp", "--epochs", "1", "--out", out, "-q")
+    assert result.exit_code == 0, result.stderr
+    assert out.is_file()
+    recipe = tmp_path / "fast.toml"
+    recipe.write_text("[prune]\nrounds = 1\nretrain_epochs = 0\n[quantize]\nfinetune_epochs = 0\n"
+                      "[export]\nenabled = false\n")  # fmt: skip
+    folder = tmp_path / ("M" * 250)
+    result = run("shrink", teacher_pt, "--recipe", recipe, "--out", folder, "-q")
+    assert result.exit_code == 0, result.stderr
+    assert (folder / "model.dcz").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [out.name, folder.name, "fast.toml", "teacher.pt"]
+    )

@@ -215,7 +215,7 @@ def to_ort(onnx_path: Path, out_path: Path) -> dict:
     out = check_writable(out_path)  # resolves a symlink to its target, like atomic_path
     config = out.with_suffix(".required_operators.config")
 
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{fileio.hidden(out.name)}.", dir=out.parent) as tmp:
         command = [
             sys.executable,
             "-c",
