@@ -398,6 +398,7 @@ JSON_KEYS = (
     "mobile",
     "mobile_fixed_batch",
     "int8_not_written",
+    "ort_not_written",
     "data",
     "teacher",
     "student",

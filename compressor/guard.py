@@ -73,6 +73,16 @@ def findings(report: dict[str, Any], cfg: GuardConfig) -> list[dict[str, Any]]:
             }
         )
     out += _int8(report)
+    if miss := report.get("ort_not_written"):
+        out.append(
+            {
+                "kind": "ort",
+                "message": (
+                    f"no .ort file written: {miss['reason']}; the .onnx files are written "
+                    "(ONNX Runtime Mobile also loads .onnx)"
+                ),
+            }
+        )
     return out
 
 

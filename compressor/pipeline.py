@@ -32,7 +32,7 @@ from compresskit.compressor.recipe import ExportSection, Recipe
 from compresskit.models import checkpoint
 from compresskit.models.base import batch_statistics
 from compresskit.models.data import Dataset, check_kind, embedding_rows, npz_layout
-from compresskit.models.errors import InputError, StageError, one_line
+from compresskit.models.errors import InputError, MachineError, StageError, one_line
 from compresskit.models.fileio import (
     atomic_path,
     check_writable,
@@ -321,12 +321,21 @@ def _shrink_to_folder(
             shipped = tmp / f"{name}.{kind}.onnx"
             if recipe.export.ort:
                 with clock.step("ort", f"mobile: writing {name}.{kind}.ort, checking NNAPI/CoreML"):
-                    ort_file = mobile.to_ort(shipped, tmp / f"{name}.{kind}.ort")
-                    report["ort"] = {
-                        **ort_file,
-                        "path": str(out / f"{name}.{kind}.ort"),
-                        "config": str(out / Path(ort_file["config"]).name),
-                    }
+                    try:
+                        ort_file = mobile.to_ort(shipped, tmp / f"{name}.{kind}.ort")
+                    except MachineError:
+                        raise
+                    except StageError as e:
+                        # The archive and the ONNX files stand: a conversion ORT's tool fails
+                        # (or that answers differently) costs the .ort, not the whole run that
+                        # made them. --strict fails on it (guard's "ort" finding).
+                        report["ort_not_written"] = {"reason": one_line(e)}
+                    else:
+                        report["ort"] = {
+                            **ort_file,
+                            "path": str(out / f"{name}.{kind}.ort"),
+                            "config": str(out / Path(ort_file["config"]).name),
+                        }
                     report["mobile"] = mobile.usability(shipped)
             n = recipe.export.fixed_batch
             if n:
@@ -765,7 +774,7 @@ def _export(
             if (reason := machine_failure(e, tmp)) is not None:
                 # a full disk or memory is the machine's, not a graph ORT cannot take:
                 # shipping FP32 with exit 0 hid it from the job that wanted the INT8 file
-                raise StageError(f"the INT8 step: {reason} (in {tmp.resolve().parent})") from e
+                raise MachineError(f"the INT8 step: {reason} (in {tmp.resolve().parent})") from e
             # Everything before (the archive, the FP32 file, its parity) stands: an INT8 step
             # that ONNX Runtime's tools cannot take (an STFT front end crashed its shape
             # inference) ships the FP32 file with the reason, not an exit 1 that threw the

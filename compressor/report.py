@@ -687,6 +687,8 @@ def _mobile_lines(report: dict[str, Any]) -> list[str]:
             f"Δ {o['max_abs_diff']:.2g}){config}.{version}{runs_on}",
             "",
         ]
+    if miss := report.get("ort_not_written"):
+        lines += [f"**No .ort file was written** ({miss['reason']}); ship the .onnx file.", ""]
     # What the pipeline ships (and checked): the INT8 file, else the FP32 one.
     onnx = report.get("onnx", {})
     kind = "int8" if "int8" in onnx else "fp32"

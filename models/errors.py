@@ -6,6 +6,7 @@ so `compressor` and `distrib` can both raise the same errors without importing e
     CompressError            anything the tool reports as one line      -> exit 1
     ├── InputError           the user's file, flag or data is wrong     -> exit 2
     └── StageError           a stage ran and failed (diverged, a peer died, a check failed) -> exit 1
+        └── MachineError     the machine failed it (a full disk, memory)           -> exit 1
 
 Messages are one line that names the file or flag and says how to fix it.
 """
@@ -29,6 +30,11 @@ class StageError(CompressError):
     """A stage ran and failed, through no fault of the input (exit 1)."""
 
     exit_code = 1
+
+
+class MachineError(StageError):
+    """The machine failed the run (a full disk, memory): never softened into a missing
+    deliverable, as a tool's failure on a graph may be (exit 1)."""
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

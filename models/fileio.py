@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from compresskit.models.errors import InputError, StageError
+from compresskit.models.errors import InputError, MachineError, StageError
 
 # The machine's failures, not the input's: a full disk or quota, a read-only remount, an I/O
 # error. They fail the run (exit 1) with what happened, never read as a model problem.
@@ -195,7 +195,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         if reason is not None and not isinstance(e, StageError | InputError):
-            raise StageError(
+            raise MachineError(
                 f"cannot write {path.name} in {visible_folder(path)}: {reason}; free space "
                 "there or write elsewhere"
             ) from e

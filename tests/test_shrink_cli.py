@@ -747,6 +747,43 @@ def test_an_int8_step_that_fails_ships_the_fp32_file_with_the_reason(
     assert result.exit_code == 1 and not (tmp_path / "strict").exists()
 
 
+def test_an_ort_conversion_that_fails_costs_the_ort_file_not_the_run(
+    run, tmp_path, trained, monkeypatch
+):
+    """A ResNet-50's INT8 .ort differed from the .onnx (0.13 > 0.066, the .onnx run on
+    x86-only kernels) and the whole run, archive and sound INT8 file included, was thrown away
+    after 3 minutes. The .ort goes, the rest ships; --strict fails; a full disk still fails."""
+    from compresskit.compressor.export import mobile
+    from compresskit.models.errors import MachineError, StageError
+
+    folder, _, _ = trained
+    why = "m.int8.onnx: the .ort answers differently from the .onnx (max |diff| 0.13 > 0.066)"
+
+    def differs(onnx_path, out_path):
+        raise StageError(why)
+
+    monkeypatch.setattr(mobile, "to_ort", differs)
+    out = tmp_path / "out"
+    args = ["shrink", folder / "lenet300.pt", "--recipe", folder / "fast.toml", "--out", out]
+    result = run(*args, "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    r = result.json()
+    assert r["ort_not_written"] == {"reason": why} and "ort" not in r
+    assert f"warning: no .ort file written: {why}; the .onnx files are written" in result.stderr
+    assert (out / "model.dcz").is_file() and (out / "model.fp32.onnx").is_file()
+    assert not list(out.glob("*.ort")) and r["mobile"]
+    assert f"**No .ort file was written** ({why})" in (out / "report.md").read_text()
+    assert run(*args[:-1], tmp_path / "strict", "--strict", "-q").exit_code == 1
+    assert not (tmp_path / "strict").exists()
+
+    def full(onnx_path, out_path):
+        raise MachineError("cannot write model.int8.ort in X: no space left on device")
+
+    monkeypatch.setattr(mobile, "to_ort", full)
+    assert run(*args[:-1], tmp_path / "full", "-q").exit_code == 1
+    assert not (tmp_path / "full").exists()
+
+
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), MemoryError()])
 def test_a_full_disk_in_the_int8_step_fails_the_run_not_the_int8_file(
     run, tmp_path, trained, monkeypatch, failure
