@@ -150,6 +150,30 @@ def resnet18(
 
 
 @_reads("image")
+def resnet50(
+    in_shape: Sequence[int] = (3, 32, 32),
+    num_classes: int = 10,
+    hidden_sizes: Sequence[int] = (256, 512, 1024, 2048),
+    depths: Sequence[int] = (3, 4, 6, 3),
+    embedding_size: int = 64,
+) -> ImageClassifier:
+    """ResNet-50 (He et al. 2016): bottleneck blocks, 3-4-6-3, 256..2048 output channels;
+    23.5M parameters at 10 classes. resnet18's builder fixes basic blocks, so a user with
+    a ResNet-50 had to write this wrapper."""
+    t = _transformers()
+    c, _, _ = _image(in_shape, num_classes)
+    config = t.ResNetConfig(
+        num_channels=c,
+        embedding_size=embedding_size,
+        hidden_sizes=list(hidden_sizes),
+        depths=list(depths),
+        layer_type="bottleneck",
+        num_labels=num_classes,
+    )
+    return ImageClassifier(t.ResNetForImageClassification(config), in_shape, num_classes)
+
+
+@_reads("image")
 def mobilenet_v2(
     in_shape: Sequence[int] = (3, 32, 32),
     num_classes: int = 10,

@@ -275,6 +275,7 @@ def test_missing_transformers_is_one_line_naming_the_extra(monkeypatch):
 
 TINY = {
     "resnet18": {"hidden_sizes": [8, 16], "depths": [1, 1], "embedding_size": 8},
+    "resnet50": {"hidden_sizes": [16, 32], "depths": [1, 1], "embedding_size": 8},
     "mobilenet_v2": {"depth_multiplier": 0.25, "finegrained_output": False},
     "efficientnet_b0": {"width_coefficient": 0.1, "depth_coefficient": 0.1},
     "vit_tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "mlp_size": 32},
@@ -290,6 +291,7 @@ TINY = {
 # Full sizes at 10 classes (2 for BERT), counted on the meta device: nothing is allocated.
 PARAMETERS = {
     "resnet18": 11_181_642,
+    "resnet50": 23_528_522,
     "mobilenet_v2": 2_236_682,
     "efficientnet_b0": 4_020_358,
     "vit_tiny": 5_362_762,
