@@ -391,6 +391,23 @@ def _shrink_to_folder(
     return report
 
 
+# A protobuf message, and so an ONNX file without external data, holds at most 2 GiB; the
+# graph's own bytes and float32 constants beside the weights come on top.
+ONNX_MAX_WEIGHT_BYTES = (2 << 30) - (64 << 20)
+
+
+def _check_onnx_size(model: nn.Module) -> None:
+    """A model whose FP32 weights do not fit one ONNX file fails before any work: a 559M-weight
+    MLP failed in onnx.save ("EncodeError: Failed to serialize proto") after the whole run."""
+    fp32 = 4 * sum(p.numel() for p in model.parameters() if p.is_floating_point())
+    if fp32 > ONNX_MAX_WEIGHT_BYTES:
+        raise InputError(
+            f"the model's FP32 weights take {fp32 / 2**30:.2f} GiB, more than one ONNX file "
+            "holds (2 GiB; larger ones need external data, which compress does not write "
+            "yet): set [export] enabled = false for the archive and model.pt alone"
+        )
+
+
 def preflight(
     recipe: Recipe, data: Dataset | None, model: nn.Module | None = None
 ) -> np.ndarray | None:
@@ -417,6 +434,8 @@ def preflight(
     _check_microbatches(recipe, data, model)
     if e.enabled:
         export.check_runtime_opset(e.opset, e.ir_version or None)
+        if model is not None and not recipe.distill.student:
+            _check_onnx_size(model)
         if e.calibration_data:
             flag = "--calibration / export.calibration_data"
             tokens = data is not None and data.is_tokens

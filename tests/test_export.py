@@ -358,3 +358,15 @@ def test_a_square_weight_stored_transposed_is_found(tmp_path):
     check = E.weight_invariants(path, model, {"query": 2, "head": 2})["query.weight"]
     assert "query.weight" not in names  # stored transposed, under a generated name
     assert check["found"] and check["ok"], (check, names)
+
+
+def test_a_model_too_big_for_one_onnx_file_is_refused_before_any_work():
+    """A 559M-weight MLP failed in onnx.save ("EncodeError: Failed to serialize proto") after
+    the whole run; the archive alone is still open to it."""
+    from compresskit.compressor import pipeline, recipe
+
+    with torch.device("meta"):  # 2.15 GiB of FP32 weights, nothing allocated
+        big = torch.nn.Sequential(torch.nn.Linear(24000, 24000))
+    with pytest.raises(InputError, match=r"FP32 weights take 2\.15 GiB, more than one ONNX file"):
+        pipeline.preflight(recipe.resolve({}, source="r"), None, big)
+    pipeline.preflight(recipe.resolve({"export": {"enabled": False}}, source="r"), None, big)

@@ -685,12 +685,18 @@ def _select(q: Quantizer, scheme, reference, x, timing_x, cfg, fp32, ir_version)
                 few = x[:EFFECT_SAMPLES]
 
                 def alone(u: str) -> float:  # the unit's nodes alone in INT8
-                    q.tick(f"INT8 ({scheme.name}): the effect of each node alone on the logits")
                     mine = set(group[u])
                     out = run(make([o for o in int8 if o not in mine])[0], few)
                     return float(np.mean((out - reference[: len(few)]) ** 2))
 
-                effects = {u: alone(u) for u in units(int8)}
+                effects = {}
+                every = units(int8)
+                for i, u in enumerate(every, 1):
+                    q.tick(
+                        f"INT8 ({scheme.name}): each node's effect alone on the logits, "
+                        f"{i} of {len(every)}"
+                    )
+                    effects[u] = alone(u)
                 searched += len(effects)
                 second = fall_back(effect_order(effects, q.nodes), grouped, reference, cfg, floor)
                 if len(members(second[3])) < len(fallen):
