@@ -139,13 +139,15 @@ def _guard_now(report: dict[str, Any], recipe: Recipe, out: Path, info) -> None:
     cfg = guard.GuardConfig.from_recipe(recipe.guard)
     found = guard.findings(report, cfg)
     if cfg.strict and found:
-        raise StageError(
-            f"guardrail: {found[0]['message']}"
-            + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
-            + f"; --strict: nothing written to {out}"
-        )
+        raise _strict(found, out)
     for f in found:
         info(f"guard: {f['message']} (found before export; the run goes on)")
+
+
+def _strict(found: list[dict[str, Any]], out: Path) -> StageError:
+    """--strict's failure: the first guardrail crossed, and how many more."""
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return StageError(f"guardrail: {found[0]['message']}{more}; --strict: nothing written to {out}")
 
 
 def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -> Path:
@@ -367,12 +369,7 @@ def _shrink_to_folder(
         report["guard"] = {"max_stage_drop": cfg.max_stage_drop, "strict": cfg.strict}
         report["guard"]["findings"] = guard.findings(report, cfg)
         if cfg.strict and report["guard"]["findings"]:
-            first = report["guard"]["findings"]
-            raise StageError(
-                f"guardrail: {first[0]['message']}"
-                + (f" (and {len(first) - 1} more)" if len(first) > 1 else "")
-                + f"; --strict: nothing written to {out}"
-            )
+            raise _strict(report["guard"]["findings"], out)
         with clock.step("report"):
             report_mod.plots(report, tmp)
         report["timings"] = clock.record()

@@ -136,17 +136,7 @@ def resnet18(
 ) -> ImageClassifier:
     """ResNet-18 (He et al. 2016): basic blocks, 2-2-2-2, 64..512 channels; 11.2M parameters at
     10 classes. The 7x7 stride-2 stem and max-pool are ImageNet's, as in torchvision's."""
-    t = _transformers()
-    c, _, _ = _image(in_shape, num_classes)
-    config = t.ResNetConfig(
-        num_channels=c,
-        embedding_size=embedding_size,
-        hidden_sizes=list(hidden_sizes),
-        depths=list(depths),
-        layer_type="basic",
-        num_labels=num_classes,
-    )
-    return ImageClassifier(t.ResNetForImageClassification(config), in_shape, num_classes)
+    return _resnet(in_shape, num_classes, hidden_sizes, depths, embedding_size, "basic")
 
 
 @_reads("image")
@@ -160,6 +150,10 @@ def resnet50(
     """ResNet-50 (He et al. 2016): bottleneck blocks, 3-4-6-3, 256..2048 output channels;
     23.5M parameters at 10 classes. resnet18's builder fixes basic blocks, so a user with
     a ResNet-50 had to write this wrapper."""
+    return _resnet(in_shape, num_classes, hidden_sizes, depths, embedding_size, "bottleneck")
+
+
+def _resnet(in_shape, num_classes, hidden_sizes, depths, embedding_size, blocks: str):
     t = _transformers()
     c, _, _ = _image(in_shape, num_classes)
     config = t.ResNetConfig(
@@ -167,7 +161,7 @@ def resnet50(
         embedding_size=embedding_size,
         hidden_sizes=list(hidden_sizes),
         depths=list(depths),
-        layer_type="bottleneck",
+        layer_type=blocks,
         num_labels=num_classes,
     )
     return ImageClassifier(t.ResNetForImageClassification(config), in_shape, num_classes)
