@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
 import socket
@@ -65,12 +66,15 @@ HIDDEN_NAME_BYTES = 120
 
 
 def hidden(name: str) -> str:
-    """`.NAME` for temporary files and folders beside NAME: its first `HIDDEN_NAME_BYTES`
-    bytes (whole UTF-8 characters), so that the suffixes fit the file system's 255 bytes."""
+    """`.NAME` for temporary files and folders beside NAME; a longer name keeps its first
+    `HIDDEN_NAME_BYTES` bytes (whole UTF-8 characters) and a digest of the whole, so that the
+    suffixes fit the file system's 255 bytes and two long names that differ only at their
+    ends (a sweep's `..._seed1.pt`, `..._seed2.pt`) never share a lock or a staging folder."""
     raw = os.fsencode(name)
     if len(raw) <= HIDDEN_NAME_BYTES:
         return f".{name}"
-    return "." + os.fsdecode(raw[:HIDDEN_NAME_BYTES]).encode("utf-8", "ignore").decode("utf-8")
+    cut = os.fsdecode(raw[:HIDDEN_NAME_BYTES]).encode("utf-8", "ignore").decode("utf-8")
+    return f".{cut}~{hashlib.sha1(raw).hexdigest()[:10]}"
 
 
 def is_utf8(name: str | os.PathLike) -> bool:
@@ -218,32 +222,10 @@ def output_lock(out: str | os.PathLike) -> Iterator[bool]:
         return
     out = Path(os.path.abspath(out))
     lock = out.parent / f"{hidden(out.name)}.lock"
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-    while True:
-        try:
-            fd = os.open(lock, flags, 0o666 & ~umask())
-        except OSError:  # no right to create it, a link planted there: unlocked, as before
-            yield False
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise InputError(
-                f"{out}: another compress run ({holder}) is writing it; wait for it to end "
-                "or write elsewhere"
-            ) from None
-        except OSError:  # a file system without flock
-            os.close(fd)
-            yield False
-            return
-        try:  # still the file at that path, not one a finishing run has just removed
-            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
+    fd = _take_lock(fcntl, lock, out)
+    if fd is None:  # no flock here, or no way to open the file: unlocked, as before
+        yield False
+        return
     try:
         with contextlib.suppress(OSError):  # who holds it: only for the other run's message
             os.ftruncate(fd, 0)
@@ -252,6 +234,43 @@ def output_lock(out: str | os.PathLike) -> Iterator[bool]:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(lock)  # before the lock is let go, so no one locks a removed file
+        os.close(fd)
+
+
+def _take_lock(fcntl, lock: Path, out: Path) -> int | None:
+    """The locked descriptor of `lock`, None where it cannot be had (no flock, no right to
+    open it); InputError naming the holder when another run holds it."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | nofollow, 0o666 & ~umask())
+        except PermissionError:  # another user's lock file: flock needs only a read
+            try:
+                fd = os.open(lock, os.O_RDONLY | nofollow)
+            except OSError:
+                return None
+        except OSError:  # a link planted there, a read-only folder
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                raise InputError(
+                    f"{out}: another compress run ({holder}) is writing it; wait for it to end "
+                    "or write elsewhere"
+                ) from None
+            except OSError:  # a file system without flock
+                os.close(fd)
+                return None
+            try:  # still the file at that path, not one a finishing run has just removed
+                if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
 
 

@@ -205,6 +205,39 @@ def test_an_output_is_held_by_one_run_at_a_time(tmp_path):
         assert held
 
 
+def test_long_names_alike_to_their_end_do_not_share_a_lock(tmp_path):
+    """A sweep's `<118 r>_seed1.pt` and `..._seed2.pt` shared one hidden lock name, and the
+    second run was refused for a file nobody was writing."""
+    from compresskit.models import fileio
+
+    a, b = ("r" * 118 + f"_seed{i}.pt" for i in (1, 2))
+    assert fileio.hidden(a) != fileio.hidden(b)
+    assert all(len(os.fsencode(fileio.hidden(n) + ".lock")) < 160 for n in (a, b))
+    assert fileio.hidden("é" * 70).startswith("." + "é" * 60 + "~")  # whole characters
+    assert fileio.hidden("short.pt") == ".short.pt"
+    with fileio.output_lock(tmp_path / a), fileio.output_lock(tmp_path / b) as held:
+        assert held
+
+
+def test_another_users_lock_file_still_locks(tmp_path, monkeypatch):
+    """A lock file another user made (0644) could not be opened for writing, and the run went
+    on unlocked into the same output; flock needs only a read."""
+    from compresskit.models import fileio
+
+    out = tmp_path / "out"
+    with fileio.output_lock(out):
+        real = os.open
+
+        def not_ours(path, flags, *args):
+            if str(path).endswith(".lock") and flags & os.O_RDWR:
+                raise PermissionError(13, "Permission denied")
+            return real(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", not_ours)
+        with pytest.raises(InputError, match="another compress run"), fileio.output_lock(out):
+            pass
+
+
 def test_check_writable(tmp_path):
     assert check_writable(tmp_path / "a.pt") == tmp_path / "a.pt"
     with pytest.raises(InputError, match="does not exist"):
