@@ -104,7 +104,8 @@ def main() -> None:
         # the second or so of interpreter teardown that follows (torch, ONNX Runtime) killed
         # the process by that signal (exit -15 after a complete --json result), and a second
         # Ctrl-C after an interrupt printed a traceback. The teardown's cleanup (queues, temp
-        # folders of worker pools) still runs; only the signals wait for it.
+        # folders of worker pools) still runs; only the signals wait for it. Ignored, not
+        # handled: finalization puts Python-level handlers back to the default, which kills.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise

@@ -328,6 +328,8 @@ def _shrink_to_folder(
                     except MachineError:
                         raise
                     except StageError as e:
+                        if e.__cause__ is not None and machine_failure(e.__cause__):
+                            raise  # out of memory while checking it: the machine's, not ORT's
                         # The archive and the ONNX files stand: a conversion ORT's tool fails
                         # (or that answers differently) costs the .ort, not the whole run that
                         # made them. --strict fails on it (guard's "ort" finding).
@@ -431,8 +433,8 @@ def preflight(
     _check_microbatches(recipe, data, model)
     if e.enabled:
         export.check_runtime_opset(e.opset, e.ir_version or None)
-        if model is not None and not recipe.distill.student:
-            _check_onnx_size(model)
+        if model is not None and not recipe.distill.student and not recipe.channels.enabled:
+            _check_onnx_size(model)  # a student or a thinned model: checked before export
         if e.calibration_data:
             flag = "--calibration / export.calibration_data"
             tokens = data is not None and data.is_tokens
@@ -696,6 +698,7 @@ def _export(
 
     cfg = export_config(e)
     with clock.step("export_fp32", f"export: FP32 ONNX (opset {cfg.opset})"):
+        _check_onnx_size(model)
         fp32 = export.export_onnx(model, data.x_train[:2], tmp / f"{name}.fp32.onnx", cfg)
     bits = {r["layer"]: r["weight_bits"] for r in report["layers"] if r.get("codebook")}
     fp32_names: dict[str, str] = {}  # state key -> the FP32 file's initializer, for INT8's

@@ -887,6 +887,7 @@ def test_the_no_int8_reason_names_the_figure_that_missed_the_floor():
     assert I.no_int8_reason(I.Selection(scheme=None, model=None), 0.995) == "no quantizable node"
     # Too few check samples for the floor to allow one disagreement: said, with the fix
     assert I.no_int8_reason(counted, 0.995, samples=200).endswith("back in FP32")
+    assert I.no_int8_reason(counted, 0.9, samples=10).endswith("back in FP32")  # 9/10 holds
     assert I.no_int8_reason(counted, 0.995, samples=40).endswith(
         "back in FP32 (40 check samples: one disagreement is 2.5%, more than the 0.5% the floor "
         "allows; give more validation data, e.g. an npz x_val, or lower export.min_agreement)"

@@ -480,7 +480,7 @@ def no_int8_reason(best: Selection, floor: float, samples: int | None = None) ->
         floor,
     )
     few = ""
-    if samples and floor < 1 and samples < 1 / (1 - floor):
+    if samples and (samples - 1) / samples < floor:  # one disagreement already misses it
         few = (
             f" ({samples} check samples: one disagreement is {1 / samples:.1%}, more than the "
             f"{1 - floor:.1%} the floor allows; give more validation data, e.g. an npz x_val, "

@@ -267,14 +267,16 @@ def to_ort(onnx_path: Path, out_path: Path) -> dict:
         # temporary folder and renames it), which left a random, vanished folder in the file.
         text = configs[0].read_text()
         configs[0].write_text(text.replace(str(orts[0]), out.name))
+        versions = ort_versions(orts[0])  # read before the file is in place: a failure
+        size = orts[0].stat().st_size  # leaves no .ort behind a report that says none
         _replace_from(configs[0], config)
         _replace_from(orts[0], out)
     return {
         "path": str(out),
-        "bytes": out.stat().st_size,
+        "bytes": size,
         "config": str(config),
         "max_abs_diff": max_abs_diff,
-        **ort_versions(out),
+        **versions,
         "runs_on": ORT_RUNS_ON,
     }
 
