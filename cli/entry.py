@@ -16,6 +16,7 @@ nothing heavy, handles SIGINT in two phases:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -65,6 +66,12 @@ def main() -> None:
     from compresskit._threads import short_spin
 
     short_spin()  # before torch loads: OpenMP threads spin briefly, then sleep
+    # Tables say Δ and ≥: on Windows a redirected stdout or stderr takes the local code page
+    # (cp1252), which cannot encode them, and the command failed after writing its files.
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="replace")
     if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("COMPRESS_DEBUG"):
         # torch's C++ log printed a rank's failed rendezvous as 41 lines of stack frames
         # before compress's one-line error; the errors reach Python as exceptions, which

@@ -135,7 +135,7 @@ class _Log:
         self.stream = stream
         self.path = path
         if not append:
-            open(path, "w").close()  # a fresh log per command
+            open(path, "w", encoding="utf-8").close()  # a fresh log per command
         # Appending: the ranks a multi-process run spawns write to this file too (child_log),
         # and each line lands at its end instead of over another process's.
         self.file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
@@ -331,7 +331,7 @@ def _drop_stdout() -> None:
     """Point stdout at the null device: what is left in its buffer cannot be written, and the
     interpreter's last flush would print an "Exception ignored" traceback for it."""
     with contextlib.suppress(OSError):
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the rest of the process)
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115  (for the rest of the process)
 
 
 class CompressGroup(click.Group):
@@ -341,6 +341,30 @@ class CompressGroup(click.Group):
     the command's exit code (0) and lets errors propagate as exceptions (`CompressError` with
     its `exit_code`, click's usage errors) instead of printing them and exiting.
     """
+
+    # The commands, each imported when first asked for: registered at import, `import
+    # compresskit.cli.bench` on its own failed (bench imports this module, which imported
+    # bench back half-made).
+    LAZY = {  # noqa: RUF012
+        "train": ("train", "train"),
+        "shrink": ("shrink", "shrink"),
+        "decode": ("shrink", "decode"),
+        "demo": ("demo", "demo"),
+        "bench": ("bench", "bench"),
+        "plan": ("plan", "plan"),
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(self.commands) | set(self.LAZY))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in self.LAZY:
+            import importlib
+
+            module, attr = self.LAZY[name]
+            found = getattr(importlib.import_module(f"compresskit.cli.{module}"), attr)
+            self.add_command(found, name)
+        return self.commands.get(name)
 
     def main(self, args=None, prog_name=None, complete_var=None, **extra):  # type: ignore[override]
         argv = list(sys.argv[1:] if args is None else args)
@@ -449,20 +473,6 @@ def cli() -> None:
     Exit codes: 0 ok, 1 failure, 2 bad usage or input, 130 interrupted.
     COMPRESS_DEBUG=1 shows tracebacks and warnings.
     """
-
-
-def _register() -> None:
-    from compresskit.cli import bench, demo, plan, shrink, train
-
-    cli.add_command(train.train)
-    cli.add_command(shrink.shrink)
-    cli.add_command(shrink.decode)
-    cli.add_command(demo.demo)
-    cli.add_command(bench.bench)
-    cli.add_command(plan.plan)
-
-
-_register()
 
 
 def main(args: list[str] | None = None, standalone_mode: bool = True) -> int | None:

@@ -380,9 +380,11 @@ def _shrink_to_folder(
         # (a one-core container writes other bits), and --target host times this CPU.
         report["environment"] = envinfo.environment()
         with atomic_path(tmp / "report.json") as f:
-            f.write_text(json.dumps(report, indent=2) + "\n")
+            f.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         with atomic_path(tmp / "report.md") as f:
-            f.write_text(report_mod.markdown(report, f"compress shrink: {spec.name}"))
+            f.write_text(
+                report_mod.markdown(report, f"compress shrink: {spec.name}"), encoding="utf-8"
+            )
         _move_into(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -956,6 +958,8 @@ def _remove_abandoned(out: Path, locked: bool = False) -> None:
             continue
         if locked:
             shutil.rmtree(folder, ignore_errors=True)
+            continue
+        if os.name == "nt":  # os.kill(pid, 0) sends Ctrl+C there: no liveness to ask
             continue
         try:
             os.kill(int(pid), 0)

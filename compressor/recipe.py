@@ -391,7 +391,7 @@ class Recipe:
         path = Path(path)
         fmt = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(path.suffix, "toml")
         with atomic_path(path) as tmp:
-            Path(tmp).write_text(self.dumps(fmt))
+            Path(tmp).write_text(self.dumps(fmt), encoding="utf-8")
         return path
 
     def replace(self, **sections: Any) -> Recipe:

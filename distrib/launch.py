@@ -388,7 +388,7 @@ class _FileBeats(_Beats):
             os.utime(path)
         except FileNotFoundError:
             tmp = self.folder / f".{rank}"
-            tmp.write_text(str(os.getpid()))
+            tmp.write_text(str(os.getpid()), encoding="ascii")
             tmp.replace(path)
 
     def seen(self) -> dict[int, Beat]:
@@ -400,7 +400,7 @@ class _FileBeats(_Beats):
         for path in paths:
             try:
                 age = now - path.stat().st_mtime
-                pid = int(path.read_text() or 0) or None
+                pid = int(path.read_text(encoding="ascii") or 0) or None
             except (OSError, ValueError):
                 continue
             out[int(path.name)] = Beat(max(0.0, age), pid, None)
@@ -465,7 +465,7 @@ def _state(pid: int | None) -> str:
     if pid is None:
         return ""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone" if os.path.isdir("/proc/self") else ""

@@ -304,12 +304,21 @@ def check_onnx_external_data(path: str | os.PathLike) -> None:
             target = os.path.realpath(os.path.join(folder, location))
         except (ValueError, OSError):  # a NUL byte, a name too long
             raise InputError(f"{where}, which is not a usable path; refused: {fix}") from None
-        inside = os.path.commonpath([folder, target]) == folder and target != folder
+        inside = _within(folder, target) and target != folder
         if not inside:
             lexical = os.path.normpath(os.path.join(folder, location))
             how = (
                 f"a link to {target}, outside the model's folder {folder}"
-                if os.path.commonpath([folder, lexical]) == folder
+                if _within(folder, lexical)
                 else f"outside the model's folder {folder}"
             )
             raise InputError(f"{where}, {how}; refused: {fix}")
+
+
+def _within(folder: str, path: str) -> bool:
+    """Whether `path` lies in `folder` (on Windows, another drive does not: commonpath raises
+    ValueError there, which was an unexpected error for a crafted file)."""
+    try:
+        return os.path.commonpath([folder, path]) == folder
+    except ValueError:
+        return False

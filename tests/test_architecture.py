@@ -98,6 +98,35 @@ def test_library_never_prints_or_exits(package):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("package", [*PACKAGES, "compresskit"])
+def test_every_text_file_names_its_encoding(package):
+    """report.md says Δ: written in Windows' local code page (cp1252) it raised
+    UnicodeEncodeError after the whole run, and the staging folder went with it."""
+    bad = []
+    for path in _modules(package):
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+            kw = {k.arg: k.value for k in node.keywords}
+            if isinstance(f, ast.Name) and name == "open":  # open(path, mode)
+                mode = kw.get("mode", node.args[1] if len(node.args) > 1 else None)
+            elif name == "open" and not (isinstance(f.value, ast.Name) and f.value.id == "os"):
+                mode = kw.get("mode", node.args[0] if node.args else None)  # Path.open(mode)
+                if mode is not None and not isinstance(mode, ast.Constant):
+                    continue  # a zip member, z.open(info): bytes
+            elif name in {"read_text", "write_text"}:
+                mode = None
+            else:
+                continue
+            binary = isinstance(mode, ast.Constant) and "b" in str(mode.value)
+            if not binary and "encoding" not in kw:
+                bad.append(f"{rel}:{node.lineno} {name} without encoding=")
+    assert not bad, bad
+
+
 def test_light_imports_do_not_load_onnx_or_sklearn():
     code = (
         "import sys; from compresskit import compressor, distrib, models;"

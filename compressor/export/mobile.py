@@ -265,8 +265,8 @@ def to_ort(onnx_path: Path, out_path: Path) -> dict:
         # at the temporary folder that is about to disappear.
         # Its file name only: `out` may itself be a staging path (the pipeline writes into a
         # temporary folder and renames it), which left a random, vanished folder in the file.
-        text = configs[0].read_text()
-        configs[0].write_text(text.replace(str(orts[0]), out.name))
+        text = configs[0].read_text(encoding="utf-8")
+        configs[0].write_text(text.replace(str(orts[0]), out.name), encoding="utf-8")
         versions = ort_versions(orts[0])  # read before the file is in place: a failure
         size = orts[0].stat().st_size  # leaves no .ort behind a report that says none
         _replace_from(configs[0], config)

@@ -118,7 +118,7 @@ def write_markdown(bench: dict[str, Any], path: Path, plot: Path | None = None) 
         except ValueError:  # another drive (Windows): no relative path exists
             link = Path(os.path.abspath(plot))
     with atomic_path(path) as f:
-        f.write_text(markdown(bench, link))
+        f.write_text(markdown(bench, link), encoding="utf-8")
     return path
 
 
@@ -126,7 +126,10 @@ def write_json(bench: dict[str, Any], path: Path) -> Path:
     """Write the bench result at `path` as the JSON object `--json` prints (NaN as null)."""
     check_writable(path, "--report")
     with atomic_path(path) as f:
-        f.write_text(json.dumps(finite(bench), indent=2, default=str, allow_nan=False) + "\n")
+        f.write_text(
+            json.dumps(finite(bench), indent=2, default=str, allow_nan=False) + "\n",
+            encoding="utf-8",
+        )
     return path
 
 

@@ -53,7 +53,7 @@ def parse_proc_stat(text: str, cpus: set[int] | None = None) -> tuple[int, int]:
 def sample() -> Sample | None:
     """The counters now, or None where /proc/stat cannot be read (not Linux)."""
     try:
-        text = PROC_STAT.read_text()
+        text = PROC_STAT.read_text(encoding="ascii")
     except OSError:
         return None
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None

@@ -65,7 +65,7 @@ def parse_cpuinfo(text: str) -> dict:
 
 def _cpuinfo() -> dict:
     try:
-        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text(encoding="utf-8"))
     except OSError:  # not Linux, or /proc not mounted (some sandboxes)
         return parse_cpuinfo("")
 

@@ -537,7 +537,7 @@ def _check_batch_memory(v, shape: tuple[int, ...], batch: int) -> None:
 def available_memory() -> int | None:
     """Bytes of memory available to start new work (Linux MemAvailable), None elsewhere."""
     try:
-        with open("/proc/meminfo") as f:
+        with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024

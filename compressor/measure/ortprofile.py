@@ -78,7 +78,7 @@ def _trace(path, x, runs, threads, providers, warmup) -> list[dict]:
             ) from None
         finally:
             trace = Path(session.end_profiling())  # written now, inside tmp
-        return json.loads(trace.read_text())
+        return json.loads(trace.read_text(encoding="utf-8"))
 
 
 def profile_ops(

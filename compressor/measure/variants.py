@@ -248,10 +248,14 @@ def disambiguate(models: list[Model]) -> list[Model]:
 
     names = [m.label for m in models]
     if len(set(names)) < len(names):
-        common = os.path.commonpath([str(m.path.resolve().parent) for m in models])
+        try:
+            common = os.path.commonpath([str(m.path.resolve().parent) for m in models])
+        except ValueError:  # Windows: files on two drives share no folder
+            common = None
         for m in models:
             if names.count(m.label) > 1:
-                m.label = os.path.relpath(m.path.resolve(), common)
+                where = m.path.resolve()
+                m.label = str(where) if common is None else os.path.relpath(where, common)
     return models
 
 
