@@ -167,3 +167,23 @@ def test_probe_arithmetic_counts_two_n_cubed_flops(monkeypatch):
 def test_probe_refuses_bad_arguments(kwargs):
     with pytest.raises(InputError):
         matmul_peak_gflops(**kwargs)
+
+
+def test_without_proc_cpuinfo_the_flags_come_from_numpy(monkeypatch):
+    """An Intel Mac or Windows has no /proc/cpuinfo: every flag read False, so reduce_range
+    "auto" never turned on for AVX2 without VNNI, the CPU it exists for."""
+    from pathlib import Path
+
+    from compresskit.compressor.measure import envinfo
+
+    real = Path.read_text
+
+    def no_proc(self, *args, **kwargs):
+        if str(self) == "/proc/cpuinfo":
+            raise FileNotFoundError(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", no_proc)
+    assert envinfo.cpu_flags() == envinfo.numpy_flags() <= set(envinfo.CPU_FLAGS)
+    env = envinfo.environment()["cpu_flags"]
+    assert {k for k, v in env.items() if v} == envinfo.numpy_flags()

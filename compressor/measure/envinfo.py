@@ -65,9 +65,36 @@ def parse_cpuinfo(text: str) -> dict:
 
 def _cpuinfo() -> dict:
     try:
-        return parse_cpuinfo(Path("/proc/cpuinfo").read_text(encoding="utf-8"))
+        info = parse_cpuinfo(Path("/proc/cpuinfo").read_text(encoding="utf-8"))
     except OSError:  # not Linux, or /proc not mounted (some sandboxes)
-        return parse_cpuinfo("")
+        info = parse_cpuinfo("")
+    if not info["flags"]:
+        info["flags"] = numpy_flags()
+    return info
+
+
+# NumPy's own CPU dispatch reads cpuid on every OS: its names, and /proc/cpuinfo's for them.
+_NUMPY_FLAGS = {
+    "AVX2": "avx2",
+    "AVX512F": "avx512f",
+    "AVX512VNNI": "avx512_vnni",
+    "AVX512BF16": "avx512_bf16",
+}
+
+
+def numpy_flags() -> set[str]:
+    """The flags of `CPU_FLAGS` NumPy's CPU dispatch found, named as /proc/cpuinfo names them:
+    off Linux (an Intel Mac, Windows) there is no /proc/cpuinfo, and `reduce_range = "auto"`
+    never saw a CPU with AVX2 but no VNNI, the one it exists for. Empty where NumPy does not
+    say (AMX it never does)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as found
+    except ImportError:
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as found
+        except ImportError:
+            return set()
+    return {ours for theirs, ours in _NUMPY_FLAGS.items() if found.get(theirs)}
 
 
 def cpu_flags() -> set[str]:
