@@ -5,8 +5,9 @@ times faster on a CPU with VNNI or AMX than on one without, and thread counts ch
 This module collects that context, plus two short probes (FP32 matmul GFLOP/s, INT8 matmul
 GOP/s) that put a model's latency next to what the machine can do at best.
 
-Linux-first: CPU details come from /proc/cpuinfo; elsewhere they fall back to `platform` and
-the flags read as False ("not known to be there"). torch and onnxruntime are imported inside
+Linux-first: CPU details come from /proc/cpuinfo; elsewhere they fall back to `platform`, and
+the flags to NumPy's own cpuid dispatch (`numpy_flags`; what it does not name reads False, "not
+known to be there"). torch and onnxruntime are imported inside
 the functions, so `parse_cpuinfo` stays usable (and importable) without them.
 """
 
