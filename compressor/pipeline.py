@@ -218,8 +218,7 @@ def shrink_to_folder(
     in `report["guard"]`, and under `guard.strict` any finding fails the run (StageError)
     before anything is written. A second run into the same `out` while this one goes is
     refused (InputError), before its checks."""
-    check_out_dir(out, force)  # a bad --out is said as such, not as a lock problem
-    with output_lock(out) as locked:
+    with output_lock(out) as locked:  # unlocked where --out's folder cannot hold the lock
         return _shrink_to_folder(model, spec, recipe, hooks, out, metadata, data, force, locked)
 
 
@@ -235,7 +234,7 @@ def _shrink_to_folder(
     force: bool,
     locked: bool,
 ) -> dict[str, Any]:
-    check_out_dir(out, force)  # again under the lock: a run that ended meanwhile wrote there
+    check_out_dir(out, force)  # under the lock: no other run writes there meanwhile
     name = stem(recipe)
     clock = _Clock(hooks.info)
     hooks = clock.timed_retrain(hooks)
@@ -325,11 +324,9 @@ def _shrink_to_folder(
                 with clock.step("ort", f"mobile: writing {name}.{kind}.ort, checking NNAPI/CoreML"):
                     try:
                         ort_file = mobile.to_ort(shipped, tmp / f"{name}.{kind}.ort")
-                    except MachineError:
-                        raise
                     except StageError as e:
-                        if e.__cause__ is not None and machine_failure(e.__cause__):
-                            raise  # out of memory while checking it: the machine's, not ORT's
+                        if isinstance(e, MachineError) or machine_failure(e.__cause__ or e):
+                            raise  # a full disk, or memory while checking it: the machine's
                         # The archive and the ONNX files stand: a conversion ORT's tool fails
                         # (or that answers differently) costs the .ort, not the whole run that
                         # made them. --strict fails on it (guard's "ort" finding).

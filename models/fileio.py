@@ -41,13 +41,26 @@ def machine_failure(e: BaseException, folder: str | os.PathLike | None = None) -
         return "out of memory"
     if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
         return (e.strerror or os.strerror(e.errno)).lower()
-    if folder is not None and isinstance(e, Exception):
-        try:
-            if shutil.disk_usage(folder).free < NEARLY_FULL_BYTES:
-                return "no space left on device"
-        except OSError:
-            pass
+    if folder is not None and isinstance(e, Exception) and nearly_full(folder):
+        return "no space left on device"
     return None
+
+
+def nearly_full(folder: str | os.PathLike) -> bool:
+    """Less than `NEARLY_FULL_BYTES` free where `folder` lies (False where that cannot be
+    read): what a library's own words for a failed write mean there."""
+    try:
+        return shutil.disk_usage(folder).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def cannot_write(path: str | os.PathLike, reason: str) -> MachineError:
+    """The machine's failure to write `path`, named by the folder the user knows it by."""
+    return MachineError(
+        f"cannot write {Path(path).name} in {visible_folder(path)}: {reason}; free space there "
+        "or write elsewhere"
+    )
 
 
 def visible_folder(path: str | os.PathLike) -> Path:
@@ -199,10 +212,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         if reason is not None and not isinstance(e, StageError | InputError):
-            raise MachineError(
-                f"cannot write {path.name} in {visible_folder(path)}: {reason}; free space "
-                "there or write elsewhere"
-            ) from e
+            raise cannot_write(path, reason) from e
         raise
 
 

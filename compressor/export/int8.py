@@ -287,17 +287,17 @@ PROGRESS_EVERY_S = 10.0  # a line at most this often while the INT8 search goes 
 
 
 class _Ticker:
-    """`say(message)` passed on at most every `every` seconds: the fallback search and the
-    host timing run for a minute or more on a big model (98 s silent on a 41M-weight BERT)."""
+    """`say(message)` passed on at most every `PROGRESS_EVERY_S` seconds: the fallback
+    search and the host timing run for a minute or more on a big model (98 s silent on a
+    41M-weight BERT)."""
 
-    def __init__(self, progress: Callable[[str], None] | None, every: float | None = None):
+    def __init__(self, progress: Callable[[str], None] | None):
         self.progress = progress
-        self.every = PROGRESS_EVERY_S if every is None else every
         self.last = time.monotonic()
 
     def __call__(self, message: str) -> None:
         now = time.monotonic()
-        if self.progress is not None and now - self.last >= self.every:
+        if self.progress is not None and now - self.last >= PROGRESS_EVERY_S:
             self.last = now
             self.progress(message)
 

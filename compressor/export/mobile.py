@@ -37,7 +37,7 @@ import numpy as np
 from compresskit.compressor.export import protos
 from compresskit.compressor.export.protos import SEQUENCE
 from compresskit.models import fileio
-from compresskit.models.errors import InputError, MachineError, StageError
+from compresskit.models.errors import InputError, StageError
 from compresskit.models.fileio import atomic_path, check_writable
 
 TOOL_TIMEOUT_S = 600  # conversion of a mobile-sized model takes seconds; this only catches hangs
@@ -240,11 +240,8 @@ def to_ort(onnx_path: Path, out_path: Path) -> dict:
             ) from None
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
-            if fileio.machine_failure(RuntimeError(lines[-1]), tmp) is not None:
-                raise MachineError(  # ORT's "Failed to save ORT format model": a full disk
-                    f"cannot write {out.name} in {fileio.visible_folder(out)}: no space left "
-                    "on device; free space there or write elsewhere"
-                )
+            if fileio.nearly_full(tmp):  # ORT's "Failed to save ORT format model"
+                raise fileio.cannot_write(out, "no space left on device")
             raise StageError(f"{onnx_path}: convert_onnx_models_to_ort failed: {lines[-1]}")
         # Glob rather than predict names: ORT_CONVERT_ONNX_MODELS_TO_ORT_OPTIMIZATION_LEVEL
         # in the environment adds the level to both names (model.basic.ort).
