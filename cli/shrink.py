@@ -4,19 +4,28 @@ This is where the siblings meet: `distrib`'s training loop is handed to `compres
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
 
 from compresskit import api
 from compresskit.cli import render
-from compresskit.cli.main import OutPath, emit_json, input_name, json_option, log_option
+from compresskit.cli.main import (
+    Interrupted,
+    OutPath,
+    emit_json,
+    input_name,
+    json_option,
+    log_option,
+)
 from compresskit.compressor import pipeline
 from compresskit.compressor import recipe as recipe_mod
+from compresskit.compressor import resume as resume_mod
 from compresskit.compressor.shrink import plan as shrink_plan
 from compresskit.models import checkpoint, zoo
 from compresskit.models import data as data_mod
-from compresskit.models.errors import InputError
+from compresskit.models.errors import InputError, StageError
 
 
 class _IntOrAuto(click.ParamType):
@@ -43,6 +52,7 @@ Examples:
   compress shrink lenet5.pt --data mnist:~/mnist --recipe recipe.toml --json
   compress shrink lenet5.pt --data mnist:~/mnist --max-drop 0.2  # search within 0.2 points
   compress shrink lenet5.pt --dry-run > recipe.toml   # print the resolved recipe, edit, rerun
+  compress shrink lenet5.pt --out lenet5-shrunk/ --resume  # continue a stopped run
   compress shrink weights.pt --model mypkg.nets:build_net --model-kwargs '{"width": 64}' \\
       --data npz:train.npz                             # your own state_dict and model code
 """
@@ -182,6 +192,13 @@ Examples:
     "guard.max_stage_drop, INT8 under its floor, a student bigger than its teacher.",
 )
 @click.option("--force", is_flag=True, help="Replace the outputs of an earlier run in --out.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue a stopped run into --out from the work it kept (each pruning round, the "
+    "compressed model), when the model, data and the recipe sections that work used are the "
+    "same; else start from the beginning.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option
 @log_option
@@ -208,6 +225,7 @@ def shrink(
     microbatches: int | str | None,
     strict: bool | None,
     force: bool,
+    resume: bool,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -284,7 +302,17 @@ def shrink(
         return
     out = out or model_path.with_name(model_path.stem + "-shrunk")
     report = run_shrink(
-        model_path, data, out, recipe, model, model_kwargs, quiet, force, trust_model, student
+        model_path,
+        data,
+        out,
+        recipe,
+        model,
+        model_kwargs,
+        quiet,
+        force,
+        trust_model,
+        student,
+        resume,
     )
     render.int8_warning(report)
     render.guard_warnings(report)
@@ -411,6 +439,8 @@ JSON_KEYS = (
     "files",
     "environment",
     "seconds",
+    "memory",
+    "resumed",
 )
 
 
@@ -430,11 +460,14 @@ def run_shrink(
     force: bool = False,
     trust_model: bool = False,
     student: str | None = None,
+    resume: bool = False,
 ) -> dict:
     """`compresskit.shrink` with progress on stderr; return the report. `trust_model`: import
     the code the checkpoint (and the recipe's student) names, as if the user had typed it as
-    `model`; `student`: the --student the user typed (consent to import it)."""
+    `model`; `student`: the --student the user typed (consent to import it). A run stopped
+    (Ctrl-C) or failed after it kept work says what it kept and how to continue from it."""
     progress = render.TrainProgress(quiet=quiet)
+    started = time.time()
     try:
         result = api.shrink(
             model_path,
@@ -447,10 +480,24 @@ def run_shrink(
             trust_model=trust_model,
             progress=progress,
             student_code=student,
+            resume=resume,
         )
+    except KeyboardInterrupt:
+        progress.close()
+        raise Interrupted("interrupted" + _kept(out, started)) from None
+    except StageError as e:
+        if kept := _kept(out, started):
+            raise type(e)(f"{e}{kept}") from e
+        raise
     finally:
         progress.close()
     return result.report
+
+
+def _kept(out: Path, since: float) -> str:
+    """'; kept: WHAT (...)' when this run kept work a rerun with --resume continues from."""
+    what = resume_mod.describe(out, since)
+    return f"; kept: {what} (add --resume to continue from there)" if what else ""
 
 
 @click.command(

@@ -290,6 +290,7 @@ def shrink(
     trust_model: bool = False,
     progress: Events | None = None,
     student_code: str | None = None,
+    resume: bool = False,
 ) -> ShrinkReport:
     """Compress one model as `recipe` says and write every output into the folder `out`.
 
@@ -311,6 +312,9 @@ def shrink(
                 ("pkg.module:callable"): that code is imported only when named here too (as
                 `--student`) or with `trust_model`, since a recipe may come from a file
     progress    a `compresskit.distrib.Events` told about each epoch and step (default: silent)
+    resume      continue a stopped run into `out` from the work it kept (each pruning round,
+                the compressed model: kept in `.OUT.resume` beside `out` until a run succeeds);
+                only with the same model, data and recipe sections that work depended on
 
     Returns a `ShrinkReport`. Raises `InputError` for bad input (before any work) and
     `StageError` when a stage fails its own check (then nothing is left in `out`).
@@ -341,7 +345,9 @@ def shrink(
         net, resolved, ds, meta = _load(model, data, spec, model_kwargs, trust_model)
     _check_finite(net, str(inputs[0]) if inputs else meta["source"])
     hooks = _hooks(ds, recipe, progress)
-    report = pipeline.shrink_to_folder(net, resolved, recipe, hooks, out, meta, ds, force=force)
+    report = pipeline.shrink_to_folder(
+        net, resolved, recipe, hooks, out, meta, ds, force=force, resume=resume
+    )
     # absolute: the report's paths still work after the notebook changes folder
     return ShrinkReport.from_report(report, Path(os.path.abspath(out)))
 

@@ -25,6 +25,7 @@ from torch import nn
 from compresskit import _datapass, _mem
 from compresskit.compressor import archive, budget, channels, distill, export, guard, prune
 from compresskit.compressor import report as report_mod
+from compresskit.compressor import resume as resume_mod
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.export import checks, compat, int8, mobile
 from compresskit.compressor.measure import envinfo, layertime, speedup
@@ -210,16 +211,22 @@ def shrink_to_folder(
     metadata: dict[str, Any],
     data: Dataset | None = None,
     force: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run the pipeline and write NAME.dcz, NAME.pt, the ONNX files, report.json/.md and plots
     into `out` (NAME: `stem(recipe)`). `force` replaces an earlier run's outputs there.
+
+    The finished work (each pruning round, the compressed model) is kept beside `out` until
+    the run succeeds; `resume` continues from it (`compressor.resume`).
 
     The guardrails (`compressor.guard`) are checked on the finished report: their findings go
     in `report["guard"]`, and under `guard.strict` any finding fails the run (StageError)
     before anything is written. A second run into the same `out` while this one goes is
     refused (InputError), before its checks."""
     with output_lock(out) as locked:  # unlocked where --out's folder cannot hold the lock
-        return _shrink_to_folder(model, spec, recipe, hooks, out, metadata, data, force, locked)
+        return _shrink_to_folder(
+            model, spec, recipe, hooks, out, metadata, data, force, locked, resume
+        )
 
 
 @_seeded
@@ -233,6 +240,7 @@ def _shrink_to_folder(
     data: Dataset | None,
     force: bool,
     locked: bool,
+    resume: bool,
 ) -> dict[str, Any]:
     check_out_dir(out, force)  # under the lock: no other run writes there meanwhile
     name = stem(recipe)
@@ -241,6 +249,7 @@ def _shrink_to_folder(
     calib = preflight(recipe, data, model)
     if recipe.export.enabled and data is not None:
         _probe_opset(model, recipe, data)
+    marks = _marks(out, model, spec, data, metadata, recipe, resume, hooks.info)
     _remove_abandoned(out, locked)
     tmp = Path(tempfile.mkdtemp(prefix=f"{hidden(out.name)}.{_owner()}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
@@ -251,14 +260,25 @@ def _shrink_to_folder(
             if data is None:
                 raise InputError("distillation needs the data set")
             with clock.step("distill"):
-                model, spec, distilled, train_on = distill.distill_student(
-                    model,
-                    recipe.distill,
-                    data,
-                    hooks.retrain,
-                    hooks.test_accuracy,
-                    seed=recipe.train.seed,
-                )
+                if (kept := marks.latest("student")) is not None:
+                    model, spec, distilled, train_on = resume_mod.restore_student(kept, data, marks)
+                    clock.info(f"resumed after distillation (kept in {marks.folder})")
+                else:
+                    model, spec, distilled, train_on = distill.distill_student(
+                        model,
+                        recipe.distill,
+                        data,
+                        hooks.retrain,
+                        hooks.test_accuracy,
+                        seed=recipe.train.seed,
+                    )
+                    marks.save(
+                        "student",
+                        f"the distilled student ({spec.name})",
+                        resume_mod.student_payload(
+                            model, spec, distilled, train_on, data, _trained(hooks, marks)
+                        ),
+                    )
             if train_on is not data:
                 hooks = _keep_to(hooks, train_on)
         thinned = unthinned = None
@@ -267,16 +287,46 @@ def _shrink_to_folder(
                 raise InputError("channel pruning needs the data set")
             if recipe.channels.latency and recipe.export.enabled:
                 unthinned = copy.deepcopy(model).eval()  # timed against the thinned files
-            with clock.step("channels", "channels: removing whole channels"):
-                spec, thinned = _thin(model, spec, recipe, data, hooks, tmp, calib)
+            if (kept := marks.latest("channels")) is not None:
+                model, spec, thinned = resume_mod.restore_channels(kept, marks)
+                clock.info(f"resumed after channel pruning (kept in {marks.folder})")
+            else:
+                with clock.step("channels", "channels: removing whole channels"):
+                    spec, thinned = _thin(model, spec, recipe, data, hooks, tmp, calib)
+                marks.save(
+                    "channels",
+                    "channel pruning",
+                    resume_mod.channels_payload(model, spec, thinned, _trained(hooks, marks)),
+                )
         with clock.step("deep_compression"):
-            if recipe.budget.max_drop != "off":
+            kept = marks.latest("compressed")
+            if kept is not None:
+                report = resume_mod.restore_compressed_(model, kept, marks)
+                if "archive" in report:
+                    shutil.copyfile(marks.file("compressed", ".dcz"), tmp / f"{name}.dcz")
+                clock.info(f"resumed after Deep Compression (kept in {marks.folder})")
+            elif recipe.budget.max_drop != "off":
                 model, report = budget.search(
                     model, spec.to_dict(), recipe, hooks, tmp, metadata, archive_name=f"{name}.dcz"
                 )
             else:
                 report = shrink_mod.shrink(
-                    model, spec.to_dict(), recipe, hooks, tmp, metadata, archive_name=f"{name}.dcz"
+                    model,
+                    spec.to_dict(),
+                    recipe,
+                    hooks,
+                    tmp,
+                    metadata,
+                    archive_name=f"{name}.dcz",
+                    marks=marks,
+                )
+            if kept is None:
+                archived = tmp / f"{name}.dcz"
+                marks.save(
+                    "compressed",
+                    "Deep Compression (pruning, weight sharing, Huffman)",
+                    resume_mod.compressed_payload(model, report, _trained(hooks, marks)),
+                    {".dcz": archived} if archived.is_file() else {},
                 )
         _explain_archive(report)
         if tied := prune.tied_weights(model):  # left dense: see prune.tied_weights
@@ -361,8 +411,10 @@ def _shrink_to_folder(
         if "archive" in report:
             report["archive"]["path"] = str(out / f"{name}.dcz")
         report["name"] = name
-        if hooks.trained is not None and (trained := hooks.trained()):
+        if trained := _trained(hooks, marks):
             report["training"] = trained
+        if marks.resumed:  # the furthest point it continued from
+            report["resumed"] = {"from": marks.resumed[-1], "marks": str(marks.folder)}
         report["deliverables"] = deliverables(report)
         cfg = guard.GuardConfig.from_recipe(recipe.guard)
         report["guard"] = {"max_stage_drop": cfg.max_stage_drop, "strict": cfg.strict}
@@ -383,10 +435,28 @@ def _shrink_to_folder(
                 report_mod.markdown(report, f"compress shrink: {spec.name}"), encoding="utf-8"
             )
         _move_into(tmp, out)
+        marks.finish()  # the outputs are in place: nothing left to resume
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report["files"] = sorted(str(out / p.name) for p in out.iterdir() if p.name in OUTPUTS)
     return report
+
+
+def _marks(out, model, spec, data, metadata, recipe, resume, info) -> resume_mod.Marks:
+    """The run's marks; on --resume with none to use, says it starts from the beginning."""
+    marks = resume_mod.Marks.open(out, model, spec.to_dict(), data, metadata, recipe, resume, info)
+    if resume and not marks.kept():  # else each stage it skips says so
+        info(
+            f"nothing to resume for {out} (no kept work from this model, data and recipe): "
+            "starting from the beginning"
+        )
+    return marks
+
+
+def _trained(hooks: shrink_mod.Hooks, marks: resume_mod.Marks) -> dict[str, Any]:
+    """What the retraining runs recorded (`Hooks.trained`), a resumed run's earlier ones too."""
+    now = hooks.trained() if hooks.trained is not None else None
+    return resume_mod.merge_trained(marks.trained_before, now)
 
 
 # A protobuf message, and so an ONNX file without external data, holds at most 2 GiB; the

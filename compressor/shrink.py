@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable
@@ -34,7 +35,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from compresskit.compressor import archive, distill, huffman, kmeans, prune, softshare, stats
+from compresskit.compressor import (
+    archive,
+    distill,
+    huffman,
+    kmeans,
+    prune,
+    resume,
+    softshare,
+    stats,
+)
 from compresskit.compressor.recipe import (
     HuffmanSection,
     PruneSection,
@@ -160,8 +170,11 @@ def shrink(
     out_dir: Path,
     metadata: dict[str, Any] | None = None,
     archive_name: str = "model.dcz",
+    marks: resume.Marks | None = None,
 ) -> dict[str, Any]:
-    """Run the recipe on `model` (in place); write `out_dir/archive_name`; return the report."""
+    """Run the recipe on `model` (in place); write `out_dir/archive_name`; return the report.
+    With `marks`, each pruning round is kept, and a resumed run starts after the last kept
+    one (`compressor.resume`)."""
     check_fits_recipe(model, recipe)
     t0 = time.perf_counter()
     params = sum(p.numel() for p in model.parameters())
@@ -212,8 +225,8 @@ def shrink(
     p = recipe.prune
     if p.enabled:
         ts = time.perf_counter()
-        report["sensitivity"], hits = _prune(model, p, hooks)
-        stages.append(_stage("prune", ts, model, hits))
+        report["sensitivity"], hits, earlier = _prune(model, p, hooks, marks)
+        stages.append(_stage("prune", ts - earlier, model, hits))
     q = recipe.quantize
     # Records priced once: `prefer_dense_` prices every layer where `_entries` will again.
     prices: dict[bytes, Any] = {}
@@ -398,16 +411,23 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
 
 
 def _prune(
-    model: nn.Module, p: PruneSection, hooks: Hooks
-) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
-    """Prune in rounds with retraining; returns the sensitivity record (sparsity "auto") and
-    the pruned model's per-sample test hits when the last retraining measured them."""
-    sens = None
+    model: nn.Module, p: PruneSection, hooks: Hooks, marks: resume.Marks | None = None
+) -> tuple[dict[str, Any] | None, torch.Tensor | None, float]:
+    """Prune in rounds with retraining; returns the sensitivity record (sparsity "auto"), the
+    pruned model's per-sample test hits when the last retraining measured them, and the
+    seconds an earlier run spent on the rounds this one resumed from (`marks`: each round is
+    kept, see `compressor.resume`)."""
+    started = time.perf_counter()
+    kept = marks.latest("prune") if marks is not None else None
+    sens_record = json.loads(kept["sensitivity"]) if kept is not None else None
     sparsity = p.sparsity
     if sparsity == "default":
         sparsity = default_sparsity(model, p.embeddings, example_inputs(hooks))
+    elif sparsity == "auto" and sens_record is not None:
+        sparsity = {n: float(s) for n, s in sens_record["proposal"].items()}
     elif sparsity == "auto":
         sens = prune.sensitivity(model, hooks.val_accuracy, p.budget, progress=_every(hooks.info))
+        sens_record = sens.to_dict()
         sparsity = sens.proposal
         hooks.info(
             "sensitivity proposal: " + ", ".join(f"{n} {s:.2f}" for n, s in sparsity.items())
@@ -420,9 +440,15 @@ def _prune(
         include_bias=p.include_bias,
         embeddings=p.embeddings,
     )
-    stds = prune.weight_stds(model, cfg)
+    stds = prune.weight_stds(model, cfg)  # of the unpruned weights, also when resuming
     hits = None
+    done, earlier = 0, 0.0
+    if kept is not None:
+        done, earlier, hits = resume.restore_pruned_(model, kept, marks)
+        hooks.info(f"resumed after prune round {done}/{cfg.rounds} (kept in {marks.folder})")
     for r, fraction in enumerate(prune.schedule(cfg.rounds), 1):
+        if r <= done:
+            continue
         prune.prune_(model, cfg, fraction, stds)
         hits = hooks.retrain(model, p.retrain_epochs, p.lr, None) if p.retrain_epochs else None
         total = sum(m.numel() for m in prune.masks_of(model).values())
@@ -432,7 +458,22 @@ def _prune(
             f"prune round {r}/{cfg.rounds}: {nnz / total:.1%} of prunable weights kept, "
             f"test accuracy {acc:.4f}"
         )
-    return (sens.to_dict() if sens else None), hits
+        if marks is not None:
+            marks.save(
+                "prune",
+                f"prune round {r} of {cfg.rounds}",
+                resume.pruned_payload(
+                    model,
+                    r,
+                    hits,
+                    sens_record,
+                    earlier + time.perf_counter() - started,
+                    resume.merge_trained(
+                        marks.trained_before, hooks.trained() if hooks.trained else None
+                    ),
+                ),
+            )
+    return sens_record, hits, earlier
 
 
 PROGRESS_EVERY_S = 10.0  # the sensitivity analysis's progress lines, at most one this often

@@ -141,14 +141,20 @@ def test_a_stage_over_the_limit_is_loud_and_strict_writes_nothing(run, teacher, 
     result = run("shrink", ck, "--recipe", lossy, "--out", strict, "--strict", "-q")
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "--strict: nothing written" in result.stderr
+    # ...but the work is kept for a rerun with another guard setting and --resume
+    assert "; kept: Deep Compression (pruning, weight sharing, Huffman)" in result.stderr
     assert not strict.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".s")]  # no temp folder left
+    hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".s")]
+    assert hidden == [".s.resume"]  # no staging folder left
     # the limit is the recipe's to set: a generous one lets the same run through
     (tmp_path / "generous.toml").write_text(lossy.read_text() + "[guard]\nmax_stage_drop = 100\n")
     result = run(
-        "shrink", ck, "--recipe", tmp_path / "generous.toml", "--out", strict, "--strict", "-q"
+        "shrink", ck, "--recipe", tmp_path / "generous.toml", "--out", strict, "--strict",
+        "--resume", "--json", "-q"
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
+    # [guard] is not what the compressed model depended on: nothing retrained
+    assert result.json()["resumed"]["from"].startswith("Deep Compression")
 
 
 def test_outputs_are_named_for_what_they_hold_and_the_summary_names_each_deliverable(

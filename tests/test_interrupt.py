@@ -148,7 +148,37 @@ def test_ctrl_c_while_shrinking_writes_no_output_folder(tmp_path):
         ["shrink", "t.pt", "--out", "out"], tmp_path, after=0.5, when="epoch"
     )
     _assert_interrupted(code, err, seconds)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt"]
+    _nothing_but_kept_work(tmp_path, err)
+
+
+def _nothing_but_kept_work(folder: Path, err: str) -> None:
+    """No output folder, no staging folder: the input, and the finished work a stopped
+    shrink keeps for --resume when a pruning round had finished (then its message says so)."""
+    names = sorted(p.name for p in folder.iterdir())
+    assert names in (["t.pt"], [".out.resume", "t.pt"]), names
+    if ".out.resume" in names:
+        assert "kept: prune round" in err and "(add --resume to continue from there)" in err
+
+
+def test_ctrl_c_after_a_pruning_round_keeps_it_and_resume_continues_from_it(tmp_path):
+    spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [32]})
+    checkpoint.save(tmp_path / "t.pt", build(spec, seed=0), spec)
+    args = ["shrink", "t.pt", "--out", "out", "--epochs", "1"]
+    code, err, seconds = _interrupt(args, tmp_path, when="prune round 2/3")
+    _assert_interrupted(code, err, seconds)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: interrupted; kept: prune round "), last
+    env = {k: v for k, v in os.environ.items() if k != "COMPRESS_DEBUG"}
+    done = subprocess.run(
+        [COMPRESS, *args, "--resume", "--json", "-q"],
+        cwd=tmp_path,
+        capture_output=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert json.loads(done.stdout)["resumed"]["from"].startswith("prune round ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "t.pt"]
 
 
 def test_sigterm_while_shrinking_leaves_no_temporary_folder(tmp_path):
@@ -160,7 +190,7 @@ def test_sigterm_while_shrinking_leaves_no_temporary_folder(tmp_path):
         ["shrink", "t.pt", "--out", "out"], tmp_path, after=0.5, when="epoch", sig=signal.SIGTERM
     )
     _assert_interrupted(code, err, seconds)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt"]
+    _nothing_but_kept_work(tmp_path, err)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -181,6 +181,7 @@ def _without(
         "source",
         "date",
         "load_average_1min",
+        "peak_rss_bytes",
     ),
 ):
     """A report without what differs between two runs into two folders: paths, timings, the date."""
@@ -804,5 +805,8 @@ def test_a_full_disk_in_the_int8_step_fails_the_run_not_the_int8_file(
                  out, "--json", "-q")  # fmt: skip
     assert result.exit_code == 1, result.stderr
     said = "no space left on device" if isinstance(failure, OSError) else "out of memory"
-    assert result.json()["error"] == f"the INT8 step: {said} (in {tmp_path})"
-    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert result.json()["error"] == (
+        f"the INT8 step: {said} (in {tmp_path}); kept: Deep Compression (pruning, weight "
+        "sharing, Huffman) (add --resume to continue from there)"
+    )
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [".out.resume"]

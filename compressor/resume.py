@@ -1,0 +1,462 @@
+"""Resumable shrink: the finished work of a run, kept beside `--out` until the run succeeds, so
+that a run stopped by Ctrl-C, a killed job or a failing late stage continues where it stopped
+(`compress shrink --resume`, `compresskit.shrink(..., resume=True)`).
+
+Retraining is most of a shrink's time (the default recipe: three pruning rounds of four epochs,
+then three epochs of centroid fine-tuning), and before this a stop at the INT8 step threw it
+all away. Four kinds of mark are kept, each the latest of its kind, in the pipeline's order:
+
+  student      after distillation: the student, its spec and record, the transfer set's
+               synthetic inputs and teacher labels (the rest is the run's own data)
+  channels     after channel pruning: the thinned model and its spec (the replayable plan)
+  prune        after each pruning round: the masked weights, the masks, the per-sample test
+               hits of the round's retraining
+  compressed   after Deep Compression (pruning, weight sharing, Huffman): the baked weights,
+               the archive and the stages' record; export, the INT8 step and the mobile files
+               start from here
+
+Each holds the random generators' states, so a resumed run writes the same bytes as an
+uninterrupted one on the same machine. A mark is used only by a run from the same model, data
+and metadata (one digest of their bytes) and the same recipe sections the mark depends on
+(`DEPENDS`): a run whose `export` or `guard` section changed (the usual fix after a failed
+INT8 step) still resumes from its compressed model; one whose `quantize` section changed
+resumes from its last pruning round. Not marked (they run again): the `--max-drop` search's
+trials, and the epochs inside one retraining run.
+
+The marks live in a hidden folder `.OUT.resume` beside `--out`, written atomically (each file,
+then the index naming it), read back with `torch.load(weights_only=True)`: a tampered file is
+refused, never executed. They are removed when the run succeeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from compresskit.compressor import prune
+from compresskit.compressor.recipe import Recipe
+from compresskit.models.errors import InputError, MachineError, one_line
+from compresskit.models.fileio import atomic_path, hidden
+from compresskit.models.zoo import ModelSpec, build
+
+FORMAT = 1
+INDEX = "marks.json"
+# The recipe sections each mark depends on: a change anywhere else keeps the mark usable.
+DEPENDS = {
+    "student": ("train", "distill"),
+    "channels": ("train", "distill", "channels"),
+    "prune": ("train", "budget", "distill", "channels", "prune"),
+    "compressed": ("train", "budget", "distill", "channels", "prune", "quantize", "huffman"),
+}
+ORDER = ("student", "channels", "prune", "compressed")
+
+
+def folder_for(out: Path) -> Path:
+    """Where a run into `out` keeps its marks."""
+    out = Path(os.path.abspath(out))
+    return out.parent / f"{hidden(out.name)}.resume"
+
+
+def _digest_tensor(h, t: torch.Tensor) -> None:
+    t = t.detach().cpu().contiguous()
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def fingerprint(model: nn.Module, spec: dict[str, Any], data: Any, metadata: dict) -> str:
+    """One digest of what a run starts from: the model's weights and spec, the data's tensors
+    (every split) and the run's metadata. A second's work on MNIST-sized data."""
+    h = hashlib.sha256(f"compress-resume-{FORMAT}".encode())
+    h.update(json.dumps(spec, sort_keys=True, default=str).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        _digest_tensor(h, t)
+    if data is not None:
+        for name in ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test"):
+            _digest_tensor(h, getattr(data, name))
+        h.update(str(data.num_classes).encode())
+    h.update(json.dumps(metadata, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _sections(recipe: Recipe, kind: str) -> str:
+    d = recipe.to_dict()
+    part = {k: d.get(k) for k in DEPENDS[kind]}
+    return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def generators() -> dict[str, Any]:
+    """The states of the generators a stage draws from (dropout: torch's; numpy's and
+    Python's for anything else), in types `torch.load(weights_only=True)` reads."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, state, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "numpy_pos": int(pos),
+        "numpy_gauss": [int(has_gauss), float(gauss)],
+        "python": [int(version), list(state), gauss_next],
+    }
+
+
+def set_generators(g: dict[str, Any]) -> None:
+    torch.set_rng_state(g["torch"])
+    has_gauss, gauss = g["numpy_gauss"]
+    keys = g["numpy"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, g["numpy_pos"], has_gauss, gauss))
+    version, state, gauss_next = g["python"]
+    random.setstate((version, tuple(state), gauss_next))
+
+
+@dataclass
+class Marks:
+    """The marks of one run into `out`: `latest(kind)` reads what a resumed run may use,
+    `save(kind, payload)` keeps this run's, `finish()` removes them when the run succeeded."""
+
+    folder: Path
+    fingerprint: str
+    recipe: Recipe
+    resume: bool
+    _fresh: bool = True  # nothing of this run written yet: an older run's marks still there
+    resumed: list[str] = field(default_factory=list)  # the marks this run started from
+    # What the retraining runs before the mark recorded (`Hooks.trained`), for the report.
+    trained_before: dict[str, Any] | None = None
+    info: Callable[[str], None] = lambda message: None
+    failed: str | None = None  # why this run keeps no more marks (a full disk)
+
+    @classmethod
+    def open(
+        cls,
+        out: Path,
+        model: nn.Module,
+        spec: dict[str, Any],
+        data: Any,
+        metadata: dict[str, Any],
+        recipe: Recipe,
+        resume: bool,
+        info: Callable[[str], None] = lambda message: None,
+    ) -> Marks:
+        """The run's marks (their digest of the inputs computed now)."""
+        marks = cls(folder_for(out), fingerprint(model, spec, data, metadata), recipe, resume)
+        marks.info = info
+        return marks
+
+    def _index(self) -> dict[str, Any]:
+        path = self.folder / INDEX
+        if not path.is_file():
+            return {}
+        try:
+            index = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise InputError(
+                f"{path}: unreadable ({one_line(e)}); remove {self.folder} (the kept work is "
+                "lost) or run without --resume"
+            ) from None
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            return {}  # another version's marks: not ours to read
+        return index
+
+    def kept(self) -> dict[str, dict[str, Any]]:
+        """This run's usable marks by kind (same inputs, same recipe sections)."""
+        index = self._index()
+        if index.get("fingerprint") != self.fingerprint:
+            return {}
+        marks = index.get("marks")
+        if not isinstance(marks, dict):
+            return {}
+        return {
+            k: m
+            for k, m in marks.items()
+            if k in DEPENDS and isinstance(m, dict) and m.get("recipe") == _sections(self.recipe, k)
+        }
+
+    def latest(self, kind: str) -> dict[str, Any] | None:
+        """The payload of this kind's mark, when resuming and it fits this run; else None."""
+        if not self.resume:
+            return None
+        mark = self.kept().get(kind)
+        if mark is None:
+            return None
+        path = self.folder / str(mark.get("file"))
+        if Path(str(mark.get("file"))).name != mark.get("file") or not path.is_file():
+            return None
+        try:
+            payload = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception as e:  # a truncated or tampered file: refused, never executed
+            raise InputError(
+                f"{path}: not a mark this tool wrote ({one_line(e)}); remove {self.folder} "
+                "or run without --resume"
+            ) from None
+        if not isinstance(payload, dict) or payload.get("kind") != kind:
+            raise InputError(
+                f"{path}: not a {kind} mark; remove {self.folder} or run without --resume"
+            )
+        self.resumed.append(str(mark.get("what", kind)))
+        if isinstance(payload.get("trained"), str):
+            self.trained_before = json.loads(payload["trained"])
+        return payload
+
+    def file(self, kind: str, suffix: str) -> Path:
+        """A side file of a mark (the archive beside the compressed mark)."""
+        return self.folder / f"{kind}{suffix}"
+
+    def save(self, kind: str, what: str, payload: dict[str, Any], files: dict[str, Path] = {}):  # noqa: B006
+        """Keep `payload` as this run's `kind` mark, described by `what` ("prune round 2 of
+        3"); `files` {suffix: path} are copied beside it. Marks of later kinds are dropped
+        (they describe another continuation of the run). A mark that cannot be written (a
+        full disk) costs the marks, not the run: it goes on, saying so once."""
+        if self.failed is not None:
+            return
+        try:
+            self._save(kind, what, payload, files)
+        except (OSError, MachineError) as e:
+            self.failed = one_line(e)
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.info(
+                f"warning: this run's finished work cannot be kept ({self.failed}); going on "
+                "without it (a stopped run will start again from the beginning)"
+            )
+
+    def _save(self, kind: str, what: str, payload: dict[str, Any], files: dict[str, Path]):
+        if self._fresh:
+            self._fresh = False
+            if not self.resume or self._index().get("fingerprint") != self.fingerprint:
+                shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(exist_ok=True)
+        index = self._index()
+        if index.get("fingerprint") != self.fingerprint:
+            index = {"format": FORMAT, "fingerprint": self.fingerprint, "marks": {}}
+        marks = index.setdefault("marks", {})
+        for later in ORDER[ORDER.index(kind) :]:
+            marks.pop(later, None)
+        self._write_index(index)  # the dropped marks are gone before their files change
+        for suffix, src in files.items():
+            with atomic_path(self.file(kind, suffix)) as tmp:
+                shutil.copyfile(src, tmp)
+        with atomic_path(self.folder / f"{kind}.pt") as tmp:
+            torch.save({"kind": kind, **payload}, tmp)
+        marks[kind] = {
+            "file": f"{kind}.pt",
+            "what": what,
+            "recipe": _sections(self.recipe, kind),
+            "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        self._write_index(index)
+
+    def _write_index(self, index: dict[str, Any]) -> None:
+        with atomic_path(self.folder / INDEX) as tmp:
+            tmp.write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
+
+    def finish(self) -> None:
+        """The run succeeded: its marks are no longer needed."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def describe(out: Path, since: float | None = None) -> str | None:
+    """What a stopped run into `out` kept, for its error message ("prune round 2 of 3"), or
+    None. With `since` (a time.time()), only marks written from then on."""
+    folder = folder_for(out)
+    path = folder / INDEX
+    try:
+        if since is not None and path.stat().st_mtime < since:
+            return None
+        index = json.loads(path.read_text(encoding="utf-8"))
+        marks = index["marks"]
+        latest = [marks[k]["what"] for k in ORDER if k in marks]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return latest[-1] if latest else None
+
+
+def _model_state(model: nn.Module, spec: ModelSpec) -> dict[str, Any]:
+    return {"spec": json.dumps(spec.to_dict()), "state": model.state_dict()}
+
+
+def _rebuilt(kept: dict[str, Any]) -> tuple[nn.Module, ModelSpec]:
+    spec = ModelSpec.from_dict(json.loads(kept["spec"]))
+    model = build(spec)
+    model.load_state_dict(kept["state"])
+    _order_like_(model, list(kept["state"]))
+    return model, spec
+
+
+def student_payload(
+    student: nn.Module,
+    spec: ModelSpec,
+    record: dict[str, Any],
+    train_on: Any,
+    data: Any,
+    trained: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A student mark: the distilled student, its spec and record, and the transfer set it
+    trained on where the recipe asked for one (its synthetic inputs and the labels the
+    teachers gave; the rest is the run's own data)."""
+    transfer = None
+    if train_on is not data:
+        n = len(data.x_train)
+        transfer = {
+            "spec": train_on.spec,
+            "x_extra": train_on.x_train[n:].clone(),
+            "y_train": train_on.y_train,
+            "y_val": train_on.y_val,
+        }
+    return {
+        **_model_state(student, spec),
+        "record": json.dumps(record),
+        "transfer": transfer,
+        "generators": generators(),
+        "trained": json.dumps(trained),
+    }
+
+
+def restore_student(
+    kept: dict[str, Any], data: Any, marks: Marks
+) -> tuple[nn.Module, ModelSpec, dict[str, Any], Any]:
+    """(student, spec, record, the data it trained on) as distillation left them."""
+    try:
+        model, spec = _rebuilt(kept)
+        train_on = data
+        if (t := kept["transfer"]) is not None:
+            train_on = dataclasses.replace(
+                data,
+                spec=t["spec"],
+                x_train=torch.cat([data.x_train, t["x_extra"]]),
+                y_train=t["y_train"],
+                y_val=t["y_val"],
+            )
+        set_generators(kept["generators"])
+        return model, spec, json.loads(kept["record"]), train_on
+    except Exception as e:
+        raise _unfit(marks, "student", e) from None
+
+
+def channels_payload(
+    model: nn.Module, spec: ModelSpec, record: dict[str, Any], trained: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A channels mark: the thinned model, its spec (with the replayable plan), its record."""
+    return {
+        **_model_state(model, spec),
+        "record": json.dumps(record),
+        "generators": generators(),
+        "trained": json.dumps(trained),
+    }
+
+
+def restore_channels(
+    kept: dict[str, Any], marks: Marks
+) -> tuple[nn.Module, ModelSpec, dict[str, Any]]:
+    """(thinned model, its spec, the channels record) as channel pruning left them."""
+    try:
+        model, spec = _rebuilt(kept)
+        set_generators(kept["generators"])
+        return model, spec, json.loads(kept["record"])
+    except Exception as e:
+        raise _unfit(marks, "channels", e) from None
+
+
+def _unfit(marks: Marks, kind: str, e: BaseException) -> InputError:
+    return InputError(
+        f"{marks.folder / (kind + '.pt')}: does not fit this run ({one_line(e)}); remove "
+        f"{marks.folder} or run without --resume"
+    )
+
+
+def pruned_payload(
+    model: nn.Module,
+    round_: int,
+    hits: torch.Tensor | None,
+    sensitivity: dict[str, Any] | None,
+    seconds: float,
+    trained: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A prune mark: the model as the round left it (masked originals and masks), the round's
+    test hits, the sensitivity record, the generators, the seconds spent so far."""
+    return {
+        "round": round_,
+        "state": model.state_dict(),
+        "masks": prune.masks_of(model),
+        "hits": hits,
+        "sensitivity": json.dumps(sensitivity),
+        "generators": generators(),
+        "seconds": float(seconds),
+        "trained": json.dumps(trained),
+    }
+
+
+def restore_pruned_(
+    model: nn.Module, kept: dict[str, Any], marks: Marks
+) -> tuple[int, float, torch.Tensor | None]:
+    """Put the unpruned `model` where a prune mark left it (in place); (rounds done, seconds
+    they took, their last test hits). A mark that does not fit the model is refused."""
+    try:
+        for full, mask in kept["masks"].items():
+            prune.set_mask_(model, full, mask)
+        model.load_state_dict(kept["state"])
+        set_generators(kept["generators"])
+        return int(kept["round"]), float(kept["seconds"]), kept["hits"]
+    except Exception as e:
+        raise _unfit(marks, "prune", e) from None
+
+
+def compressed_payload(
+    model: nn.Module, report: dict[str, Any], trained: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A compressed mark: the baked weights, the stages' record, the generators."""
+    return {
+        "state": model.state_dict(),
+        "report": json.dumps(report),
+        "generators": generators(),
+        "trained": json.dumps(trained),
+    }
+
+
+def restore_compressed_(model: nn.Module, kept: dict[str, Any], marks: Marks) -> dict[str, Any]:
+    """Put the unpruned `model` where Deep Compression left it (in place); its report."""
+    try:
+        model.load_state_dict(kept["state"])
+        _order_like_(model, list(kept["state"]))
+        set_generators(kept["generators"])
+        return json.loads(kept["report"])
+    except Exception as e:
+        raise _unfit(marks, "compressed", e) from None
+
+
+def _order_like_(model: nn.Module, keys: list[str]) -> None:
+    """Each module's tensors registered in the order of `keys`: baking re-registers a layer's
+    weight after its bias, and the exported file lists initializers in registration order,
+    so without this a resumed run's ONNX files would hold the same tensors in another order."""
+    rank = {k: i for i, k in enumerate(keys)}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for table in ("_parameters", "_buffers"):
+            own = getattr(module, table)
+            order = sorted(own, key=lambda n: rank.get(prefix + n, len(rank)))
+            if order != list(own):
+                setattr(module, table, {n: own[n] for n in order})
+
+
+def merge_trained(before: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str, Any]:
+    """`Hooks.trained` of a resumed run: the retraining runs before its mark and its own
+    (lists as their sorted union, counts summed, anything else this run's)."""
+    before, now = before or {}, now or {}
+    merged = {**before, **now}
+    for k in before.keys() & now.keys():
+        a, b = before[k], now[k]
+        if isinstance(a, list) and isinstance(b, list):
+            merged[k] = sorted(set(a) | set(b))
+        elif isinstance(a, int) and isinstance(b, int):
+            merged[k] = a + b
+    return merged

@@ -1,0 +1,295 @@
+"""`compress shrink --resume`: a stopped run continues from the work it kept (each pruning
+round, the compressed model) and writes what an uninterrupted run writes (compressor.resume)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import compresskit as ck
+from compresskit import api
+from compresskit.compressor import (
+    ChannelsSection,
+    DistillSection,
+    ExportSection,
+    PruneSection,
+    QuantizeSection,
+    pipeline,
+    resume,
+)
+from compresskit.distrib import Events
+from compresskit.models.errors import InputError, StageError
+
+RECIPE = ck.Recipe(
+    prune=PruneSection(sparsity=0.6, rounds=3, retrain_epochs=1),
+    quantize=QuantizeSection(finetune_epochs=1),
+)
+# Bytes that name the run's folder, the time or the machine's load: not the work's.
+VOLATILE = ("timings", "memory", "environment", "resumed", "files", "seconds")
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("resume")
+    ck.train("lenet300", "digits", ck.TrainConfig(epochs=1), out=folder / "net.pt")
+    return folder / "net.pt"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(net) -> Path:
+    out = net.parent / "whole"
+    ck.shrink(net, "digits", RECIPE, out=out)
+    assert not resume.folder_for(out).exists()  # a run that succeeded keeps no marks
+    return out
+
+
+class Said(Events):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def _stop_at_retrain(monkeypatch, call: int) -> None:
+    """Ctrl-C at the start of the `call`-th retraining run (1: the first pruning round's)."""
+    made = api._hooks
+
+    def hooks(*args, **kwargs):
+        h = made(*args, **kwargs)
+        calls = [0]
+
+        def retrain(*a, **k):
+            calls[0] += 1
+            if calls[0] == call:
+                raise KeyboardInterrupt
+            return h.retrain(*a, **k)
+
+        return dataclasses.replace(h, retrain=retrain)
+
+    monkeypatch.setattr(api, "_hooks", hooks)
+
+
+def _work(report: dict) -> dict:
+    """The report without what depends on the folder, the clock or the machine."""
+    report = {k: v for k, v in report.items() if k not in VOLATILE}
+    report["stages"] = [{k: v for k, v in s.items() if k != "seconds"} for s in report["stages"]]
+    return json.loads(json.dumps(report).replace("/whole/", "/OUT/").replace("/again/", "/OUT/"))
+
+
+def _same_outputs(a: Path, b: Path) -> None:
+    for name in ("model.dcz", "model.fp32.onnx", "model.int8.onnx"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    sa = torch.load(a / "model.pt", weights_only=True)["state_dict"]
+    sb = torch.load(b / "model.pt", weights_only=True)["state_dict"]
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    ra = json.loads((a / "report.json").read_text(encoding="utf-8"))
+    rb = json.loads((b / "report.json").read_text(encoding="utf-8"))
+    assert _work(ra) == _work(rb)
+
+
+def test_a_run_stopped_in_its_last_pruning_round_resumes_to_the_same_bytes(
+    net, uninterrupted, monkeypatch
+):
+    out = net.parent / "again"
+    _stop_at_retrain(monkeypatch, 3)  # rounds 1 and 2 are done
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    assert not out.exists()
+    assert resume.describe(out) == "prune round 2 of 3"
+    monkeypatch.undo()
+
+    said = Said()
+    report = ck.shrink(net, "digits", RECIPE, out=out, resume=True, progress=said).report
+    assert report["resumed"]["from"] == "prune round 2 of 3"
+    assert any(line.startswith("resumed after prune round 2/3") for line in said.lines)
+    assert not any(line.startswith("prune round 1/") for line in said.lines)  # not redone
+    assert any(line.startswith("prune round 3/3") for line in said.lines)
+    _same_outputs(uninterrupted, out)
+    assert not resume.folder_for(out).exists()
+
+
+def test_a_failed_export_resumes_from_the_compressed_model_with_a_new_export_section(
+    net, uninterrupted, monkeypatch
+):
+    out = net.parent / "export-failed"
+
+    def fails(*args, **kwargs):
+        raise StageError("export: the exporter failed")
+
+    monkeypatch.setattr(pipeline, "_export", fails)
+    with pytest.raises(StageError):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    monkeypatch.undo()
+    kept = json.loads((resume.folder_for(out) / resume.INDEX).read_text(encoding="utf-8"))
+    assert set(kept["marks"]) == {"prune", "compressed"}
+
+    # The usual fix after a failed export: another export setting. Nothing retrains.
+    fixed = dataclasses.replace(RECIPE, export=ExportSection(opset=17))
+    report = ck.shrink(net, "digits", fixed, out=out, resume=True).report
+    assert report["resumed"]["from"].startswith("Deep Compression")
+    assert report["timings"]["training"] == 0.0
+    assert (
+        report["training"] == json.loads((uninterrupted / "report.json").read_bytes())["training"]
+    )
+    assert (out / "model.dcz").read_bytes() == (uninterrupted / "model.dcz").read_bytes()
+    assert report["onnx"]["fp32"]["opsets"]["ai.onnx"] == 17
+    assert not resume.folder_for(out).exists()
+
+
+def test_a_changed_quantize_section_resumes_from_the_last_pruning_round(net, monkeypatch):
+    out = net.parent / "requantized"
+    monkeypatch.setattr(pipeline, "_export", lambda *a, **k: (_ for _ in ()).throw(KeyError))
+    with pytest.raises(KeyError):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    monkeypatch.undo()
+    other = dataclasses.replace(RECIPE, quantize=QuantizeSection(finetune_epochs=1, fc_bits=4))
+    said = Said()
+    report = ck.shrink(net, "digits", other, out=out, resume=True, progress=said).report
+    assert report["resumed"]["from"] == "prune round 3 of 3"
+    assert not any(line.startswith("prune round") for line in said.lines)
+    assert {layer["weight_bits"] for layer in report["layers"]} == {4}
+
+
+def test_other_data_starts_from_the_beginning_and_replaces_the_kept_work(net, monkeypatch):
+    out = net.parent / "fresh"
+    _stop_at_retrain(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    assert resume.describe(out) == "prune round 1 of 3"
+    # Other data: the kept round is not this run's.
+    _stop_at_retrain(monkeypatch, 2)
+    said = Said()
+    x, y = torch.randn(200, 1, 8, 8), torch.randint(0, 10, (200,))
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, (x, y), RECIPE, out=out, resume=True, progress=said)
+    assert any(line.startswith("nothing to resume for") for line in said.lines)
+    # ...and its own first round replaced the old one: the marks hold one run's work only.
+    monkeypatch.undo()
+    said = Said()
+    report = ck.shrink(net, "digits", RECIPE, out=out, resume=True, progress=said).report
+    assert "resumed" not in report
+    assert any(line.startswith("nothing to resume for") for line in said.lines)
+
+
+def test_without_resume_the_kept_work_is_not_used(net, monkeypatch):
+    out = net.parent / "not-resumed"
+    _stop_at_retrain(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    monkeypatch.undo()
+    said = Said()
+    report = ck.shrink(net, "digits", RECIPE, out=out, progress=said).report
+    assert "resumed" not in report
+    assert any(line.startswith("prune round 1/3") for line in said.lines)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (print, ("executed",))
+
+
+@pytest.mark.parametrize("damage", ["pickle", "truncated", "index", "shapes"])
+def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, monkeypatch, damage, capsys):
+    out = net.parent / f"damaged-{damage}"
+    _stop_at_retrain(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    monkeypatch.undo()
+    folder = resume.folder_for(out)
+    mark = folder / "prune.pt"
+    if damage == "pickle":  # code in a pickle: refused by weights_only, never run
+        mark.write_bytes(pickle.dumps({"kind": "prune", "x": _Boom()}, protocol=2))
+    elif damage == "truncated":
+        mark.write_bytes(mark.read_bytes()[:1000])
+    elif damage == "index":
+        (folder / resume.INDEX).write_text("{not json", encoding="utf-8")
+    else:  # a mark of the right kind whose tensors do not fit the model
+        payload = torch.load(mark, weights_only=True)
+        payload["masks"] = {"fc1.weight": torch.ones(3, 3, dtype=torch.bool)}
+        torch.save(payload, mark)
+    with pytest.raises(InputError) as e:
+        ck.shrink(net, "digits", RECIPE, out=out, resume=True)
+    message = str(e.value)
+    assert "\n" not in message and str(folder) in message and "without --resume" in message
+    assert "executed" not in capsys.readouterr().out
+
+
+def test_the_cli_says_what_a_stopped_run_kept_and_resume_continues(net, run, monkeypatch):
+    out = net.parent / "cli"
+    _stop_at_retrain(monkeypatch, 3)
+    r = run("shrink", net, "--out", out, "--epochs", "1", "-q")
+    assert r.exit_code == 130
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: interrupted; kept: prune round 2 of 3 (add --resume to continue from there)"
+    )
+    monkeypatch.undo()
+    r = run("shrink", net, "--out", out, "--epochs", "1", "--resume", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert r.json()["resumed"]["from"] == "prune round 2 of 3"
+
+
+def test_a_full_disk_costs_the_marks_not_the_run(net, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(resume.Marks, "_save", full)
+    said = Said()
+    report = ck.shrink(net, "digits", RECIPE, out=net.parent / "full", progress=said).report
+    assert "archive" in report
+    warned = [line for line in said.lines if "cannot be kept" in line]
+    assert len(warned) == 1 and "No space left" in warned[0]
+
+
+def test_distillation_and_channel_pruning_resume_twice_to_the_same_bytes(net, monkeypatch):
+    """A student distilled on a transfer set with half its labels, thinned (its unthinned
+    files timed against the thinned ones), then Deep Compression: stopped during channel
+    pruning, resumed, stopped again in the pruning rounds, resumed again."""
+    recipe = dataclasses.replace(
+        RECIPE,
+        distill=DistillSection(student="lenet300", epochs=1, labels=0.5, transfer="mixup"),
+        channels=ChannelsSection(enabled=True, rounds=2, target_macs=0.6),
+    )
+    whole = net.parent / "s-whole"
+    ck.shrink(net, "digits", recipe, out=whole)
+
+    out = net.parent / "s-again"
+    # retraining runs: 1 distillation, 2-3 channel rounds, 4-6 pruning rounds, 7 fine-tuning
+    _stop_at_retrain(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", recipe, out=out)
+    assert resume.describe(out) == "the distilled student (lenet300)"
+    monkeypatch.undo()
+    _stop_at_retrain(monkeypatch, 4)  # resumed: 1-2 channel rounds, 3-5 pruning rounds
+    said = Said()
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", recipe, out=out, resume=True, progress=said)
+    assert any(line.startswith("resumed after distillation") for line in said.lines)
+    assert resume.describe(out) == "prune round 1 of 3"
+    monkeypatch.undo()
+    said = Said()
+    report = ck.shrink(net, "digits", recipe, out=out, resume=True, progress=said).report
+    assert report["resumed"]["from"] == "prune round 1 of 3"
+    resumed = [line.split(" (")[0] for line in said.lines if line.startswith("resumed after")]
+    assert resumed == [
+        "resumed after distillation",
+        "resumed after channel pruning",
+        "resumed after prune round 1/3",
+    ]
+    redone = ("channels: removing", "channels: round", "prune round 1/")
+    assert not any(line.startswith(redone) for line in said.lines), said.lines
+    for name in ("student.dcz", "student.fp32.onnx", "student.int8.onnx"):
+        assert (whole / name).read_bytes() == (out / name).read_bytes(), name
+    a = json.loads((whole / "report.json").read_text(encoding="utf-8"))
+    b = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    for key in ("teacher", "student", "transfer", "layers", "archive"):
+        assert json.dumps(a.get(key)).replace("s-whole", "OUT") == json.dumps(b.get(key)).replace(
+            "s-again", "OUT"
+        ), key
+    la, lb = a["channels"].pop("latency"), b["channels"].pop("latency")
+    assert a["channels"] == b["channels"] and la.keys() == lb.keys()
