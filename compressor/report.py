@@ -63,7 +63,10 @@ def _cost_lines(report: dict[str, Any]) -> list[str]:
     peak = (report.get("memory") or {}).get("peak_rss_bytes")
     if peak:
         said += f". Peak resident memory {peak / 2**20:,.0f} MiB"
-    return ["## Cost", "", said + ".", ""]
+    said += "."
+    if resumed := report.get("resumed"):  # the seconds are this run's, not the stopped one's
+        said += f" This run resumed after {resumed['from']}: the work before it is not counted."
+    return ["## Cost", "", said, ""]
 
 
 _TOTALS = ("training", "non_training", "data_passes", "per_weight", "total")

@@ -49,11 +49,12 @@ from torch import nn
 from compresskit.compressor import prune
 from compresskit.compressor.recipe import Recipe
 from compresskit.models.errors import InputError, MachineError, one_line
-from compresskit.models.fileio import atomic_path, hidden
+from compresskit.models.fileio import atomic_path, hidden, refuse_link
 from compresskit.models.zoo import ModelSpec, build
 
 FORMAT = 1
 INDEX = "marks.json"
+MAX_INDEX_BYTES = 1 << 20  # the index names four files: a bigger one is not ours
 # The recipe sections each mark depends on: a change anywhere else keeps the mark usable.
 DEPENDS = {
     "student": ("train", "distill"),
@@ -150,15 +151,25 @@ class Marks:
         info: Callable[[str], None] = lambda message: None,
     ) -> Marks:
         """The run's marks (their digest of the inputs computed now)."""
-        marks = cls(folder_for(out), fingerprint(model, spec, data, metadata), recipe, resume)
+        folder = folder_for(out)
+        refuse_link(folder)  # written into, replaced and removed: never through a link
+        if folder.exists() and not folder.is_dir():
+            raise InputError(
+                f"{folder}: where a shrink into {out} keeps its finished work, but not a "
+                "folder; remove it"
+            )
+        marks = cls(folder, fingerprint(model, spec, data, metadata), recipe, resume)
         marks.info = info
         return marks
 
     def _index(self) -> dict[str, Any]:
         path = self.folder / INDEX
+        refuse_link(path)
         if not path.is_file():
             return {}
         try:
+            if path.stat().st_size > MAX_INDEX_BYTES:
+                raise ValueError(f"{path.stat().st_size:,} bytes, more than an index holds")
             index = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise InputError(
@@ -191,7 +202,10 @@ class Marks:
         if mark is None:
             return None
         path = self.folder / str(mark.get("file"))
-        if Path(str(mark.get("file"))).name != mark.get("file") or not path.is_file():
+        if Path(str(mark.get("file"))).name != mark.get("file"):
+            return None  # a name with folders in it is not one this tool wrote
+        refuse_link(path)  # what is read is the folder's own file
+        if not path.is_file():
             return None
         try:
             payload = torch.load(path, weights_only=True, map_location="cpu")

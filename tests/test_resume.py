@@ -107,6 +107,7 @@ def test_a_run_stopped_in_its_last_pruning_round_resumes_to_the_same_bytes(
     said = Said()
     report = ck.shrink(net, "digits", RECIPE, out=out, resume=True, progress=said).report
     assert report["resumed"]["from"] == "prune round 2 of 3"
+    assert "This run resumed after prune round 2 of 3" in (out / "report.md").read_text("utf-8")
     assert any(line.startswith("resumed after prune round 2/3") for line in said.lines)
     assert not any(line.startswith("prune round 1/") for line in said.lines)  # not redone
     assert any(line.startswith("prune round 3/3") for line in said.lines)
@@ -293,3 +294,24 @@ def test_distillation_and_channel_pruning_resume_twice_to_the_same_bytes(net, mo
         ), key
     la, lb = a["channels"].pop("latency"), b["channels"].pop("latency")
     assert a["channels"] == b["channels"] and la.keys() == lb.keys()
+
+
+@pytest.mark.parametrize("kind", ["link", "file"])
+def test_a_kept_work_folder_that_is_a_link_or_a_file_is_refused_before_any_work(
+    net, tmp_path, kind
+):
+    out = tmp_path / "out"
+    folder = resume.folder_for(out)
+    if kind == "link":
+        (tmp_path / "elsewhere").mkdir()
+        folder.symlink_to(tmp_path / "elsewhere")
+    else:
+        folder.write_text("mine", encoding="utf-8")
+    said = Said()
+    with pytest.raises(InputError) as e:
+        ck.shrink(net, "digits", RECIPE, out=out, progress=said)
+    assert str(folder) in str(e.value) and "\n" not in str(e.value)
+    assert not any(line.startswith("prune round") for line in said.lines)  # before any work
+    assert not out.exists()
+    if kind == "link":
+        assert not list((tmp_path / "elsewhere").iterdir())  # nothing written through it
