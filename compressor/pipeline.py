@@ -301,9 +301,7 @@ def _shrink_to_folder(
         with clock.step("deep_compression"):
             kept = marks.latest("compressed")
             if kept is not None:
-                report = resume_mod.restore_compressed_(model, kept, marks)
-                if "archive" in report:
-                    shutil.copyfile(marks.file("compressed", ".dcz"), tmp / f"{name}.dcz")
+                report = resume_mod.restore_compressed_(model, kept, marks, tmp / f"{name}.dcz")
                 clock.info(f"resumed after Deep Compression (kept in {marks.folder})")
             elif recipe.budget.max_drop != "off":
                 model, report = budget.search(
@@ -321,12 +319,12 @@ def _shrink_to_folder(
                     marks=marks,
                 )
             if kept is None:
-                archived = tmp / f"{name}.dcz"
                 marks.save(
                     "compressed",
                     "Deep Compression (pruning, weight sharing, Huffman)",
-                    resume_mod.compressed_payload(model, report, _trained(hooks, marks)),
-                    {".dcz": archived} if archived.is_file() else {},
+                    resume_mod.compressed_payload(
+                        model, report, _trained(hooks, marks), tmp / f"{name}.dcz"
+                    ),
                 )
         _explain_archive(report)
         if tied := prune.tied_weights(model):  # left dense: see prune.tied_weights

@@ -93,9 +93,26 @@ def fingerprint(model: nn.Module, spec: dict[str, Any], data: Any, metadata: dic
     return h.hexdigest()
 
 
-def _sections(recipe: Recipe, kind: str) -> str:
+def _file_digest(path: str) -> str:
+    """A teacher file's bytes, digested: the same file named another way (absolute, relative)
+    is the same teacher, and a retrained one another."""
+    h = hashlib.sha256()
+    try:
+        with open(Path(path).expanduser(), "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError:
+        return f"unreadable:{path}"  # the run itself says what is wrong with it
+    return h.hexdigest()
+
+
+def _sections(recipe: Recipe, kind: str, teachers: tuple[str, ...] = ()) -> str:
+    """One digest of the recipe sections a `kind` mark depends on, the extra teachers by
+    their files' digests (`teachers`) rather than the paths naming them."""
     d = recipe.to_dict()
     part = {k: d.get(k) for k in DEPENDS[kind]}
+    if "distill" in part and isinstance(part["distill"], dict) and teachers:
+        part["distill"] = {**part["distill"], "teachers": list(teachers)}
     return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -137,6 +154,7 @@ class Marks:
     trained_before: dict[str, Any] | None = None
     info: Callable[[str], None] = lambda message: None
     failed: str | None = None  # why this run keeps no more marks (a full disk)
+    _teachers: tuple[str, ...] | None = None  # the extra teachers' file digests
 
     @classmethod
     def open(
@@ -161,6 +179,11 @@ class Marks:
         marks = cls(folder, fingerprint(model, spec, data, metadata), recipe, resume)
         marks.info = info
         return marks
+
+    def _sections(self, kind: str) -> str:
+        if self._teachers is None:  # read once: a teacher may be hundreds of megabytes
+            self._teachers = tuple(_file_digest(t) for t in self.recipe.distill.teachers)
+        return _sections(self.recipe, kind, self._teachers)
 
     def _index(self) -> dict[str, Any]:
         path = self.folder / INDEX
@@ -191,7 +214,7 @@ class Marks:
         return {
             k: m
             for k, m in marks.items()
-            if k in DEPENDS and isinstance(m, dict) and m.get("recipe") == _sections(self.recipe, k)
+            if k in DEPENDS and isinstance(m, dict) and m.get("recipe") == self._sections(k)
         }
 
     def latest(self, kind: str) -> dict[str, Any] | None:
@@ -223,19 +246,15 @@ class Marks:
             self.trained_before = json.loads(payload["trained"])
         return payload
 
-    def file(self, kind: str, suffix: str) -> Path:
-        """A side file of a mark (the archive beside the compressed mark)."""
-        return self.folder / f"{kind}{suffix}"
-
-    def save(self, kind: str, what: str, payload: dict[str, Any], files: dict[str, Path] = {}):  # noqa: B006
+    def save(self, kind: str, what: str, payload: dict[str, Any]) -> None:
         """Keep `payload` as this run's `kind` mark, described by `what` ("prune round 2 of
-        3"); `files` {suffix: path} are copied beside it. Marks of later kinds are dropped
+        3"). Marks of later kinds are dropped
         (they describe another continuation of the run). A mark that cannot be written (a
         full disk) costs the marks, not the run: it goes on, saying so once."""
         if self.failed is not None:
             return
         try:
-            self._save(kind, what, payload, files)
+            self._save(kind, what, payload)
         except (OSError, MachineError) as e:
             self.failed = one_line(e)
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -244,7 +263,7 @@ class Marks:
                 "without it (a stopped run will start again from the beginning)"
             )
 
-    def _save(self, kind: str, what: str, payload: dict[str, Any], files: dict[str, Path]):
+    def _save(self, kind: str, what: str, payload: dict[str, Any]) -> None:
         if self._fresh:
             self._fresh = False
             if not self.resume or self._index().get("fingerprint") != self.fingerprint:
@@ -257,15 +276,12 @@ class Marks:
         for later in ORDER[ORDER.index(kind) :]:
             marks.pop(later, None)
         self._write_index(index)  # the dropped marks are gone before their files change
-        for suffix, src in files.items():
-            with atomic_path(self.file(kind, suffix)) as tmp:
-                shutil.copyfile(src, tmp)
         with atomic_path(self.folder / f"{kind}.pt") as tmp:
             torch.save({"kind": kind, **payload}, tmp)
         marks[kind] = {
             "file": f"{kind}.pt",
             "what": what,
-            "recipe": _sections(self.recipe, kind),
+            "recipe": self._sections(kind),
             "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         self._write_index(index)
@@ -383,7 +399,7 @@ def restore_channels(
 
 def _unfit(marks: Marks, kind: str, e: BaseException) -> InputError:
     return InputError(
-        f"{marks.folder / (kind + '.pt')}: does not fit this run ({one_line(e)}); remove "
+        f"{marks.folder / (kind + '.pt')}: cannot be resumed from ({one_line(e)}); remove "
         f"{marks.folder} or run without --resume"
     )
 
@@ -426,24 +442,46 @@ def restore_pruned_(
 
 
 def compressed_payload(
-    model: nn.Module, report: dict[str, Any], trained: dict[str, Any] | None
+    model: nn.Module, report: dict[str, Any], trained: dict[str, Any] | None, archive: Path
 ) -> dict[str, Any]:
-    """A compressed mark: the baked weights, the stages' record, the generators."""
+    """A compressed mark: the baked weights, the stages' record, the archive's bytes (inside
+    the mark: one file, read as tensors, checked against the record's digest), the
+    generators."""
+    held = None
+    if "archive" in report:
+        held = torch.frombuffer(bytearray(archive.read_bytes()), dtype=torch.uint8)
     return {
         "state": model.state_dict(),
         "report": json.dumps(report),
+        "archive": held,
         "generators": generators(),
         "trained": json.dumps(trained),
     }
 
 
-def restore_compressed_(model: nn.Module, kept: dict[str, Any], marks: Marks) -> dict[str, Any]:
-    """Put the unpruned `model` where Deep Compression left it (in place); its report."""
+def restore_compressed_(
+    model: nn.Module, kept: dict[str, Any], marks: Marks, archive: Path
+) -> dict[str, Any]:
+    """Put the unpruned `model` where Deep Compression left it (in place) and its archive at
+    `archive`; return its report, whose recipe records are this run's in the sections the mark
+    did not depend on (a resumed run with another [export] section reports that one)."""
     try:
+        report = json.loads(kept["report"])
+        if "archive" in report:
+            data = kept["archive"].numpy().tobytes()
+            if hashlib.sha256(data).hexdigest() != report["archive"]["sha256"]:
+                raise ValueError("its archive is not the one its record describes")
+            with atomic_path(archive) as tmp:
+                tmp.write_bytes(data)
         model.load_state_dict(kept["state"])
         _order_like_(model, list(kept["state"]))
         set_generators(kept["generators"])
-        return json.loads(kept["report"])
+        now = marks.recipe.to_dict()
+        for recorded in (report.get("recipe"), (report.get("budget") or {}).get("asked_recipe")):
+            for section in set(now) - set(DEPENDS["compressed"]):
+                if isinstance(recorded, dict) and section in recorded:
+                    recorded[section] = now[section]
+        return report
     except Exception as e:
         raise _unfit(marks, "compressed", e) from None
 

@@ -140,6 +140,7 @@ def test_a_failed_export_resumes_from_the_compressed_model_with_a_new_export_sec
     )
     assert (out / "model.dcz").read_bytes() == (uninterrupted / "model.dcz").read_bytes()
     assert report["onnx"]["fp32"]["opsets"]["ai.onnx"] == 17
+    assert report["recipe"] == fixed.to_dict()  # the recipe this run ran, not the stopped one's
     assert not resume.folder_for(out).exists()
 
 
@@ -219,6 +220,23 @@ def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, monkeypatch, dama
     message = str(e.value)
     assert "\n" not in message and str(folder) in message and "without --resume" in message
     assert "executed" not in capsys.readouterr().out
+
+
+def test_a_kept_archive_that_is_not_the_one_recorded_is_refused(net, monkeypatch):
+    """The archive kept with the compressed model is checked against its recorded digest: a
+    damaged one would have shipped as model.dcz, exit 0, with the report describing another."""
+    out = net.parent / "damaged-archive"
+    monkeypatch.setattr(pipeline, "_export", lambda *a, **k: (_ for _ in ()).throw(KeyError))
+    with pytest.raises(KeyError):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    monkeypatch.undo()
+    mark = resume.folder_for(out) / "compressed.pt"
+    payload = torch.load(mark, weights_only=True)
+    payload["archive"][100] ^= 1
+    torch.save(payload, mark)
+    with pytest.raises(InputError, match="its archive is not the one its record describes"):
+        ck.shrink(net, "digits", RECIPE, out=out, resume=True)
+    assert not out.exists()
 
 
 def test_the_cli_says_what_a_stopped_run_kept_and_resume_continues(net, run, monkeypatch):
@@ -315,3 +333,33 @@ def test_a_kept_work_folder_that_is_a_link_or_a_file_is_refused_before_any_work(
     assert not out.exists()
     if kind == "link":
         assert not list((tmp_path / "elsewhere").iterdir())  # nothing written through it
+
+
+def test_another_teachers_file_is_another_run_and_another_name_for_it_is_not(net, monkeypatch):
+    """An ensemble's extra teachers count by their bytes: the same file named by an absolute
+    or a relative path resumes; a retrained one starts again (it resumed the old student)."""
+    folder = net.parent
+    other = folder / "teacher2.pt"
+    ck.train("lenet300", "digits", ck.TrainConfig(epochs=1, seed=1), out=other)
+    monkeypatch.chdir(folder)
+
+    def recipe(teacher: str) -> ck.Recipe:
+        return dataclasses.replace(
+            RECIPE, distill=DistillSection(student="mlp", epochs=1, teachers=(teacher,))
+        )
+
+    out = folder / "ensemble"
+    _stop_at_retrain(monkeypatch, 2)  # distillation done
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", recipe(str(other)), out=out)
+    _stop_at_retrain(monkeypatch, 1)  # whatever it resumes, stop at its first retraining
+    said = Said()
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", recipe("teacher2.pt"), out=out, resume=True, progress=said)
+    assert any(line.startswith("resumed after distillation") for line in said.lines)
+
+    ck.train("lenet300", "digits", ck.TrainConfig(epochs=1, seed=2), out=other, force=True)
+    said = Said()
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", recipe("teacher2.pt"), out=out, resume=True, progress=said)
+    assert any(line.startswith("nothing to resume for") for line in said.lines)
