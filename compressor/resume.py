@@ -201,6 +201,13 @@ class Marks:
             ) from None
         if not isinstance(index, dict) or index.get("format") != FORMAT:
             return {}  # another version's marks: not ours to read
+        if not isinstance(index.get("fingerprint"), str) or not isinstance(
+            index.get("marks"), dict
+        ):
+            raise InputError(
+                f"{path}: not an index this tool wrote; remove {self.folder} (the kept work is "
+                "lost) or run without --resume"
+            )
         return index
 
     def kept(self) -> dict[str, dict[str, Any]]:

@@ -196,7 +196,7 @@ class _Boom:
         return (print, ("executed",))
 
 
-@pytest.mark.parametrize("damage", ["pickle", "truncated", "index", "shapes"])
+@pytest.mark.parametrize("damage", ["pickle", "truncated", "index", "index-list", "shapes"])
 def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, monkeypatch, damage, capsys):
     out = net.parent / f"damaged-{damage}"
     _stop_at_retrain(monkeypatch, 3)
@@ -211,6 +211,9 @@ def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, monkeypatch, dama
         mark.write_bytes(mark.read_bytes()[:1000])
     elif damage == "index":
         (folder / resume.INDEX).write_text("{not json", encoding="utf-8")
+    elif damage == "index-list":  # the right fingerprint, marks of the wrong type
+        index = json.loads((folder / resume.INDEX).read_text(encoding="utf-8"))
+        (folder / resume.INDEX).write_text(json.dumps({**index, "marks": [1, 2]}), encoding="utf-8")
     else:  # a mark of the right kind whose tensors do not fit the model
         payload = torch.load(mark, weights_only=True)
         payload["masks"] = {"fc1.weight": torch.ones(3, 3, dtype=torch.bool)}
