@@ -93,6 +93,16 @@ def fingerprint(model: nn.Module, spec: dict[str, Any], data: Any, metadata: dic
     return h.hexdigest()
 
 
+def _foreign(folder: Path) -> list[str]:
+    """Names in a marks folder that no run wrote (the index, the marks, their temporary files)."""
+    ours = {INDEX, *(f"{kind}.pt" for kind in ORDER)}
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name not in ours and not (p.name.startswith(".") and p.name.endswith(".tmp"))
+    )
+
+
 def _file_digest(path: str) -> str:
     """A teacher file's bytes, digested: the same file named another way (absolute, relative)
     is the same teacher, and a retrained one another."""
@@ -175,6 +185,12 @@ class Marks:
             raise InputError(
                 f"{folder}: where a shrink into {out} keeps its finished work, but not a "
                 "folder; remove it"
+            )
+        if folder.is_dir() and (foreign := _foreign(folder)):
+            # the folder is replaced and removed whole: never with someone else's files in it
+            raise InputError(
+                f"{folder}: where a shrink into {out} keeps its finished work, but it holds "
+                f"files this tool did not write ({', '.join(foreign[:3])}); move them"
             )
         marks = cls(folder, fingerprint(model, spec, data, metadata), recipe, resume)
         marks.info = info

@@ -317,7 +317,7 @@ def test_distillation_and_channel_pruning_resume_twice_to_the_same_bytes(net, mo
     assert a["channels"] == b["channels"] and la.keys() == lb.keys()
 
 
-@pytest.mark.parametrize("kind", ["link", "file"])
+@pytest.mark.parametrize("kind", ["link", "file", "foreign"])
 def test_a_kept_work_folder_that_is_a_link_or_a_file_is_refused_before_any_work(
     net, tmp_path, kind
 ):
@@ -326,8 +326,11 @@ def test_a_kept_work_folder_that_is_a_link_or_a_file_is_refused_before_any_work(
     if kind == "link":
         (tmp_path / "elsewhere").mkdir()
         folder.symlink_to(tmp_path / "elsewhere")
-    else:
+    elif kind == "file":
         folder.write_text("mine", encoding="utf-8")
+    else:  # a folder of that name holding the user's own files: never removed
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine", encoding="utf-8")
     said = Said()
     with pytest.raises(InputError) as e:
         ck.shrink(net, "digits", RECIPE, out=out, progress=said)
@@ -336,6 +339,8 @@ def test_a_kept_work_folder_that_is_a_link_or_a_file_is_refused_before_any_work(
     assert not out.exists()
     if kind == "link":
         assert not list((tmp_path / "elsewhere").iterdir())  # nothing written through it
+    if kind == "foreign":
+        assert "notes.txt" in str(e.value) and (folder / "notes.txt").is_file()
 
 
 def test_another_teachers_file_is_another_run_and_another_name_for_it_is_not(net, monkeypatch):
