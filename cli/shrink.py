@@ -25,7 +25,7 @@ from compresskit.compressor import resume as resume_mod
 from compresskit.compressor.shrink import plan as shrink_plan
 from compresskit.models import checkpoint, zoo
 from compresskit.models import data as data_mod
-from compresskit.models.errors import InputError, StageError
+from compresskit.models.errors import InputError, MachineError, StageError
 
 
 class _IntOrAuto(click.ParamType):
@@ -486,7 +486,8 @@ def run_shrink(
         progress.close()
         raise Interrupted("interrupted" + _kept(out, started)) from None
     except StageError as e:
-        if kept := _kept(out, started):
+        disk = isinstance(e, MachineError) and "no space left" in str(e)
+        if kept := _kept(out, started, disk):
             raise type(e)(f"{e}{kept}") from e
         raise
     finally:
@@ -494,10 +495,16 @@ def run_shrink(
     return result.report
 
 
-def _kept(out: Path, since: float) -> str:
-    """'; kept: WHAT (...)' when this run kept work a rerun with --resume continues from."""
+def _kept(out: Path, since: float, disk: bool = False) -> str:
+    """'; kept: WHAT (...)' when this run kept (or resumed from) work that a rerun with
+    --resume continues from; with `disk` (the machine's failure), also the room it takes."""
     what = resume_mod.describe(out, since)
-    return f"; kept: {what} (add --resume to continue from there)" if what else ""
+    if not what:
+        return ""
+    room = ""
+    if disk:  # on a full disk, the kept work may be what leaves the run too little room
+        room = f"; it takes {resume_mod.kept_bytes(out):,} bytes in {resume_mod.folder_for(out)}"
+    return f"; kept: {what} (add --resume to continue from there{room})"
 
 
 @click.command(

@@ -30,6 +30,7 @@ refused, never executed. They are removed when the run succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -48,6 +49,7 @@ from torch import nn
 
 from compresskit.compressor import prune
 from compresskit.compressor.recipe import Recipe
+from compresskit.models import checkpoint
 from compresskit.models.errors import InputError, MachineError, one_line
 from compresskit.models.fileio import atomic_path, hidden, refuse_link
 from compresskit.models.zoo import ModelSpec, build
@@ -253,20 +255,27 @@ class Marks:
         refuse_link(path)  # what is read is the folder's own file
         if not path.is_file():
             return None
+        fix = f"remove {self.folder} or run without --resume"
         try:
+            checkpoint.check_sizes(path)  # the sizes it declares fit the file, before reading
             payload = torch.load(path, weights_only=True, map_location="cpu")
+        except InputError as e:
+            raise InputError(f"{e}; {fix}") from None
         except Exception as e:  # a truncated or tampered file: refused, never executed
-            raise InputError(
-                f"{path}: not a mark this tool wrote ({one_line(e)}); remove {self.folder} "
-                "or run without --resume"
-            ) from None
+            why = checkpoint.why_unreadable(path, e)
+            raise InputError(f"{path}: not a mark this tool wrote ({why}); {fix}") from None
         if not isinstance(payload, dict) or payload.get("kind") != kind:
-            raise InputError(
-                f"{path}: not a {kind} mark; remove {self.folder} or run without --resume"
-            )
+            raise InputError(f"{path}: not a {kind} mark; {fix}")
+        try:
+            trained = json.loads(payload["trained"])
+            if trained is not None and not isinstance(trained, dict):
+                raise ValueError("its training record is not a table")
+        except (KeyError, TypeError, ValueError) as e:
+            raise _unfit(self, kind, e) from None
+        self.trained_before = trained
         self.resumed.append(str(mark.get("what", kind)))
-        if isinstance(payload.get("trained"), str):
-            self.trained_before = json.loads(payload["trained"])
+        with contextlib.suppress(OSError):  # a stop from here on still names what is kept
+            os.utime(self.folder / INDEX)
         return payload
 
     def save(self, kind: str, what: str, payload: dict[str, Any]) -> None:
@@ -449,17 +458,53 @@ def pruned_payload(
     }
 
 
-def restore_pruned_(
-    model: nn.Module, kept: dict[str, Any], marks: Marks
-) -> tuple[int, float, torch.Tensor | None]:
-    """Put the unpruned `model` where a prune mark left it (in place); (rounds done, seconds
-    they took, their last test hits). A mark that does not fit the model is refused."""
+@dataclass(frozen=True)
+class Pruned:
+    """A prune mark, read and checked (`read_pruned`)."""
+
+    round: int  # the rounds done
+    seconds: float  # the seconds they took
+    hits: torch.Tensor | None  # the last round's per-sample test hits
+    sensitivity: dict[str, Any] | None  # the sensitivity record (sparsity "auto")
+    payload: dict[str, Any]
+
+
+def read_pruned(
+    kept: dict[str, Any], marks: Marks, rounds: int, auto: bool, n_test: int | None
+) -> Pruned:
+    """A prune mark's fields, checked against the run: 1..`rounds` rounds done, a sensitivity
+    record with its proposal when the sparsity is `auto`, `n_test` test hits."""
     try:
-        for full, mask in kept["masks"].items():
+        done, seconds, hits = kept["round"], kept["seconds"], kept["hits"]
+        sens = json.loads(kept["sensitivity"])
+        if not isinstance(done, int) or not 1 <= done <= rounds:
+            raise ValueError(f"round {done!r} is not one of 1..{rounds}")
+        if not isinstance(seconds, float) or not seconds >= 0:
+            raise ValueError(f"seconds {seconds!r}")
+        if hits is not None and (
+            not isinstance(hits, torch.Tensor)
+            or hits.dtype != torch.bool
+            or hits.ndim != 1
+            or (n_test is not None and len(hits) != n_test)
+        ):
+            raise ValueError(f"its test hits are not {n_test} yes/no answers")
+        if sens is not None and not isinstance(sens, dict):
+            raise ValueError("its sensitivity record is not a table")
+        if auto and not isinstance((sens or {}).get("proposal"), dict):
+            raise ValueError("no sensitivity proposal, and the sparsity is auto")
+        return Pruned(done, seconds, hits, sens, kept)
+    except (KeyError, TypeError, ValueError) as e:
+        raise _unfit(marks, "prune", e) from None
+
+
+def restore_pruned_(model: nn.Module, pruned: Pruned, marks: Marks) -> None:
+    """Put the unpruned `model` where a prune mark left it (in place). A mark that does not
+    fit the model is refused."""
+    try:
+        for full, mask in pruned.payload["masks"].items():
             prune.set_mask_(model, full, mask)
-        model.load_state_dict(kept["state"])
-        set_generators(kept["generators"])
-        return int(kept["round"]), float(kept["seconds"]), kept["hits"]
+        model.load_state_dict(pruned.payload["state"])
+        set_generators(pruned.payload["generators"])
     except Exception as e:
         raise _unfit(marks, "prune", e) from None
 
@@ -535,3 +580,12 @@ def merge_trained(before: dict[str, Any] | None, now: dict[str, Any] | None) -> 
         elif isinstance(a, int) and isinstance(b, int):
             merged[k] = a + b
     return merged
+
+
+def kept_bytes(out: Path) -> int:
+    """The bytes the kept work of a run into `out` takes on disk."""
+    folder = folder_for(out)
+    try:
+        return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    except OSError:
+        return 0

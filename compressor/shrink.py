@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -225,7 +224,8 @@ def shrink(
     p = recipe.prune
     if p.enabled:
         ts = time.perf_counter()
-        report["sensitivity"], hits, earlier = _prune(model, p, hooks, marks)
+        n_test = len(base_correct) if base_correct is not None else None
+        report["sensitivity"], hits, earlier = _prune(model, p, hooks, marks, n_test)
         stages.append(_stage("prune", ts - earlier, model, hits))
     q = recipe.quantize
     # Records priced once: `prefer_dense_` prices every layer where `_entries` will again.
@@ -411,7 +411,11 @@ def check_fits_recipe(model: nn.Module, recipe: Recipe) -> None:
 
 
 def _prune(
-    model: nn.Module, p: PruneSection, hooks: Hooks, marks: resume.Marks | None = None
+    model: nn.Module,
+    p: PruneSection,
+    hooks: Hooks,
+    marks: resume.Marks | None = None,
+    n_test: int | None = None,
 ) -> tuple[dict[str, Any] | None, torch.Tensor | None, float]:
     """Prune in rounds with retraining; returns the sensitivity record (sparsity "auto"), the
     pruned model's per-sample test hits when the last retraining measured them, and the
@@ -419,7 +423,9 @@ def _prune(
     kept, see `compressor.resume`)."""
     started = time.perf_counter()
     kept = marks.latest("prune") if marks is not None else None
-    sens_record = json.loads(kept["sensitivity"]) if kept is not None else None
+    if kept is not None:
+        kept = resume.read_pruned(kept, marks, p.rounds, p.sparsity == "auto", n_test)
+    sens_record = kept.sensitivity if kept is not None else None
     sparsity = p.sparsity
     if sparsity == "default":
         sparsity = default_sparsity(model, p.embeddings, example_inputs(hooks))
@@ -444,7 +450,8 @@ def _prune(
     hits = None
     done, earlier = 0, 0.0
     if kept is not None:
-        done, earlier, hits = resume.restore_pruned_(model, kept, marks)
+        resume.restore_pruned_(model, kept, marks)
+        done, earlier, hits = kept.round, kept.seconds, kept.hits
         hooks.info(f"resumed after prune round {done}/{cfg.rounds} (kept in {marks.folder})")
     for r, fraction in enumerate(prune.schedule(cfg.rounds), 1):
         if r <= done:

@@ -456,6 +456,14 @@ def _check_storages(path: Path, storages: list, size: int, cap: int, fix: str) -
         )
 
 
+def why_unreadable(path: Path, e: BaseException) -> str:
+    """Why `torch.load(path, weights_only=True)` failed, in a few words: not torch's own
+    message, which ends by suggesting weights_only=False for a file of unknown origin."""
+    if isinstance(e, pickle.UnpicklingError) and (what := _refused_global(str(e))):
+        return f"it holds pickled code{what}, which compress never runs"
+    return _diagnose(path)
+
+
 def _diagnose(path: Path) -> str:
     with open(path, "rb") as f:
         head = f.read(4)

@@ -196,7 +196,9 @@ class _Boom:
         return (print, ("executed",))
 
 
-@pytest.mark.parametrize("damage", ["pickle", "truncated", "index", "index-list", "shapes"])
+@pytest.mark.parametrize(
+    "damage", ["pickle", "truncated", "index", "index-list", "shapes", "round", "hits", "trained"]
+)
 def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, monkeypatch, damage, capsys):
     out = net.parent / f"damaged-{damage}"
     _stop_at_retrain(monkeypatch, 3)
@@ -214,14 +216,22 @@ def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, monkeypatch, dama
     elif damage == "index-list":  # the right fingerprint, marks of the wrong type
         index = json.loads((folder / resume.INDEX).read_text(encoding="utf-8"))
         (folder / resume.INDEX).write_text(json.dumps({**index, "marks": [1, 2]}), encoding="utf-8")
-    else:  # a mark of the right kind whose tensors do not fit the model
+    else:  # a mark of the right kind whose fields do not fit the run
         payload = torch.load(mark, weights_only=True)
-        payload["masks"] = {"fc1.weight": torch.ones(3, 3, dtype=torch.bool)}
+        if damage == "shapes":
+            payload["masks"] = {"fc1.weight": torch.ones(3, 3, dtype=torch.bool)}
+        elif damage == "round":  # it resumed "after round 1000000/3", redoing no round
+            payload["round"] = 10**6
+        elif damage == "hits":  # it failed after the whole run, naming no file
+            payload["hits"] = torch.ones(5, dtype=torch.bool)
+        else:
+            payload["trained"] = "{bad"
         torch.save(payload, mark)
     with pytest.raises(InputError) as e:
         ck.shrink(net, "digits", RECIPE, out=out, resume=True)
     message = str(e.value)
     assert "\n" not in message and str(folder) in message and "without --resume" in message
+    assert "weights_only" not in message  # torch's advice to turn it off is not relayed
     assert "executed" not in capsys.readouterr().out
 
 
@@ -250,6 +260,12 @@ def test_the_cli_says_what_a_stopped_run_kept_and_resume_continues(net, run, mon
     assert r.stderr.strip().splitlines()[-1] == (
         "error: interrupted; kept: prune round 2 of 3 (add --resume to continue from there)"
     )
+    # Stopped again before it keeps anything new: what it resumed from is still kept.
+    monkeypatch.undo()
+    _stop_at_retrain(monkeypatch, 1)
+    r = run("shrink", net, "--out", out, "--epochs", "1", "--resume", "-q")
+    assert r.exit_code == 130
+    assert "kept: prune round 2 of 3 (add --resume" in r.stderr
     monkeypatch.undo()
     r = run("shrink", net, "--out", out, "--epochs", "1", "--resume", "--json")
     assert r.exit_code == 0, r.stderr
