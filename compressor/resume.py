@@ -97,12 +97,14 @@ def fingerprint(model: nn.Module, spec: dict[str, Any], data: Any, metadata: dic
 
 def _foreign(folder: Path) -> list[str]:
     """Names in a marks folder that no run wrote (the index, the marks, their temporary files)."""
-    ours = {INDEX, *(f"{kind}.pt" for kind in ORDER)}
-    return sorted(
-        p.name
-        for p in folder.iterdir()
-        if p.name not in ours and not (p.name.startswith(".") and p.name.endswith(".tmp"))
-    )
+
+    def ours(name: str) -> bool:
+        if name == INDEX or (name.startswith(".") and name.endswith(".tmp")):
+            return True
+        kind, _, rest = name.partition("-")
+        return kind in ORDER and name.endswith(".pt") and rest[:-3].replace("-", "").isdigit()
+
+    return sorted(p.name for p in folder.iterdir() if not ours(p.name))
 
 
 def _file_digest(path: str) -> str:
@@ -167,6 +169,8 @@ class Marks:
     info: Callable[[str], None] = lambda message: None
     failed: str | None = None  # why this run keeps no more marks (a full disk)
     _teachers: tuple[str, ...] | None = None  # the extra teachers' file digests
+    _written: int = 0  # marks this run wrote (each in a file of its own)
+    read: dict[str, Path] = field(default_factory=dict)  # the mark files read, by kind
 
     @classmethod
     def open(
@@ -242,6 +246,15 @@ class Marks:
             if k in DEPENDS and isinstance(m, dict) and m.get("recipe") == self._sections(k)
         }
 
+    def why_none(self) -> str:
+        """Why `kept()` is empty, in a few words for the user."""
+        index = self._index()
+        if not index.get("marks"):
+            return "no work kept"
+        if index.get("fingerprint") != self.fingerprint:
+            return "the kept work is from another model, data or checkpoint file name"
+        return "the kept work is from another recipe or --teacher file"
+
     def latest(self, kind: str) -> dict[str, Any] | None:
         """The payload of this kind's mark, when resuming and it fits this run; else None."""
         if not self.resume:
@@ -256,6 +269,7 @@ class Marks:
         if not path.is_file():
             return None
         fix = f"remove {self.folder} or run without --resume"
+        self.read[kind] = path
         try:
             checkpoint.check_sizes(path)  # the sizes it declares fit the file, before reading
             payload = torch.load(path, weights_only=True, map_location="cpu")
@@ -289,10 +303,11 @@ class Marks:
             self._save(kind, what, payload)
         except (OSError, MachineError) as e:
             self.failed = one_line(e)
-            shutil.rmtree(self.folder, ignore_errors=True)
+            shutil.rmtree(self.folder, ignore_errors=True)  # its room may be what the run needs
+            left = f"; {self.folder} is left as it was" if self.folder.exists() else ""
             self.info(
                 f"warning: this run's finished work cannot be kept ({self.failed}); going on "
-                "without it (a stopped run will start again from the beginning)"
+                f"without keeping it (stopped from here on, it starts again){left}"
             )
 
     def _save(self, kind: str, what: str, payload: dict[str, Any]) -> None:
@@ -304,19 +319,28 @@ class Marks:
         index = self._index()
         if index.get("fingerprint") != self.fingerprint:
             index = {"format": FORMAT, "fingerprint": self.fingerprint, "marks": {}}
-        marks = index.setdefault("marks", {})
-        for later in ORDER[ORDER.index(kind) :]:
-            marks.pop(later, None)
-        self._write_index(index)  # the dropped marks are gone before their files change
-        with atomic_path(self.folder / f"{kind}.pt") as tmp:
+        marks = index["marks"]
+        # A new file each time, the index switched to it in one rename, then the files it no
+        # longer names removed: a kill at any moment leaves the last whole mark usable (over-
+        # writing prune.pt in place lost the previous round with the one being written).
+        self._written += 1
+        name = f"{kind}-{os.getpid()}-{self._written}.pt"
+        with atomic_path(self.folder / name) as tmp:
             torch.save({"kind": kind, **payload}, tmp)
+        for later in ORDER[ORDER.index(kind) :]:  # another continuation of the run
+            marks.pop(later, None)
         marks[kind] = {
-            "file": f"{kind}.pt",
+            "file": name,
             "what": what,
             "recipe": self._sections(kind),
             "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         self._write_index(index)
+        named = {m.get("file") for m in marks.values() if isinstance(m, dict)}
+        for p in self.folder.glob("*.pt"):
+            if p.name not in named:
+                with contextlib.suppress(OSError):
+                    p.unlink()
 
     def _write_index(self, index: dict[str, Any]) -> None:
         with atomic_path(self.folder / INDEX) as tmp:
@@ -431,8 +455,8 @@ def restore_channels(
 
 def _unfit(marks: Marks, kind: str, e: BaseException) -> InputError:
     return InputError(
-        f"{marks.folder / (kind + '.pt')}: cannot be resumed from ({one_line(e)}); remove "
-        f"{marks.folder} or run without --resume"
+        f"{marks.read.get(kind, marks.folder)}: cannot be resumed from ({one_line(e)}); "
+        f"remove {marks.folder} or run without --resume"
     )
 
 

@@ -75,6 +75,12 @@ def _stop_at_retrain(monkeypatch, call: int) -> None:
     monkeypatch.setattr(api, "_hooks", hooks)
 
 
+def _mark_file(out: Path, kind: str) -> Path:
+    folder = resume.folder_for(out)
+    index = json.loads((folder / resume.INDEX).read_text(encoding="utf-8"))
+    return folder / index["marks"][kind]["file"]
+
+
 def _work(report: dict) -> dict:
     """The report without what depends on the folder, the clock or the machine."""
     report = {k: v for k, v in report.items() if k not in VOLATILE}
@@ -170,7 +176,11 @@ def test_other_data_starts_from_the_beginning_and_replaces_the_kept_work(net, mo
     x, y = torch.randn(200, 1, 8, 8), torch.randint(0, 10, (200,))
     with pytest.raises(KeyboardInterrupt):
         ck.shrink(net, (x, y), RECIPE, out=out, resume=True, progress=said)
-    assert any(line.startswith("nothing to resume for") for line in said.lines)
+    assert any(
+        line.startswith("nothing to resume for")
+        and "the kept work is from another model, data or checkpoint file name" in line
+        for line in said.lines
+    )
     # ...and its own first round replaced the old one: the marks hold one run's work only.
     monkeypatch.undo()
     said = Said()
@@ -206,7 +216,7 @@ def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, monkeypatch, dama
         ck.shrink(net, "digits", RECIPE, out=out)
     monkeypatch.undo()
     folder = resume.folder_for(out)
-    mark = folder / "prune.pt"
+    mark = _mark_file(out, "prune")
     if damage == "pickle":  # code in a pickle: refused by weights_only, never run
         mark.write_bytes(pickle.dumps({"kind": "prune", "x": _Boom()}, protocol=2))
     elif damage == "truncated":
@@ -243,7 +253,7 @@ def test_a_kept_archive_that_is_not_the_one_recorded_is_refused(net, monkeypatch
     with pytest.raises(KeyError):
         ck.shrink(net, "digits", RECIPE, out=out)
     monkeypatch.undo()
-    mark = resume.folder_for(out) / "compressed.pt"
+    mark = _mark_file(out, "compressed")
     payload = torch.load(mark, weights_only=True)
     payload["archive"][100] ^= 1
     torch.save(payload, mark)
@@ -387,3 +397,25 @@ def test_another_teachers_file_is_another_run_and_another_name_for_it_is_not(net
     with pytest.raises(KeyboardInterrupt):
         ck.shrink(net, "digits", recipe("teacher2.pt"), out=out, resume=True, progress=said)
     assert any(line.startswith("nothing to resume for") for line in said.lines)
+
+
+def test_a_stop_while_a_round_is_being_kept_leaves_the_round_before_it(net, monkeypatch):
+    """Each mark is a new file, the index switched to it in one rename: a kill inside the
+    write of round 2 (seconds on a big model) lost round 1 too when prune.pt was rewritten."""
+    out = net.parent / "mid-save"
+    save, calls = torch.save, [0]
+
+    def stopped(obj, path, *args, **kwargs):
+        calls[0] += 1
+        save(obj, path, *args, **kwargs)
+        if calls[0] == 2:  # the file is half there: the rename never happens
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(resume.torch, "save", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    monkeypatch.undo()
+    assert resume.describe(out) == "prune round 1 of 3"
+    assert [p.suffix for p in resume.folder_for(out).iterdir()].count(".pt") == 1
+    report = ck.shrink(net, "digits", RECIPE, out=out, resume=True).report
+    assert report["resumed"]["from"] == "prune round 1 of 3"
