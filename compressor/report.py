@@ -65,7 +65,10 @@ def _cost_lines(report: dict[str, Any]) -> list[str]:
         said += f". Peak resident memory {peak / 2**20:,.0f} MiB"
     said += "."
     if resumed := report.get("resumed"):  # the seconds are this run's, not the stopped one's
-        said += f" This run resumed after {resumed['from']}: the work before it is not counted."
+        said += (
+            f" This run resumed after {resumed['from']}: these seconds, and the stages', are "
+            "its own; the work before it is not counted."
+        )
     return ["## Cost", "", said, ""]
 
 

@@ -102,6 +102,8 @@ def _foreign(folder: Path) -> list[str]:
         if name == INDEX or (name.startswith(".") and name.endswith(".tmp")):
             return True
         kind, _, rest = name.partition("-")
+        if name.endswith(".pt") and name[:-3] in ORDER:  # the first version's names
+            return True
         return kind in ORDER and name.endswith(".pt") and rest[:-3].replace("-", "").isdigit()
 
     return sorted(p.name for p in folder.iterdir() if not ours(p.name))
@@ -465,11 +467,10 @@ def pruned_payload(
     round_: int,
     hits: torch.Tensor | None,
     sensitivity: dict[str, Any] | None,
-    seconds: float,
     trained: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """A prune mark: the model as the round left it (masked originals and masks), the round's
-    test hits, the sensitivity record, the generators, the seconds spent so far."""
+    test hits, the sensitivity record, the generators."""
     return {
         "round": round_,
         "state": model.state_dict(),
@@ -477,7 +478,6 @@ def pruned_payload(
         "hits": hits,
         "sensitivity": json.dumps(sensitivity),
         "generators": generators(),
-        "seconds": float(seconds),
         "trained": json.dumps(trained),
     }
 
@@ -487,7 +487,6 @@ class Pruned:
     """A prune mark, read and checked (`read_pruned`)."""
 
     round: int  # the rounds done
-    seconds: float  # the seconds they took
     hits: torch.Tensor | None  # the last round's per-sample test hits
     sensitivity: dict[str, Any] | None  # the sensitivity record (sparsity "auto")
     payload: dict[str, Any]
@@ -499,12 +498,10 @@ def read_pruned(
     """A prune mark's fields, checked against the run: 1..`rounds` rounds done, a sensitivity
     record with its proposal when the sparsity is `auto`, `n_test` test hits."""
     try:
-        done, seconds, hits = kept["round"], kept["seconds"], kept["hits"]
+        done, hits = kept["round"], kept["hits"]
         sens = json.loads(kept["sensitivity"])
         if not isinstance(done, int) or not 1 <= done <= rounds:
             raise ValueError(f"round {done!r} is not one of 1..{rounds}")
-        if not isinstance(seconds, float) or not seconds >= 0:
-            raise ValueError(f"seconds {seconds!r}")
         if hits is not None and (
             not isinstance(hits, torch.Tensor)
             or hits.dtype != torch.bool
@@ -516,7 +513,7 @@ def read_pruned(
             raise ValueError("its sensitivity record is not a table")
         if auto and not isinstance((sens or {}).get("proposal"), dict):
             raise ValueError("no sensitivity proposal, and the sparsity is auto")
-        return Pruned(done, seconds, hits, sens, kept)
+        return Pruned(done, hits, sens, kept)
     except (KeyError, TypeError, ValueError) as e:
         raise _unfit(marks, "prune", e) from None
 

@@ -225,8 +225,8 @@ def shrink(
     if p.enabled:
         ts = time.perf_counter()
         n_test = len(base_correct) if base_correct is not None else None
-        report["sensitivity"], hits, earlier = _prune(model, p, hooks, marks, n_test)
-        stages.append(_stage("prune", ts - earlier, model, hits))
+        report["sensitivity"], hits = _prune(model, p, hooks, marks, n_test)
+        stages.append(_stage("prune", ts, model, hits))
     q = recipe.quantize
     # Records priced once: `prefer_dense_` prices every layer where `_entries` will again.
     prices: dict[bytes, Any] = {}
@@ -416,12 +416,11 @@ def _prune(
     hooks: Hooks,
     marks: resume.Marks | None = None,
     n_test: int | None = None,
-) -> tuple[dict[str, Any] | None, torch.Tensor | None, float]:
-    """Prune in rounds with retraining; returns the sensitivity record (sparsity "auto"), the
-    pruned model's per-sample test hits when the last retraining measured them, and the
-    seconds an earlier run spent on the rounds this one resumed from (`marks`: each round is
-    kept, see `compressor.resume`)."""
-    started = time.perf_counter()
+) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
+    """Prune in rounds with retraining; returns the sensitivity record (sparsity "auto") and
+    the pruned model's per-sample test hits when the last retraining measured them. With
+    `marks`, each round is kept, and a resumed run starts after the last kept one
+    (`compressor.resume`; the stage's seconds are then this run's, as every timing is)."""
     kept = marks.latest("prune") if marks is not None else None
     if kept is not None:
         kept = resume.read_pruned(kept, marks, p.rounds, p.sparsity == "auto", n_test)
@@ -448,10 +447,10 @@ def _prune(
     )
     stds = prune.weight_stds(model, cfg)  # of the unpruned weights, also when resuming
     hits = None
-    done, earlier = 0, 0.0
+    done = 0
     if kept is not None:
         resume.restore_pruned_(model, kept, marks)
-        done, earlier, hits = kept.round, kept.seconds, kept.hits
+        done, hits = kept.round, kept.hits
         hooks.info(f"resumed after prune round {done}/{cfg.rounds} (kept in {marks.folder})")
     for r, fraction in enumerate(prune.schedule(cfg.rounds), 1):
         if r <= done:
@@ -474,13 +473,12 @@ def _prune(
                     r,
                     hits,
                     sens_record,
-                    earlier + time.perf_counter() - started,
                     resume.merge_trained(
                         marks.trained_before, hooks.trained() if hooks.trained else None
                     ),
                 ),
             )
-    return sens_record, hits, earlier
+    return sens_record, hits
 
 
 PROGRESS_EVERY_S = 10.0  # the sensitivity analysis's progress lines, at most one this often

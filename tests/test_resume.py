@@ -419,3 +419,15 @@ def test_a_stop_while_a_round_is_being_kept_leaves_the_round_before_it(net, monk
     assert [p.suffix for p in resume.folder_for(out).iterdir()].count(".pt") == 1
     report = ck.shrink(net, "digits", RECIPE, out=out, resume=True).report
     assert report["resumed"]["from"] == "prune round 1 of 3"
+
+
+def test_the_first_versions_file_names_are_its_own(net, tmp_path):
+    """Marks kept as prune.pt / compressed.pt (before each mark had a file of its own) are
+    this tool's: a run replaces them, it does not refuse them as someone else's."""
+    out = tmp_path / "out"
+    folder = resume.folder_for(out)
+    folder.mkdir()
+    for name in ("prune.pt", "compressed.pt"):
+        (folder / name).write_bytes(b"kept by an earlier version")
+    ck.shrink(net, "digits", RECIPE, out=out)
+    assert (out / "model.dcz").is_file() and not folder.exists()
