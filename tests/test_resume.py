@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,17 @@ def uninterrupted(net) -> Path:
     out = net.parent / "whole"
     ck.shrink(net, "digits", RECIPE, out=out)
     assert not resume.folder_for(out).exists()  # a run that succeeded keeps no marks
+    return out
+
+
+@pytest.fixture(scope="module")
+def stopped(net) -> Path:
+    """The --out of a run stopped in its third pruning round: rounds 1 and 2 kept."""
+    out = net.parent / "stopped"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _stop_at_retrain(monkeypatch, 3)
+        with pytest.raises(KeyboardInterrupt):
+            ck.shrink(net, "digits", RECIPE, out=out)
     return out
 
 
@@ -209,13 +221,10 @@ class _Boom:
 @pytest.mark.parametrize(
     "damage", ["pickle", "truncated", "index", "index-list", "shapes", "round", "hits", "trained"]
 )
-def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, monkeypatch, damage, capsys):
+def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, stopped, damage, capsys):
     out = net.parent / f"damaged-{damage}"
-    _stop_at_retrain(monkeypatch, 3)
-    with pytest.raises(KeyboardInterrupt):
-        ck.shrink(net, "digits", RECIPE, out=out)
-    monkeypatch.undo()
     folder = resume.folder_for(out)
+    shutil.copytree(resume.folder_for(stopped), folder)  # the folder's name is not in a mark
     mark = _mark_file(out, "prune")
     if damage == "pickle":  # code in a pickle: refused by weights_only, never run
         mark.write_bytes(pickle.dumps({"kind": "prune", "x": _Boom()}, protocol=2))
