@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from compresskit import _datapass, _mem
-from compresskit.compressor import kmeans, prune, stats
+from compresskit.compressor import kmeans, prune, resume, stats
 from compresskit.compressor import recipe as recipe_mod
 from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.recipe import Recipe
@@ -520,14 +520,22 @@ def check(model: nn.Module, recipe: Recipe) -> None:
 
 class _Trials:
     """Full shrink runs judged on the validation split, one kept at a time: the smallest
-    within the budget so far (`_best`), its model, report and folder; the rest deleted."""
+    within the budget so far (`_best`), its model, report and folder; the rest deleted.
 
-    def __init__(self, model, spec, hooks, out_dir, metadata, archive_name, judge, trials):
+    With `marks`, each finished trial is kept (`compressor.resume`): a resumed search replays
+    the kept trials whose recipes it asks for again, in order, without running them."""
+
+    def __init__(
+        self, model, spec, hooks, out_dir, metadata, archive_name, judge, trials, marks=None
+    ):
         self.model, self.spec, self.hooks, self.out_dir = model, spec, hooks, out_dir
         self.metadata, self.archive_name, self.judge = metadata, archive_name, judge
         self.limit = trials
         self.records: list[dict[str, Any]] = []
-        self.kept: dict[int, tuple[nn.Module, dict[str, Any], Path]] = {}
+        self.kept: dict[int, tuple[nn.Module | None, dict[str, Any], Path]] = {}
+        self.marks = marks
+        self.cached = resume.read_trials(marks) if marks is not None else None
+        self.done: list[dict[str, Any]] = []  # each trial as a mark keeps it
 
     def tell(self, message: str, t: int | None = None) -> None:
         """A progress line for trial `t` (None: the next one)."""
@@ -538,26 +546,89 @@ class _Trials:
         """Shrink a copy of the model by `recipe`; record `fields` and the verdict; True when
         within the budget."""
         t = len(self.records) + 1
-        m, d = copy.deepcopy(self.model), self.out_dir / f".trial-{t}"
+        d = self.out_dir / f".trial-{t}"
         d.mkdir()
-        hooks = dataclasses.replace(self.hooks, info=lambda message: self.tell(message, t))
-        rep = shrink_mod.shrink(m, self.spec, recipe, hooks, d, self.metadata, self.archive_name)
-        verdict = self.judge(m)
-        self.records.append(
-            {"trial": t, **fields, "archive_bytes": rep["archive"]["bytes"], **verdict}
-        )
+        replayed = self._replay(t, recipe, d)
+        if replayed is not None:
+            m, rep, record = replayed
+            self.records.append(record)
+        else:
+            m = copy.deepcopy(self.model)
+            hooks = dataclasses.replace(self.hooks, info=lambda message: self.tell(message, t))
+            rep = shrink_mod.shrink(
+                m, self.spec, recipe, hooks, d, self.metadata, self.archive_name
+            )
+            verdict = self.judge(m)
+            self.records.append(
+                {"trial": t, **fields, "archive_bytes": rep["archive"]["bytes"], **verdict}
+            )
+        verdict = self.records[-1]
         ok = verdict["within_budget"]
         self.tell(
             f"archive {rep['archive']['bytes']:,} bytes, validation drop "
             f"{verdict['val_drop']:+.2f} points (mean probability of the right class "
-            f"{verdict['val_soft_drop']:+.2f}): {'within' if ok else 'over'} the budget",
+            f"{verdict['val_soft_drop']:+.2f}): {'within' if ok else 'over'} the budget"
+            + (" (kept by the stopped run)" if replayed is not None else ""),
             t,
         )
         self.kept[t] = (m, rep, d)
         best = _best(self.records)
         for other in [k for k in self.kept if k != best]:  # one model and archive at a time
             shutil.rmtree(self.kept.pop(other)[2], ignore_errors=True)
+        if replayed is None:
+            self._keep(t, recipe, rep)
         return ok
+
+    def _replay(self, t: int, recipe: Recipe, d: Path):
+        """Trial `t` as a stopped run kept it, when its recipe is the one asked for now:
+        (its model, or None where a later kept trial beat it; its report; its record)."""
+        if not self.cached or t > len(self.cached.trials):
+            return None
+        entry = self.cached.trials[t - 1]
+        if entry["recipe"] != resume.recipe_digest(recipe):
+            # The search went another way (a search is deterministic given its trials, so
+            # only another version of it does): nothing from here on is the kept run's.
+            if self.records and self.kept[_best(self.records)][0] is None:
+                raise InputError(
+                    f"{self.marks.folder}: its --max-drop trials are not this search's; remove "
+                    "it or run without --resume"
+                )
+            self.cached = None
+            return None
+        m = None
+        if t == self.cached.best:  # the kept model: later trials are judged against it
+            m = copy.deepcopy(self.model)
+            resume.restore_trial_(m, self.cached, self.marks, d / self.archive_name)
+        resume.set_generators(entry["generators"])
+        self.done.append(entry)
+        return m, entry["report"], entry["record"]
+
+    def _keep(self, t: int, recipe: Recipe, rep: dict[str, Any]) -> None:
+        """Keep every trial so far, and the best one's model and archive, as one mark."""
+        if self.marks is None:
+            return
+        self.done.append(
+            {
+                "recipe": resume.recipe_digest(recipe),
+                "report": rep,
+                "record": self.records[-1],
+                "generators": resume.generators(),
+            }
+        )
+        best = _best(self.records)
+        m, _, d = self.kept[best]
+        trained = self.hooks.trained() if self.hooks.trained is not None else None
+        self.marks.save(
+            "trials",
+            f"budget trial {t} of at most {self.limit}",
+            resume.trials_payload(
+                self.done,
+                best,
+                m,
+                d / self.archive_name,
+                resume.merge_trained(self.marks.trained_before, trained),
+            ),
+        )
 
     def result(self) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
         """The kept trial's model and report (its archive moved into `out_dir`), and its record."""
@@ -577,17 +648,19 @@ def search(
     out_dir: Path,
     metadata: dict[str, Any] | None = None,
     archive_name: str = "model.dcz",
+    marks: resume.Marks | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Shrink `model` to the smallest archive found within `budget.max_drop`: returns the
     chosen trial's model and report (its `recipe` the one to re-run without a search, and a
-    `budget` record of the search and every trial), its archive in `out_dir`."""
+    `budget` record of the search and every trial), its archive in `out_dir`. With `marks`,
+    each finished trial is kept and a resumed search replays them (`compressor.resume`)."""
     cfg = BudgetConfig.from_recipe(recipe.budget, recipe.quantize.method)
     if hooks.val_data is None:
         raise InputError("--max-drop needs a validation split (Hooks.val_data)")
     check_validation(cfg.max_drop, len(hooks.val_data[1]), "the data")
     check(model, recipe)
     judge = Judge(model, hooks.val_data, cfg.max_drop)
-    trials = _Trials(model, spec, hooks, out_dir, metadata, archive_name, judge, cfg.trials)
+    trials = _Trials(model, spec, hooks, out_dir, metadata, archive_name, judge, cfg.trials, marks)
     if cfg.search == "scale":
         record = _search_scale(model, recipe, cfg, trials)
     else:

@@ -305,7 +305,14 @@ def _shrink_to_folder(
                 clock.info(f"resumed after Deep Compression (kept in {marks.folder})")
             elif recipe.budget.max_drop != "off":
                 model, report = budget.search(
-                    model, spec.to_dict(), recipe, hooks, tmp, metadata, archive_name=f"{name}.dcz"
+                    model,
+                    spec.to_dict(),
+                    recipe,
+                    hooks,
+                    tmp,
+                    metadata,
+                    archive_name=f"{name}.dcz",
+                    marks=marks,
                 )
             else:
                 report = shrink_mod.shrink(

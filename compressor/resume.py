@@ -4,13 +4,16 @@ that a run stopped by Ctrl-C, a killed job or a failing late stage continues whe
 
 Retraining is most of a shrink's time (the default recipe: three pruning rounds of four epochs,
 then three epochs of centroid fine-tuning), and before this a stop at the INT8 step threw it
-all away. Four kinds of mark are kept, each the latest of its kind, in the pipeline's order:
+all away. Five kinds of mark are kept, each the latest of its kind, in the pipeline's order:
 
   student      after distillation: the student, its spec and record, the transfer set's
                synthetic inputs and teacher labels (the rest is the run's own data)
   channels     after channel pruning: the thinned model and its spec (the replayable plan)
   prune        after each pruning round: the masked weights, the masks, the per-sample test
                hits of the round's retraining
+  trials       after each trial of a --max-drop search (a full shrink each): every finished
+               trial's report and verdict, the best one's model and archive; a resumed search
+               replays them while it asks for the same recipes, in order
   compressed   after Deep Compression (pruning, weight sharing, Huffman): the baked weights,
                the archive and the stages' record; export, the INT8 step and the mobile files
                start from here
@@ -20,8 +23,8 @@ uninterrupted one on the same machine. A mark is used only by a run from the sam
 and metadata (one digest of their bytes) and the same recipe sections the mark depends on
 (`DEPENDS`): a run whose `export` or `guard` section changed (the usual fix after a failed
 INT8 step) still resumes from its compressed model; one whose `quantize` section changed
-resumes from its last pruning round. Not marked (they run again): the `--max-drop` search's
-trials, and the epochs inside one retraining run.
+resumes from its last pruning round. Not marked (they run again): the epochs inside one
+retraining run or one search trial, and a search's per-layer curves.
 
 The marks live in a hidden folder `.OUT.resume` beside `--out`, written atomically (each file,
 then the index naming it), read back with `torch.load(weights_only=True)`: a tampered file is
@@ -58,13 +61,15 @@ FORMAT = 1
 INDEX = "marks.json"
 MAX_INDEX_BYTES = 1 << 20  # the index names four files: a bigger one is not ours
 # The recipe sections each mark depends on: a change anywhere else keeps the mark usable.
+_DEEP = ("train", "budget", "distill", "channels", "prune", "quantize", "huffman")
 DEPENDS = {
     "student": ("train", "distill"),
     "channels": ("train", "distill", "channels"),
     "prune": ("train", "budget", "distill", "channels", "prune"),
-    "compressed": ("train", "budget", "distill", "channels", "prune", "quantize", "huffman"),
+    "trials": _DEEP,  # a --max-drop search's trials: full shrinks, judged on the budget
+    "compressed": _DEEP,
 }
-ORDER = ("student", "channels", "prune", "compressed")
+ORDER = ("student", "channels", "prune", "trials", "compressed")
 
 
 def folder_for(out: Path) -> Path:
@@ -528,6 +533,81 @@ def restore_pruned_(model: nn.Module, pruned: Pruned, marks: Marks) -> None:
         set_generators(pruned.payload["generators"])
     except Exception as e:
         raise _unfit(marks, "prune", e) from None
+
+
+def recipe_digest(recipe: Recipe) -> str:
+    """One digest of a whole recipe (a --max-drop trial's)."""
+    return hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def trials_payload(
+    done: list[dict[str, Any]],
+    best: int,
+    model: nn.Module,
+    archive: Path,
+    trained: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A trials mark: every finished trial of a --max-drop search (its recipe's digest, report
+    and record, the generators after it) and the best one's model and archive."""
+    return {
+        "trials": json.dumps([{k: e[k] for k in ("recipe", "report", "record")} for e in done]),
+        "generators": [e["generators"] for e in done],
+        "best": best,
+        "state": model.state_dict(),
+        "archive": torch.frombuffer(bytearray(archive.read_bytes()), dtype=torch.uint8),
+        "trained": json.dumps(trained),
+    }
+
+
+@dataclass(frozen=True)
+class Trials:
+    """A trials mark, read and checked (`read_trials`)."""
+
+    trials: list[dict[str, Any]]  # each: recipe (digest), report, record, generators
+    best: int  # the trial whose model and archive are kept (1-based)
+    state: dict[str, torch.Tensor]
+    archive: bytes
+
+
+def read_trials(marks: Marks) -> Trials | None:
+    """The kept trials of a stopped --max-drop search, when resuming and they fit this run."""
+    kept = marks.latest("trials")
+    if kept is None:
+        return None
+    try:
+        trials = json.loads(kept["trials"])
+        generators_after = kept["generators"]
+        if not isinstance(trials, list) or not trials or len(trials) != len(generators_after):
+            raise ValueError("no trials, or not one generator state per trial")
+        for t, (entry, g) in enumerate(zip(trials, generators_after, strict=True), 1):
+            if not isinstance(entry, dict) or not isinstance(entry.get("record"), dict):
+                raise ValueError(f"trial {t} is not a table")
+            if entry["record"].get("trial") != t or not isinstance(entry.get("report"), dict):
+                raise ValueError(f"trial {t} is out of order")
+            entry["generators"] = g
+        best = kept["best"]
+        if not isinstance(best, int) or not 1 <= best <= len(trials):
+            raise ValueError(f"best trial {best!r} is not one of 1..{len(trials)}")
+        archive = kept["archive"].numpy().tobytes()
+        if hashlib.sha256(archive).hexdigest() != trials[best - 1]["report"]["archive"]["sha256"]:
+            raise ValueError("its archive is not the one its record describes")
+        return Trials(trials, best, kept["state"], archive)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _unfit(marks, "trials", e) from None
+
+
+def restore_trial_(model: nn.Module, cached: Trials, marks: Marks, archive: Path) -> None:
+    """Put the unpruned `model` where the kept best trial left it (in place), and its archive
+    at `archive`."""
+    try:
+        model.load_state_dict(cached.state)
+        _order_like_(model, list(cached.state))
+        with atomic_path(archive) as tmp:
+            tmp.write_bytes(cached.archive)
+    except InputError:
+        raise
+    except Exception as e:
+        raise _unfit(marks, "trials", e) from None
 
 
 def compressed_payload(

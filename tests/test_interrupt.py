@@ -160,6 +160,7 @@ def _nothing_but_kept_work(folder: Path, err: str) -> None:
         assert "kept: prune round" in err and "(add --resume to continue from there)" in err
 
 
+@pytest.mark.slow  # the message and the resume are tested in-process (tests/test_resume.py)
 def test_ctrl_c_after_a_pruning_round_keeps_it_and_resume_continues_from_it(tmp_path):
     spec = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10, "hidden": [32]})
     checkpoint.save(tmp_path / "t.pt", build(spec, seed=0), spec)

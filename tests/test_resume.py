@@ -15,6 +15,7 @@ import torch
 import compresskit as ck
 from compresskit import api
 from compresskit.compressor import (
+    BudgetSection,
     ChannelsSection,
     DistillSection,
     ExportSection,
@@ -440,3 +441,38 @@ def test_the_first_versions_file_names_are_its_own(net, tmp_path):
         (folder / name).write_bytes(b"kept by an earlier version")
     ck.shrink(net, "digits", RECIPE, out=out)
     assert (out / "model.dcz").is_file() and not folder.exists()
+
+
+def test_a_stopped_max_drop_search_replays_its_kept_trials_to_the_same_bytes(net, monkeypatch):
+    """Each trial of a --max-drop search is a full shrink: a stop in the last one kept the
+    others, which the resumed search replays (same recipes asked, in order) without running."""
+    recipe = dataclasses.replace(
+        RECIPE,
+        prune=PruneSection(rounds=1, retrain_epochs=1),
+        budget=BudgetSection(max_drop=2.0, trials=2, sparsities=(0.0, 0.8), bits=(4, 8)),
+    )
+    whole = ck.shrink(net, "digits", recipe, out=net.parent / "b-whole").report
+    n = len(whole["budget"]["trials"])
+    assert n >= 2
+    out = net.parent / "b-again"
+    _stop_at_retrain(monkeypatch, 2 * (n - 1) + 1)  # each trial retrains twice: prune, share
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", recipe, out=out)
+    assert resume.describe(out) == f"budget trial {n - 1} of at most 2"
+    monkeypatch.undo()
+    # the best trial's archive, kept inside the mark, is checked against its record
+    damaged = net.parent / "b-damaged"
+    shutil.copytree(resume.folder_for(out), resume.folder_for(damaged))
+    mark = _mark_file(damaged, "trials")
+    payload = torch.load(mark, weights_only=True)
+    payload["archive"][50] ^= 1
+    torch.save(payload, mark)
+    with pytest.raises(InputError, match="its archive is not the one its record describes"):
+        ck.shrink(net, "digits", recipe, out=damaged, resume=True)
+    said = Said()
+    report = ck.shrink(net, "digits", recipe, out=out, resume=True, progress=said).report
+    assert report["resumed"]["from"] == f"budget trial {n - 1} of at most 2"
+    assert sum("(kept by the stopped run)" in line for line in said.lines) == n - 1
+    for name in ("model.dcz", "model.fp32.onnx", "model.int8.onnx"):
+        assert (net.parent / "b-whole" / name).read_bytes() == (out / name).read_bytes(), name
+    assert json.dumps(whole["budget"]["trials"]) == json.dumps(report["budget"]["trials"])
