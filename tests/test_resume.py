@@ -305,13 +305,13 @@ def test_a_full_disk_costs_the_marks_not_the_run(net, monkeypatch):
 
 
 def test_distillation_and_channel_pruning_resume_twice_to_the_same_bytes(net, monkeypatch):
-    """A student distilled on a transfer set with half its labels, thinned (its unthinned
-    files timed against the thinned ones), then Deep Compression: stopped during channel
-    pruning, resumed, stopped again in the pruning rounds, resumed again."""
+    """A student distilled on a transfer set with half its labels (the rest the teacher's),
+    thinned, then Deep Compression: stopped during channel pruning, resumed, stopped again in
+    the pruning rounds, resumed again."""
     recipe = dataclasses.replace(
         RECIPE,
-        distill=DistillSection(student="lenet300", epochs=1, labels=0.5, transfer="mixup"),
-        channels=ChannelsSection(enabled=True, rounds=2, target_macs=0.6),
+        distill=DistillSection(student="lenet300", epochs=1, labels=0.5),
+        channels=ChannelsSection(enabled=True, rounds=2, target_macs=0.6, latency=False),
     )
     whole = net.parent / "s-whole"
     ck.shrink(net, "digits", recipe, out=whole)
@@ -349,8 +349,7 @@ def test_distillation_and_channel_pruning_resume_twice_to_the_same_bytes(net, mo
         assert json.dumps(a.get(key)).replace("s-whole", "OUT") == json.dumps(b.get(key)).replace(
             "s-again", "OUT"
         ), key
-    la, lb = a["channels"].pop("latency"), b["channels"].pop("latency")
-    assert a["channels"] == b["channels"] and la.keys() == lb.keys()
+    assert a["channels"] == b["channels"]
 
 
 @pytest.mark.parametrize("kind", ["link", "file", "foreign"])
