@@ -127,13 +127,20 @@ def _file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def _sections(recipe: Recipe, kind: str, teachers: tuple[str, ...] = ()) -> str:
+def _sections(
+    recipe: Recipe, kind: str, teachers: tuple[str, ...] = (), calibration: str | None = None
+) -> str:
     """One digest of the recipe sections a `kind` mark depends on, the extra teachers by
-    their files' digests (`teachers`) rather than the paths naming them."""
+    their files' digests (`teachers`) rather than the paths naming them. Channel pruning to a
+    target latency profiles the model as [export] would write it (its INT8 settings and
+    calibration file): then [export] counts from the channels mark on."""
     d = recipe.to_dict()
     part = {k: d.get(k) for k in DEPENDS[kind]}
     if "distill" in part and isinstance(part["distill"], dict) and teachers:
         part["distill"] = {**part["distill"], "teachers": list(teachers)}
+    if "channels" in part and recipe.channels.enabled and recipe.channels.target_latency:
+        part["export"] = d.get("export")
+        part["calibration_bytes"] = calibration
     return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -176,6 +183,7 @@ class Marks:
     info: Callable[[str], None] = lambda message: None
     failed: str | None = None  # why this run keeps no more marks (a full disk)
     _teachers: tuple[str, ...] | None = None  # the extra teachers' file digests
+    _calibration: str | None = None  # the calibration file's digest, when one is named
     _written: int = 0  # marks this run wrote (each in a file of its own)
     read: dict[str, Path] = field(default_factory=dict)  # the mark files read, by kind
 
@@ -212,7 +220,9 @@ class Marks:
     def _sections(self, kind: str) -> str:
         if self._teachers is None:  # read once: a teacher may be hundreds of megabytes
             self._teachers = tuple(_file_digest(t) for t in self.recipe.distill.teachers)
-        return _sections(self.recipe, kind, self._teachers)
+            calib = self.recipe.export.calibration_data
+            self._calibration = _file_digest(calib) if calib else None
+        return _sections(self.recipe, kind, self._teachers, self._calibration)
 
     def _index(self) -> dict[str, Any]:
         path = self.folder / INDEX

@@ -475,3 +475,30 @@ def test_a_stopped_max_drop_search_replays_its_kept_trials_to_the_same_bytes(net
     for name in ("model.dcz", "model.fp32.onnx", "model.int8.onnx"):
         assert (net.parent / "b-whole" / name).read_bytes() == (out / name).read_bytes(), name
     assert json.dumps(whole["budget"]["trials"]) == json.dumps(report["budget"]["trials"])
+
+
+def test_which_recipe_sections_each_kept_stage_depends_on(tmp_path):
+    """[export] and [guard] come after the compressed model: changing them keeps every mark.
+    Channel pruning to a target latency profiles the model as [export] writes it (and on its
+    calibration file's bytes): then [export] counts from the channels mark on."""
+
+    def digests(recipe: ck.Recipe, calibration: str | None = None) -> dict[str, str]:
+        return {k: resume._sections(recipe, k, (), calibration) for k in resume.ORDER}
+
+    base = digests(RECIPE)
+    opset = dataclasses.replace(RECIPE, export=ExportSection(opset=17))
+    assert digests(opset) == base
+    bits = digests(dataclasses.replace(RECIPE, quantize=QuantizeSection(fc_bits=4)))
+    changed = {k for k in resume.ORDER if bits[k] != base[k]}
+    assert changed == {"trials", "compressed"}
+
+    timed = dataclasses.replace(RECIPE, channels=ChannelsSection(enabled=True, target_latency=0.5))
+    timed_opset = dataclasses.replace(timed, export=ExportSection(opset=17))
+    a, b = digests(timed), digests(timed_opset)
+    assert {k for k in resume.ORDER if a[k] != b[k]} == {
+        "channels",
+        "prune",
+        "trials",
+        "compressed",
+    }
+    assert digests(timed, "one file") != digests(timed, "another file")
