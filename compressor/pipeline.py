@@ -303,28 +303,16 @@ def _shrink_to_folder(
             if kept is not None:
                 report = resume_mod.restore_compressed_(model, kept, marks, tmp / f"{name}.dcz")
                 clock.info(f"resumed after Deep Compression (kept in {marks.folder})")
-            elif recipe.budget.max_drop != "off":
-                model, report = budget.search(
-                    model,
-                    spec.to_dict(),
-                    recipe,
-                    hooks,
-                    tmp,
-                    metadata,
-                    archive_name=f"{name}.dcz",
-                    marks=marks,
-                )
             else:
-                report = shrink_mod.shrink(
-                    model,
-                    spec.to_dict(),
-                    recipe,
-                    hooks,
-                    tmp,
-                    metadata,
-                    archive_name=f"{name}.dcz",
-                    marks=marks,
-                )
+                args = (spec.to_dict(), recipe, hooks, tmp, metadata)
+                if recipe.budget.max_drop != "off":
+                    model, report = budget.search(
+                        model, *args, archive_name=f"{name}.dcz", marks=marks
+                    )
+                else:
+                    report = shrink_mod.shrink(
+                        model, *args, archive_name=f"{name}.dcz", marks=marks
+                    )
             if kept is None:
                 marks.save(
                     "compressed",

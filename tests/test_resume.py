@@ -94,6 +94,13 @@ def _mark_file(out: Path, kind: str) -> Path:
     return folder / index["marks"][kind]["file"]
 
 
+def _flip_a_kept_archive_byte(out: Path, kind: str) -> None:
+    mark = _mark_file(out, kind)
+    payload = torch.load(mark, weights_only=True)
+    payload["archive"][50] ^= 1
+    torch.save(payload, mark)
+
+
 def _work(report: dict) -> dict:
     """The report without what depends on the folder, the clock or the machine."""
     report = {k: v for k, v in report.items() if k not in VOLATILE}
@@ -263,10 +270,7 @@ def test_a_kept_archive_that_is_not_the_one_recorded_is_refused(net, monkeypatch
     with pytest.raises(KeyError):
         ck.shrink(net, "digits", RECIPE, out=out)
     monkeypatch.undo()
-    mark = _mark_file(out, "compressed")
-    payload = torch.load(mark, weights_only=True)
-    payload["archive"][100] ^= 1
-    torch.save(payload, mark)
+    _flip_a_kept_archive_byte(out, "compressed")
     with pytest.raises(InputError, match="its archive is not the one its record describes"):
         ck.shrink(net, "digits", RECIPE, out=out, resume=True)
     assert not out.exists()
@@ -462,10 +466,7 @@ def test_a_stopped_max_drop_search_replays_its_kept_trials_to_the_same_bytes(net
     # the best trial's archive, kept inside the mark, is checked against its record
     damaged = net.parent / "b-damaged"
     shutil.copytree(resume.folder_for(out), resume.folder_for(damaged))
-    mark = _mark_file(damaged, "trials")
-    payload = torch.load(mark, weights_only=True)
-    payload["archive"][50] ^= 1
-    torch.save(payload, mark)
+    _flip_a_kept_archive_byte(damaged, "trials")
     with pytest.raises(InputError, match="its archive is not the one its record describes"):
         ck.shrink(net, "digits", recipe, out=damaged, resume=True)
     said = Said()
