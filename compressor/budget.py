@@ -535,6 +535,8 @@ class _Trials:
         self.kept: dict[int, tuple[nn.Module | None, dict[str, Any], Path]] = {}
         self.marks = marks
         self.cached = resume.read_trials(marks) if marks is not None else None
+        if self.cached and self.cached.best != _best([e["record"] for e in self.cached.trials]):
+            raise resume.unfit(marks, "trials", ValueError("its kept model is not its best"))
         self.done: list[dict[str, Any]] = []  # each trial as a mark keeps it
 
     def tell(self, message: str, t: int | None = None) -> None:
@@ -599,35 +601,35 @@ class _Trials:
         if t == self.cached.best:  # the kept model: later trials are judged against it
             m = copy.deepcopy(self.model)
             resume.restore_trial_(m, self.cached, self.marks, d / self.archive_name)
-        resume.set_generators(entry["generators"])
+        try:
+            resume.set_generators(entry["generators"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise resume.unfit(self.marks, "trials", e) from None
+        self.marks.claim(f"budget trial {t} of at most {self.limit}", entry["trained"])
         self.done.append(entry)
-        return m, entry["report"], entry["record"]
+        return m, resume.no_seconds_(entry["report"]), entry["record"]
 
     def _keep(self, t: int, recipe: Recipe, rep: dict[str, Any]) -> None:
         """Keep every trial so far, and the best one's model and archive, as one mark."""
         if self.marks is None:
             return
+        trained = self.hooks.trained() if self.hooks.trained is not None else None
+        trained = resume.merge_trained(self.marks.trained_before, trained)
         self.done.append(
             {
                 "recipe": resume.recipe_digest(recipe),
                 "report": rep,
                 "record": self.records[-1],
+                "trained": trained,
                 "generators": resume.generators(),
             }
         )
         best = _best(self.records)
         m, _, d = self.kept[best]
-        trained = self.hooks.trained() if self.hooks.trained is not None else None
         self.marks.save(
             "trials",
             f"budget trial {t} of at most {self.limit}",
-            resume.trials_payload(
-                self.done,
-                best,
-                m,
-                d / self.archive_name,
-                resume.merge_trained(self.marks.trained_before, trained),
-            ),
+            resume.trials_payload(self.done, best, m, d / self.archive_name, trained),
         )
 
     def result(self) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:

@@ -324,6 +324,21 @@ def hint_train(
     }
 
 
+def student_spec(d: Any, data: Dataset, classes: int) -> ModelSpec:
+    """The recipe's student (its [distill] section `d`) for `data`, predicting `classes`."""
+    return zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, classes)
+
+
+def teacher_classes(teacher: nn.Module, data: Dataset) -> int:
+    """How many classes `teacher` predicts (its output's width on two training inputs)."""
+    was = teacher.training
+    try:
+        with torch.no_grad():
+            return int(teacher.eval()(data.x_train[:2]).shape[1])
+    finally:
+        teacher.train(was)
+
+
 def distill_student(
     teacher: nn.Module,
     d: Any,  # the recipe's [distill] section (compressor.recipe.DistillSection)
@@ -350,7 +365,7 @@ def distill_student(
             f"distill: the ensemble's teachers predict {classes} classes; they must agree"
         )
     data_mod.check_kind(d.student, data, "distill.student")
-    spec = zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, classes[0])
+    spec = student_spec(d, data, classes[0])
     student = zoo.build(spec, seed=0)
     data_mod.check_fits(student, data, spec.name)
     with torch.no_grad():

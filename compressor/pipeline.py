@@ -261,7 +261,12 @@ def _shrink_to_folder(
                 raise InputError("distillation needs the data set")
             with clock.step("distill"):
                 if (kept := marks.latest("student")) is not None:
-                    model, spec, distilled, train_on = resume_mod.restore_student(kept, data, marks)
+                    expected = distill.student_spec(
+                        recipe.distill, data, distill.teacher_classes(model, data)
+                    )
+                    model, spec, distilled, train_on = resume_mod.restore_student(
+                        kept, data, marks, expected
+                    )
                     clock.info(f"resumed after distillation (kept in {marks.folder})")
                 else:
                     model, spec, distilled, train_on = distill.distill_student(
@@ -288,7 +293,7 @@ def _shrink_to_folder(
             if recipe.channels.latency and recipe.export.enabled:
                 unthinned = copy.deepcopy(model).eval()  # timed against the thinned files
             if (kept := marks.latest("channels")) is not None:
-                model, spec, thinned = resume_mod.restore_channels(kept, marks)
+                model, spec, thinned = resume_mod.restore_channels(kept, marks, spec)
                 clock.info(f"resumed after channel pruning (kept in {marks.folder})")
             else:
                 with clock.step("channels", "channels: removing whole channels"):

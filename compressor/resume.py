@@ -39,14 +39,13 @@ import datetime
 import hashlib
 import json
 import os
-import random
+import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -59,6 +58,7 @@ from compresskit.models.zoo import ModelSpec, build
 
 FORMAT = 1
 INDEX = "marks.json"
+HEX = frozenset("0123456789abcdef")
 MAX_INDEX_BYTES = 1 << 20  # the index names four files: a bigger one is not ours
 # The recipe sections each mark depends on: a change anywhere else keeps the mark usable.
 _DEEP = ("train", "budget", "distill", "channels", "prune", "quantize", "huffman")
@@ -81,13 +81,20 @@ def folder_for(out: Path) -> Path:
 def _digest_tensor(h, t: torch.Tensor) -> None:
     t = t.detach().cpu().contiguous()
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if t.numel():  # the tensor's own buffer, not a copy (a data split may be gigabytes)
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def fingerprint(model: nn.Module, spec: dict[str, Any], data: Any, metadata: dict) -> str:
-    """One digest of what a run starts from: the model's weights and spec, the data's tensors
-    (every split) and the run's metadata. A second's work on MNIST-sized data."""
+    """One digest of what a run starts from: compress's and torch's versions, the model's
+    weights and spec, the data's tensors (every split) and the run's metadata. A second's
+    work on MNIST-sized data. Not in it: the model's code (a forward edited with the same
+    weights resumes from work done with the old one) and the torch thread count (the kept
+    work stays usable; the bits after it follow this run's count)."""
     h = hashlib.sha256(f"compress-resume-{FORMAT}".encode())
+    # another compress or torch computes other bits (Python's version does not)
+    versions = {k: v for k, v in checkpoint.versions().items() if k != "python"}
+    h.update(json.dumps(versions, sort_keys=True).encode())
     h.update(json.dumps(spec, sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -109,9 +116,16 @@ def _foreign(folder: Path) -> list[str]:
         kind, _, rest = name.partition("-")
         if name.endswith(".pt") and name[:-3] in ORDER:  # the first version's names
             return True
-        return kind in ORDER and name.endswith(".pt") and rest[:-3].replace("-", "").isdigit()
+        token = rest[:-3].replace("-", "")
+        return kind in ORDER and name.endswith(".pt") and all(c in HEX for c in token)
 
     return sorted(p.name for p in folder.iterdir() if not ours(p.name))
+
+
+def _table(value: Any, what: str) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{what} is not a table")
+    return value
 
 
 def _file_digest(path: str) -> str:
@@ -145,26 +159,16 @@ def _sections(
 
 
 def generators() -> dict[str, Any]:
-    """The states of the generators a stage draws from (dropout: torch's; numpy's and
-    Python's for anything else), in types `torch.load(weights_only=True)` reads."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, state, gauss_next = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-        "numpy_pos": int(pos),
-        "numpy_gauss": [int(has_gauss), float(gauss)],
-        "python": [int(version), list(state), gauss_next],
-    }
+    """The state of the generator the stages draw from (dropout: torch's, which the pipeline
+    forks and seeds; numpy's and Python's global ones are the caller's and are not touched)."""
+    return {"torch": torch.get_rng_state()}
 
 
 def set_generators(g: dict[str, Any]) -> None:
-    torch.set_rng_state(g["torch"])
-    has_gauss, gauss = g["numpy_gauss"]
-    keys = g["numpy"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, g["numpy_pos"], has_gauss, gauss))
-    version, state, gauss_next = g["python"]
-    random.setstate((version, tuple(state), gauss_next))
+    state = g["torch"]
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        raise ValueError("its generator state is not torch's")
+    torch.set_rng_state(state)
 
 
 @dataclass
@@ -184,7 +188,6 @@ class Marks:
     failed: str | None = None  # why this run keeps no more marks (a full disk)
     _teachers: tuple[str, ...] | None = None  # the extra teachers' file digests
     _calibration: str | None = None  # the calibration file's digest, when one is named
-    _written: int = 0  # marks this run wrote (each in a file of its own)
     read: dict[str, Path] = field(default_factory=dict)  # the mark files read, by kind
 
     @classmethod
@@ -272,8 +275,10 @@ class Marks:
             return "the kept work is from another model, data or checkpoint file name"
         return "the kept work is from another recipe or --teacher file"
 
-    def latest(self, kind: str) -> dict[str, Any] | None:
-        """The payload of this kind's mark, when resuming and it fits this run; else None."""
+    def latest(self, kind: str, claim: bool = True) -> dict[str, Any] | None:
+        """The payload of this kind's mark, when resuming and it fits this run; else None.
+        `claim`: the run continues from it now (else `claim` once it does: a search's kept
+        trials count only when replayed)."""
         if not self.resume:
             return None
         mark = self.kept().get(kind)
@@ -298,16 +303,19 @@ class Marks:
         if not isinstance(payload, dict) or payload.get("kind") != kind:
             raise InputError(f"{path}: not a {kind} mark; {fix}")
         try:
-            trained = json.loads(payload["trained"])
-            if trained is not None and not isinstance(trained, dict):
-                raise ValueError("its training record is not a table")
+            trained = _table(json.loads(payload["trained"]), "its training record")
         except (KeyError, TypeError, ValueError) as e:
-            raise _unfit(self, kind, e) from None
+            raise unfit(self, kind, e) from None
+        if claim:
+            self.claim(str(mark.get("what", kind)), trained)
+        return payload
+
+    def claim(self, what: str, trained: dict[str, Any] | None) -> None:
+        """The run continues from kept work `what`, whose retraining runs recorded `trained`."""
         self.trained_before = trained
-        self.resumed.append(str(mark.get("what", kind)))
+        self.resumed.append(what)
         with contextlib.suppress(OSError):  # a stop from here on still names what is kept
             os.utime(self.folder / INDEX)
-        return payload
 
     def save(self, kind: str, what: str, payload: dict[str, Any]) -> None:
         """Keep `payload` as this run's `kind` mark, described by `what` ("prune round 2 of
@@ -340,8 +348,7 @@ class Marks:
         # A new file each time, the index switched to it in one rename, then the files it no
         # longer names removed: a kill at any moment leaves the last whole mark usable (over-
         # writing prune.pt in place lost the previous round with the one being written).
-        self._written += 1
-        name = f"{kind}-{os.getpid()}-{self._written}.pt"
+        name = f"{kind}-{secrets.token_hex(6)}.pt"  # not a pid: a container reuses those
         with atomic_path(self.folder / name) as tmp:
             torch.save({"kind": kind, **payload}, tmp)
         for later in ORDER[ORDER.index(kind) :]:  # another continuation of the run
@@ -388,8 +395,14 @@ def _model_state(model: nn.Module, spec: ModelSpec) -> dict[str, Any]:
     return {"spec": json.dumps(spec.to_dict()), "state": model.state_dict()}
 
 
-def _rebuilt(kept: dict[str, Any]) -> tuple[nn.Module, ModelSpec]:
+def _rebuilt(kept: dict[str, Any], expected: ModelSpec) -> tuple[nn.Module, ModelSpec]:
+    """The kept model, built from the spec this run resolves itself (`expected`), with only
+    the channel plan taken from the mark: a spec read from a file would name code to import
+    and call, which needs the user's consent (the run asked for it when it resolved its own)."""
     spec = ModelSpec.from_dict(json.loads(kept["spec"]))
+    if (spec.name, spec.kwargs) != (expected.name, expected.kwargs):
+        raise ValueError(f"it holds model {spec.name!r}, this run builds {expected.name!r}")
+    spec = dataclasses.replace(expected, thinned=spec.thinned)
     model = build(spec)
     model.load_state_dict(kept["state"])
     _order_like_(model, list(kept["state"]))
@@ -426,11 +439,12 @@ def student_payload(
 
 
 def restore_student(
-    kept: dict[str, Any], data: Any, marks: Marks
+    kept: dict[str, Any], data: Any, marks: Marks, expected: ModelSpec
 ) -> tuple[nn.Module, ModelSpec, dict[str, Any], Any]:
-    """(student, spec, record, the data it trained on) as distillation left them."""
+    """(student, spec, record, the data it trained on) as distillation left them; `expected`:
+    the student's spec as this run resolves it."""
     try:
-        model, spec = _rebuilt(kept)
+        model, spec = _rebuilt(kept, expected)
         train_on = data
         if (t := kept["transfer"]) is not None:
             train_on = dataclasses.replace(
@@ -443,7 +457,7 @@ def restore_student(
         set_generators(kept["generators"])
         return model, spec, json.loads(kept["record"]), train_on
     except Exception as e:
-        raise _unfit(marks, "student", e) from None
+        raise unfit(marks, "student", e) from None
 
 
 def channels_payload(
@@ -459,18 +473,20 @@ def channels_payload(
 
 
 def restore_channels(
-    kept: dict[str, Any], marks: Marks
+    kept: dict[str, Any], marks: Marks, expected: ModelSpec
 ) -> tuple[nn.Module, ModelSpec, dict[str, Any]]:
-    """(thinned model, its spec, the channels record) as channel pruning left them."""
+    """(thinned model, its spec, the channels record) as channel pruning left them; `expected`:
+    the spec of the model this run thins."""
     try:
-        model, spec = _rebuilt(kept)
+        model, spec = _rebuilt(kept, expected)
         set_generators(kept["generators"])
         return model, spec, json.loads(kept["record"])
     except Exception as e:
-        raise _unfit(marks, "channels", e) from None
+        raise unfit(marks, "channels", e) from None
 
 
-def _unfit(marks: Marks, kind: str, e: BaseException) -> InputError:
+def unfit(marks: Marks, kind: str, e: BaseException) -> InputError:
+    """The one-line refusal of a `kind` mark that cannot be resumed from (why: `e`)."""
     return InputError(
         f"{marks.read.get(kind, marks.folder)}: cannot be resumed from ({one_line(e)}); "
         f"remove {marks.folder} or run without --resume"
@@ -526,11 +542,16 @@ def read_pruned(
             raise ValueError(f"its test hits are not {n_test} yes/no answers")
         if sens is not None and not isinstance(sens, dict):
             raise ValueError("its sensitivity record is not a table")
-        if auto and not isinstance((sens or {}).get("proposal"), dict):
-            raise ValueError("no sensitivity proposal, and the sparsity is auto")
+        if auto:
+            proposal = (sens or {}).get("proposal")
+            if not isinstance(proposal, dict) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1
+                for v in proposal.values()
+            ):
+                raise ValueError("no sensitivity proposal of sparsities in [0, 1)")
         return Pruned(done, hits, sens, kept)
     except (KeyError, TypeError, ValueError) as e:
-        raise _unfit(marks, "prune", e) from None
+        raise unfit(marks, "prune", e) from None
 
 
 def restore_pruned_(model: nn.Module, pruned: Pruned, marks: Marks) -> None:
@@ -542,12 +563,15 @@ def restore_pruned_(model: nn.Module, pruned: Pruned, marks: Marks) -> None:
         model.load_state_dict(pruned.payload["state"])
         set_generators(pruned.payload["generators"])
     except Exception as e:
-        raise _unfit(marks, "prune", e) from None
+        raise unfit(marks, "prune", e) from None
 
 
 def recipe_digest(recipe: Recipe) -> str:
-    """One digest of a whole recipe (a --max-drop trial's)."""
-    return hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()
+    """One digest of a --max-drop trial's recipe, in the sections a trial depends on (its
+    [export] and [guard] are the asked recipe's, which the trials never read)."""
+    d = recipe.to_dict()
+    part = {k: d.get(k) for k in _DEEP}
+    return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def trials_payload(
@@ -560,7 +584,9 @@ def trials_payload(
     """A trials mark: every finished trial of a --max-drop search (its recipe's digest, report
     and record, the generators after it) and the best one's model and archive."""
     return {
-        "trials": json.dumps([{k: e[k] for k in ("recipe", "report", "record")} for e in done]),
+        "trials": json.dumps(
+            [{k: e[k] for k in ("recipe", "report", "record", "trained")} for e in done]
+        ),
         "generators": [e["generators"] for e in done],
         "best": best,
         "state": model.state_dict(),
@@ -580,8 +606,9 @@ class Trials:
 
 
 def read_trials(marks: Marks) -> Trials | None:
-    """The kept trials of a stopped --max-drop search, when resuming and they fit this run."""
-    kept = marks.latest("trials")
+    """The kept trials of a stopped --max-drop search, when resuming and they fit this run;
+    every field a replay reads checked (a crafted mark is one line, never a traceback)."""
+    kept = marks.latest("trials", claim=False)
     if kept is None:
         return None
     try:
@@ -590,10 +617,9 @@ def read_trials(marks: Marks) -> Trials | None:
         if not isinstance(trials, list) or not trials or len(trials) != len(generators_after):
             raise ValueError("no trials, or not one generator state per trial")
         for t, (entry, g) in enumerate(zip(trials, generators_after, strict=True), 1):
-            if not isinstance(entry, dict) or not isinstance(entry.get("record"), dict):
-                raise ValueError(f"trial {t} is not a table")
-            if entry["record"].get("trial") != t or not isinstance(entry.get("report"), dict):
-                raise ValueError(f"trial {t} is out of order")
+            _check_trial(t, entry)
+            if not isinstance(g, dict) or not isinstance(g.get("torch"), torch.Tensor):
+                raise ValueError(f"trial {t}'s generator state is not torch's")
             entry["generators"] = g
         best = kept["best"]
         if not isinstance(best, int) or not 1 <= best <= len(trials):
@@ -603,7 +629,27 @@ def read_trials(marks: Marks) -> Trials | None:
             raise ValueError("its archive is not the one its record describes")
         return Trials(trials, best, kept["state"], archive)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise _unfit(marks, "trials", e) from None
+        raise unfit(marks, "trials", e) from None
+
+
+def _check_trial(t: int, entry: Any) -> None:
+    """One kept trial: its recipe digest, record (verdict) and report as a replay reads them."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("recipe"), str):
+        raise ValueError(f"trial {t} is not a table with a recipe digest")
+    record, report = entry.get("record"), entry.get("report")
+    if not isinstance(record, dict) or record.get("trial") != t:
+        raise ValueError(f"trial {t} is out of order")
+    if not isinstance(record.get("within_budget"), bool):
+        raise ValueError(f"trial {t} has no verdict")
+    for key in ("archive_bytes", "val_drop", "val_soft_drop"):
+        if isinstance(record.get(key), bool) or not isinstance(record.get(key), int | float):
+            raise ValueError(f"trial {t}'s {key} is not a number")
+    archive = report.get("archive") if isinstance(report, dict) else None
+    if not isinstance(archive, dict) or not isinstance(archive.get("sha256"), str):
+        raise ValueError(f"trial {t}'s report names no archive")
+    if not isinstance(report.get("stages"), list):
+        raise ValueError(f"trial {t}'s report has no stages")
+    _table(entry.get("trained"), f"trial {t}'s training record")
 
 
 def restore_trial_(model: nn.Module, cached: Trials, marks: Marks, archive: Path) -> None:
@@ -617,7 +663,7 @@ def restore_trial_(model: nn.Module, cached: Trials, marks: Marks, archive: Path
     except InputError:
         raise
     except Exception as e:
-        raise _unfit(marks, "trials", e) from None
+        raise unfit(marks, "trials", e) from None
 
 
 def compressed_payload(
@@ -638,6 +684,17 @@ def compressed_payload(
     }
 
 
+def no_seconds_(report: dict[str, Any]) -> dict[str, Any]:
+    """A kept report's stages as this run spent them: no seconds (a resumed run's timings are
+    its own); returns `report`."""
+    for stage in report.get("stages", []):
+        if isinstance(stage, dict) and "seconds" in stage:
+            stage["seconds"] = 0.0
+    if "seconds" in report:
+        report["seconds"] = 0.0
+    return report
+
+
 def restore_compressed_(
     model: nn.Module, kept: dict[str, Any], marks: Marks, archive: Path
 ) -> dict[str, Any]:
@@ -645,7 +702,7 @@ def restore_compressed_(
     `archive`; return its report, whose recipe records are this run's in the sections the mark
     did not depend on (a resumed run with another [export] section reports that one)."""
     try:
-        report = json.loads(kept["report"])
+        report = no_seconds_(json.loads(kept["report"]))
         if "archive" in report:
             data = kept["archive"].numpy().tobytes()
             if hashlib.sha256(data).hexdigest() != report["archive"]["sha256"]:
@@ -662,7 +719,7 @@ def restore_compressed_(
                     recorded[section] = now[section]
         return report
     except Exception as e:
-        raise _unfit(marks, "compressed", e) from None
+        raise unfit(marks, "compressed", e) from None
 
 
 def _order_like_(model: nn.Module, keys: list[str]) -> None:
@@ -672,11 +729,10 @@ def _order_like_(model: nn.Module, keys: list[str]) -> None:
     rank = {k: i for i, k in enumerate(keys)}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        for table in ("_parameters", "_buffers"):
-            own = getattr(module, table)
-            order = sorted(own, key=lambda n: rank.get(prefix + n, len(rank)))
-            if order != list(own):
-                setattr(module, table, {n: own[n] for n in order})
+        own = module._parameters  # baking re-registers parameters only; buffers keep order
+        order = sorted(own, key=lambda n: rank.get(prefix + n, len(rank)))
+        if order != list(own):
+            module._parameters = {n: own[n] for n in order}
 
 
 def merge_trained(before: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str, Any]:

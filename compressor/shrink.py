@@ -430,6 +430,9 @@ def _prune(
         sparsity = default_sparsity(model, p.embeddings, example_inputs(hooks))
     elif sparsity == "auto" and sens_record is not None:
         sparsity = {n: float(s) for n, s in sens_record["proposal"].items()}
+        if unknown := sorted(set(sparsity) - set(prune.prunable(model))):
+            why = ValueError(f"its sensitivity proposal names {unknown[0]}, not a layer here")
+            raise resume.unfit(marks, "prune", why)
     elif sparsity == "auto":
         sens = prune.sensitivity(model, hooks.val_accuracy, p.budget, progress=_every(hooks.info))
         sens_record = sens.to_dict()

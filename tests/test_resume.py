@@ -94,13 +94,6 @@ def _mark_file(out: Path, kind: str) -> Path:
     return folder / index["marks"][kind]["file"]
 
 
-def _flip_a_kept_archive_byte(out: Path, kind: str) -> None:
-    mark = _mark_file(out, kind)
-    payload = torch.load(mark, weights_only=True)
-    payload["archive"][50] ^= 1
-    torch.save(payload, mark)
-
-
 def _work(report: dict) -> dict:
     """The report without what depends on the folder, the clock or the machine."""
     report = {k: v for k, v in report.items() if k not in VOLATILE}
@@ -270,7 +263,10 @@ def test_a_kept_archive_that_is_not_the_one_recorded_is_refused(net, monkeypatch
     with pytest.raises(KeyError):
         ck.shrink(net, "digits", RECIPE, out=out)
     monkeypatch.undo()
-    _flip_a_kept_archive_byte(out, "compressed")
+    mark = _mark_file(out, "compressed")
+    payload = torch.load(mark, weights_only=True)
+    payload["archive"][50] ^= 1
+    torch.save(payload, mark)
     with pytest.raises(InputError, match="its archive is not the one its record describes"):
         ck.shrink(net, "digits", RECIPE, out=out, resume=True)
     assert not out.exists()
@@ -463,12 +459,41 @@ def test_a_stopped_max_drop_search_replays_its_kept_trials_to_the_same_bytes(net
         ck.shrink(net, "digits", recipe, out=out)
     assert resume.describe(out) == f"budget trial {n - 1} of at most 2"
     monkeypatch.undo()
-    # the best trial's archive, kept inside the mark, is checked against its record
-    damaged = net.parent / "b-damaged"
-    shutil.copytree(resume.folder_for(out), resume.folder_for(damaged))
-    _flip_a_kept_archive_byte(damaged, "trials")
-    with pytest.raises(InputError, match="its archive is not the one its record describes"):
-        ck.shrink(net, "digits", recipe, out=damaged, resume=True)
+    # A crafted or damaged trials mark is refused in one line, before the search's work.
+    for n_copy, (damage, said) in enumerate(
+        [
+            ("archive", "its archive is not the one its record describes"),
+            ("verdict", "trial 1 has no verdict"),
+            ("generators", "generator state is not torch's"),
+            ("best", "best trial 9 is not one of"),
+        ]
+    ):
+        damaged = net.parent / f"b-damaged-{n_copy}"
+        shutil.copytree(resume.folder_for(out), resume.folder_for(damaged))
+        mark = _mark_file(damaged, "trials")
+        payload = torch.load(mark, weights_only=True)
+        if damage == "archive":
+            payload["archive"][50] ^= 1
+        elif damage == "verdict":
+            trials = json.loads(payload["trials"])
+            del trials[0]["record"]["within_budget"]
+            payload["trials"] = json.dumps(trials)
+        elif damage == "generators":
+            payload["generators"][0] = {"torch": "not a state"}
+        else:
+            payload["best"] = 9
+        torch.save(payload, mark)
+        with pytest.raises(InputError, match=said) as e:
+            ck.shrink(net, "digits", recipe, out=damaged, resume=True)
+        assert str(mark) in str(e.value) and "\n" not in str(e.value)
+    # Another [export] section: the trials never read it, so they replay all the same.
+    other = net.parent / "b-export"
+    shutil.copytree(resume.folder_for(out), resume.folder_for(other))
+    said = Said()
+    opset = dataclasses.replace(recipe, export=ExportSection(opset=17))
+    ck.shrink(net, "digits", opset, out=other, resume=True, progress=said)
+    assert sum("(kept by the stopped run)" in line for line in said.lines) == n - 1
+    assert (net.parent / "b-whole" / "model.dcz").read_bytes() == (other / "model.dcz").read_bytes()
     said = Said()
     report = ck.shrink(net, "digits", recipe, out=out, resume=True, progress=said).report
     assert report["resumed"]["from"] == f"budget trial {n - 1} of at most 2"
@@ -503,3 +528,32 @@ def test_which_recipe_sections_each_kept_stage_depends_on(tmp_path):
         "compressed",
     }
     assert digests(timed, "one file") != digests(timed, "another file")
+
+
+EVIL = """
+from pathlib import Path
+
+def build(**kwargs):
+    Path(__file__).with_name("ran").write_text("code from a crafted mark ran")
+"""
+
+
+def test_a_kept_student_naming_other_code_is_refused_and_never_imported(net, tmp_path, monkeypatch):
+    """The model is built from the spec this run resolves (whose code the user consented to),
+    the mark's spec only compared with it: a crafted one naming importable code is refused."""
+    (tmp_path / "evilmod.py").write_text(EVIL, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = dataclasses.replace(RECIPE, distill=DistillSection(student="mlp", epochs=1))
+    out = tmp_path / "out"
+    _stop_at_retrain(monkeypatch, 2)  # distillation done
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", recipe, out=out)
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mark = _mark_file(out, "student")
+    payload = torch.load(mark, weights_only=True)
+    payload["spec"] = json.dumps({"name": "evilmod:build", "kwargs": {}})
+    torch.save(payload, mark)
+    with pytest.raises(InputError, match="it holds model 'evilmod:build', this run builds 'mlp'"):
+        ck.shrink(net, "digits", recipe, out=out, resume=True)
+    assert not (tmp_path / "ran").exists()
