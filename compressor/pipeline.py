@@ -443,7 +443,7 @@ def _shrink_to_folder(
 def _marks(out, model, spec, data, metadata, recipe, resume, info) -> resume_mod.Marks:
     """The run's marks; on --resume with none to use, says it starts from the beginning."""
     marks = resume_mod.Marks.open(out, model, spec.to_dict(), data, metadata, recipe, resume, info)
-    if resume and not marks.kept():  # else each stage it skips says so
+    if resume and not marks.readable():  # else each stage it skips says so
         info(f"nothing to resume for {out} ({marks.why_none()}): starting from the beginning")
     return marks
 

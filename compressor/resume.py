@@ -266,8 +266,21 @@ class Marks:
             if k in DEPENDS and isinstance(m, dict) and m.get("recipe") == self._sections(k)
         }
 
+    def readable(self) -> dict[str, dict[str, Any]]:
+        """`kept()` less the kinds no stage of this run's recipe reads (a student mark for a
+        recipe without a student)."""
+        r = self.recipe
+        reads = {
+            "student": bool(r.distill.student),
+            "channels": r.channels.enabled,
+            "prune": r.prune.enabled and r.budget.max_drop == "off",
+            "trials": r.budget.max_drop != "off",
+            "compressed": True,
+        }
+        return {k: m for k, m in self.kept().items() if reads[k]}
+
     def why_none(self) -> str:
-        """Why `kept()` is empty, in a few words for the user."""
+        """Why `readable()` is empty, in a few words for the user."""
         index = self._index()
         if not index.get("marks"):
             return "no work kept"
