@@ -421,12 +421,18 @@ class CompressGroup(click.Group):
                 _fail("interrupted", EXIT_INTERRUPTED)
             if os.environ.get("COMPRESS_DEBUG"):
                 raise
+            # what a command added on the way out (shrink: the work it kept for --resume)
+            notes = "".join(n for n in getattr(e, "__notes__", ()) if isinstance(n, str))
             if (reason := fileio.machine_failure(e)) is not None:  # the machine's, not ours
                 where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
-                _fail(f"{reason}{where}; free space (or memory) and run it again", EXIT_FAILURE)
+                _fail(
+                    f"{reason}{where}; free space (or memory) and run it again{notes}",
+                    EXIT_FAILURE,
+                )
             detail = (str(e).strip().splitlines() or [""])[0]
             _fail(
-                f"{type(e).__name__}: {detail} (unexpected; COMPRESS_DEBUG=1 shows the traceback)",
+                f"{type(e).__name__}: {detail} (unexpected; COMPRESS_DEBUG=1 shows the traceback)"
+                + notes,
                 EXIT_FAILURE,
             )
         if entry.INTERRUPTED:  # a library swallowed the Ctrl-C and the command went on

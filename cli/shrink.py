@@ -23,7 +23,7 @@ from compresskit.compressor import pipeline
 from compresskit.compressor import recipe as recipe_mod
 from compresskit.compressor import resume as resume_mod
 from compresskit.compressor.shrink import plan as shrink_plan
-from compresskit.models import checkpoint, zoo
+from compresskit.models import checkpoint, fileio, zoo
 from compresskit.models import data as data_mod
 from compresskit.models.errors import InputError, MachineError, StageError
 
@@ -489,6 +489,12 @@ def run_shrink(
         disk = isinstance(e, MachineError) and "no space left" in str(e)
         if kept := _kept(out, started, disk):
             raise type(e)(f"{e}{kept}") from e
+        raise
+    except InputError:
+        raise  # bad input, or kept work that cannot be resumed from: its own fix, not --resume
+    except Exception as e:  # not foreseen: the kept work still stands
+        if kept := _kept(out, started, fileio.machine_failure(e) is not None):
+            e.add_note(kept)
         raise
     finally:
         progress.close()

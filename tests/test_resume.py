@@ -30,6 +30,7 @@ from compresskit.models.errors import InputError, StageError
 RECIPE = ck.Recipe(
     prune=PruneSection(sparsity=0.6, rounds=3, retrain_epochs=1),
     quantize=QuantizeSection(finetune_epochs=1),
+    export=ExportSection(ort=False),  # the .ort is not what these tests look at
 )
 # Bytes that name the run's folder, the time or the machine's load: not the work's.
 VOLATILE = ("timings", "memory", "environment", "resumed", "files", "seconds")
@@ -557,3 +558,19 @@ def test_a_kept_student_naming_other_code_is_refused_and_never_imported(net, tmp
     with pytest.raises(InputError, match="it holds model 'evilmod:build', this run builds 'mlp'"):
         ck.shrink(net, "digits", recipe, out=out, resume=True)
     assert not (tmp_path / "ran").exists()
+
+
+def test_an_unforeseen_failure_after_kept_work_still_says_what_is_kept(net, run, monkeypatch):
+    out = net.parent / "unforeseen"
+
+    def fails(*args, **kwargs):
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr(pipeline, "_export", fails)
+    r = run("shrink", net, "--out", out, "--epochs", "1", "-q")
+    assert r.exit_code == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: KeyError: 'a bug of ours' (unexpected; COMPRESS_DEBUG=1 shows the traceback); "
+        "kept: Deep Compression (pruning, weight sharing, Huffman) (add --resume to continue "
+        "from there)"
+    )
