@@ -195,9 +195,9 @@ Examples:
 @click.option(
     "--resume",
     is_flag=True,
-    help="Continue a stopped run into --out from the work it kept (each pruning round, the "
-    "compressed model), when the model, data and the recipe sections that work used are the "
-    "same; else start from the beginning.",
+    help="Continue a stopped run into --out from the stages it finished (kept beside --out "
+    "until a run succeeds), when the model, data and the recipe sections those stages read "
+    "are the same; else start from the beginning.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option

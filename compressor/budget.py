@@ -613,14 +613,12 @@ class _Trials:
         """Keep every trial so far, and the best one's model and archive, as one mark."""
         if self.marks is None:
             return
-        trained = self.hooks.trained() if self.hooks.trained is not None else None
-        trained = resume.merge_trained(self.marks.trained_before, trained)
         self.done.append(
             {
                 "recipe": resume.recipe_digest(recipe),
                 "report": rep,
                 "record": self.records[-1],
-                "trained": trained,
+                "trained": self.marks.trained(self.hooks.training()),
                 "generators": resume.generators(),
             }
         )
@@ -629,7 +627,8 @@ class _Trials:
         self.marks.save(
             "trials",
             f"budget trial {t} of at most {self.limit}",
-            resume.trials_payload(self.done, best, m, d / self.archive_name, trained),
+            resume.trials_payload(self.done, best, m, d / self.archive_name),
+            self.hooks.training(),
         )
 
     def result(self) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:

@@ -280,9 +280,8 @@ def _shrink_to_folder(
                     marks.save(
                         "student",
                         f"the distilled student ({spec.name})",
-                        resume_mod.student_payload(
-                            model, spec, distilled, train_on, data, _trained(hooks, marks)
-                        ),
+                        resume_mod.student_payload(model, spec, distilled, train_on, data),
+                        hooks.training(),
                     )
             if train_on is not data:
                 hooks = _keep_to(hooks, train_on)
@@ -301,7 +300,8 @@ def _shrink_to_folder(
                 marks.save(
                     "channels",
                     "channel pruning",
-                    resume_mod.channels_payload(model, spec, thinned, _trained(hooks, marks)),
+                    resume_mod.channels_payload(model, spec, thinned),
+                    hooks.training(),
                 )
         with clock.step("deep_compression"):
             kept = marks.latest("compressed")
@@ -322,9 +322,8 @@ def _shrink_to_folder(
                 marks.save(
                     "compressed",
                     "Deep Compression (pruning, weight sharing, Huffman)",
-                    resume_mod.compressed_payload(
-                        model, report, _trained(hooks, marks), tmp / f"{name}.dcz"
-                    ),
+                    resume_mod.compressed_payload(model, report, tmp / f"{name}.dcz"),
+                    hooks.training(),
                 )
         _explain_archive(report)
         if tied := prune.tied_weights(model):  # left dense: see prune.tied_weights
@@ -409,7 +408,7 @@ def _shrink_to_folder(
         if "archive" in report:
             report["archive"]["path"] = str(out / f"{name}.dcz")
         report["name"] = name
-        if trained := _trained(hooks, marks):
+        if trained := marks.trained(hooks.training()):
             report["training"] = trained
         if marks.resumed:  # the furthest point it continued from
             report["resumed"] = {"from": marks.resumed[-1], "marks": str(marks.folder)}
@@ -446,12 +445,6 @@ def _marks(out, model, spec, data, metadata, recipe, resume, info) -> resume_mod
     if resume and not marks.readable():  # else each stage it skips says so
         info(f"nothing to resume for {out} ({marks.why_none()}): starting from the beginning")
     return marks
-
-
-def _trained(hooks: shrink_mod.Hooks, marks: resume_mod.Marks) -> dict[str, Any]:
-    """What the retraining runs recorded (`Hooks.trained`), a resumed run's earlier ones too."""
-    now = hooks.trained() if hooks.trained is not None else None
-    return resume_mod.merge_trained(marks.trained_before, now)
 
 
 # A protobuf message, and so an ONNX file without external data, holds at most 2 GiB; the

@@ -216,9 +216,7 @@ class Marks:
                 f"{folder}: where a shrink into {out} keeps its finished work, but it holds "
                 f"files this tool did not write ({', '.join(foreign[:3])}); move them"
             )
-        marks = cls(folder, fingerprint(model, spec, data, metadata), recipe, resume)
-        marks.info = info
-        return marks
+        return cls(folder, fingerprint(model, spec, data, metadata), recipe, resume, info=info)
 
     def _sections(self, kind: str) -> str:
         if self._teachers is None:  # read once: a teacher may be hundreds of megabytes
@@ -233,8 +231,8 @@ class Marks:
         if not path.is_file():
             return {}
         try:
-            if path.stat().st_size > MAX_INDEX_BYTES:
-                raise ValueError(f"{path.stat().st_size:,} bytes, more than an index holds")
+            if (size := path.stat().st_size) > MAX_INDEX_BYTES:
+                raise ValueError(f"{size:,} bytes, more than an index holds")
             index = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise InputError(
@@ -257,12 +255,9 @@ class Marks:
         index = self._index()
         if index.get("fingerprint") != self.fingerprint:
             return {}
-        marks = index.get("marks")
-        if not isinstance(marks, dict):
-            return {}
-        return {
+        return {  # `_index` checked that a fingerprinted index holds a table of marks
             k: m
-            for k, m in marks.items()
+            for k, m in index["marks"].items()
             if k in DEPENDS and isinstance(m, dict) and m.get("recipe") == self._sections(k)
         }
 
@@ -330,13 +325,25 @@ class Marks:
         with contextlib.suppress(OSError):  # a stop from here on still names what is kept
             os.utime(self.folder / INDEX)
 
-    def save(self, kind: str, what: str, payload: dict[str, Any]) -> None:
+    def trained(self, now: dict[str, Any] | None) -> dict[str, Any]:
+        """`Hooks.trained` of this run (`now`) with the runs before the kept work it resumed."""
+        return merge_trained(self.trained_before, now)
+
+    def save(
+        self, kind: str, what: str, payload: dict[str, Any], trained: dict[str, Any] | None
+    ) -> None:
         """Keep `payload` as this run's `kind` mark, described by `what` ("prune round 2 of
-        3"). Marks of later kinds are dropped
-        (they describe another continuation of the run). A mark that cannot be written (a
-        full disk) costs the marks, not the run: it goes on, saying so once."""
+        3"), with torch's generator state and what this run's retraining recorded so far
+        (`trained`, `Hooks.trained`). Marks of later kinds are dropped (they describe another
+        continuation of the run). A mark that cannot be written (a full disk) costs the
+        marks, not the run: it goes on, saying so once."""
         if self.failed is not None:
             return
+        payload = {
+            **payload,
+            "generators": generators(),
+            "trained": json.dumps(self.trained(trained)),
+        }
         try:
             self._save(kind, what, payload)
         except (OSError, MachineError) as e:
@@ -428,7 +435,6 @@ def student_payload(
     record: dict[str, Any],
     train_on: Any,
     data: Any,
-    trained: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """A student mark: the distilled student, its spec and record, and the transfer set it
     trained on where the recipe asked for one (its synthetic inputs and the labels the
@@ -446,8 +452,6 @@ def student_payload(
         **_model_state(student, spec),
         "record": json.dumps(record),
         "transfer": transfer,
-        "generators": generators(),
-        "trained": json.dumps(trained),
     }
 
 
@@ -473,16 +477,9 @@ def restore_student(
         raise unfit(marks, "student", e) from None
 
 
-def channels_payload(
-    model: nn.Module, spec: ModelSpec, record: dict[str, Any], trained: dict[str, Any] | None
-) -> dict[str, Any]:
+def channels_payload(model: nn.Module, spec: ModelSpec, record: dict[str, Any]) -> dict[str, Any]:
     """A channels mark: the thinned model, its spec (with the replayable plan), its record."""
-    return {
-        **_model_state(model, spec),
-        "record": json.dumps(record),
-        "generators": generators(),
-        "trained": json.dumps(trained),
-    }
+    return {**_model_state(model, spec), "record": json.dumps(record)}
 
 
 def restore_channels(
@@ -511,18 +508,15 @@ def pruned_payload(
     round_: int,
     hits: torch.Tensor | None,
     sensitivity: dict[str, Any] | None,
-    trained: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """A prune mark: the model as the round left it (masked originals and masks), the round's
-    test hits, the sensitivity record, the generators."""
+    test hits, the sensitivity record."""
     return {
         "round": round_,
         "state": model.state_dict(),
         "masks": prune.masks_of(model),
         "hits": hits,
         "sensitivity": json.dumps(sensitivity),
-        "generators": generators(),
-        "trained": json.dumps(trained),
     }
 
 
@@ -592,7 +586,6 @@ def trials_payload(
     best: int,
     model: nn.Module,
     archive: Path,
-    trained: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """A trials mark: every finished trial of a --max-drop search (its recipe's digest, report
     and record, the generators after it) and the best one's model and archive."""
@@ -600,11 +593,10 @@ def trials_payload(
         "trials": json.dumps(
             [{k: e[k] for k in ("recipe", "report", "record", "trained")} for e in done]
         ),
-        "generators": [e["generators"] for e in done],
+        "generators_after": [e["generators"] for e in done],
         "best": best,
         "state": model.state_dict(),
-        "archive": torch.frombuffer(bytearray(archive.read_bytes()), dtype=torch.uint8),
-        "trained": json.dumps(trained),
+        "archive": _held(archive),
     }
 
 
@@ -626,7 +618,7 @@ def read_trials(marks: Marks) -> Trials | None:
         return None
     try:
         trials = json.loads(kept["trials"])
-        generators_after = kept["generators"]
+        generators_after = kept["generators_after"]
         if not isinstance(trials, list) or not trials or len(trials) != len(generators_after):
             raise ValueError("no trials, or not one generator state per trial")
         for t, (entry, g) in enumerate(zip(trials, generators_after, strict=True), 1):
@@ -637,9 +629,7 @@ def read_trials(marks: Marks) -> Trials | None:
         best = kept["best"]
         if not isinstance(best, int) or not 1 <= best <= len(trials):
             raise ValueError(f"best trial {best!r} is not one of 1..{len(trials)}")
-        archive = kept["archive"].numpy().tobytes()
-        if hashlib.sha256(archive).hexdigest() != trials[best - 1]["report"]["archive"]["sha256"]:
-            raise ValueError("its archive is not the one its record describes")
+        archive = _archive(kept["archive"], trials[best - 1]["report"])
         return Trials(trials, best, kept["state"], archive)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise unfit(marks, "trials", e) from None
@@ -679,21 +669,26 @@ def restore_trial_(model: nn.Module, cached: Trials, marks: Marks, archive: Path
         raise unfit(marks, "trials", e) from None
 
 
-def compressed_payload(
-    model: nn.Module, report: dict[str, Any], trained: dict[str, Any] | None, archive: Path
-) -> dict[str, Any]:
-    """A compressed mark: the baked weights, the stages' record, the archive's bytes (inside
-    the mark: one file, read as tensors, checked against the record's digest), the
-    generators."""
-    held = None
-    if "archive" in report:
-        held = torch.frombuffer(bytearray(archive.read_bytes()), dtype=torch.uint8)
+def _held(archive: Path) -> torch.Tensor:
+    """An archive's bytes inside a mark: one file, read back as a tensor."""
+    return torch.frombuffer(bytearray(archive.read_bytes()), dtype=torch.uint8)
+
+
+def _archive(held: torch.Tensor, report: dict[str, Any]) -> bytes:
+    """A kept archive's bytes, checked against the digest its report records."""
+    data = held.numpy().tobytes()
+    if hashlib.sha256(data).hexdigest() != report["archive"]["sha256"]:
+        raise ValueError("its archive is not the one its record describes")
+    return data
+
+
+def compressed_payload(model: nn.Module, report: dict[str, Any], archive: Path) -> dict[str, Any]:
+    """A compressed mark: the baked weights, the stages' record, the archive's bytes (checked
+    against the record's digest when read back)."""
     return {
         "state": model.state_dict(),
         "report": json.dumps(report),
-        "archive": held,
-        "generators": generators(),
-        "trained": json.dumps(trained),
+        "archive": _held(archive) if "archive" in report else None,
     }
 
 
@@ -717,9 +712,7 @@ def restore_compressed_(
     try:
         report = no_seconds_(json.loads(kept["report"]))
         if "archive" in report:
-            data = kept["archive"].numpy().tobytes()
-            if hashlib.sha256(data).hexdigest() != report["archive"]["sha256"]:
-                raise ValueError("its archive is not the one its record describes")
+            data = _archive(kept["archive"], report)
             with atomic_path(archive) as tmp:
                 tmp.write_bytes(data)
         model.load_state_dict(kept["state"])

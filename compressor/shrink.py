@@ -83,6 +83,10 @@ class Hooks:
     # and "bn_refreshed_runs", how many re-estimated BatchNorm statistics (train.bn_refresh).
     trained: Callable[[], dict[str, Any]] | None = None
 
+    def training(self) -> dict[str, Any] | None:
+        """What `trained` says so far, or None where no one records it."""
+        return self.trained() if self.trained is not None else None
+
 
 # LSTM/GRU/RNN matrices, like hidden fully connected ones: 90% pruned with retraining lost
 # nothing in Narang et al. 2017 ("Exploring Sparsity in Recurrent Neural Networks") and in
@@ -471,15 +475,8 @@ def _prune(
             marks.save(
                 "prune",
                 f"prune round {r} of {cfg.rounds}",
-                resume.pruned_payload(
-                    model,
-                    r,
-                    hits,
-                    sens_record,
-                    resume.merge_trained(
-                        marks.trained_before, hooks.trained() if hooks.trained else None
-                    ),
-                ),
+                resume.pruned_payload(model, r, hits, sens_record),
+                hooks.training(),
             )
     return sens_record, hits
 

@@ -480,7 +480,7 @@ def test_a_stopped_max_drop_search_replays_its_kept_trials_to_the_same_bytes(net
             del trials[0]["record"]["within_budget"]
             payload["trials"] = json.dumps(trials)
         elif damage == "generators":
-            payload["generators"][0] = {"torch": "not a state"}
+            payload["generators_after"][0] = {"torch": "not a state"}
         else:
             payload["best"] = 9
         torch.save(payload, mark)
