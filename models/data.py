@@ -29,7 +29,8 @@ x_val/y_val (input_ids_val, or NAME_val, with y_val) uses those instead and trai
 x. A training split of fewer than 20 samples keeps no validation split: stages then decide on
 training data and the report says so (`Dataset.split_note`).
 
-Images are (N, C, H, W); (N, H, W) gains a channel and (N, F) features become (N, 1, 1, F).
+Images are (N, C, H, W) and (N, H, W) gains a channel; (N, F) features reach the model as
+given, so its exported file takes (batch, F) too.
 Unsigned integer pixels are scaled by their type's maximum (uint8 / 255), signed ones (0..255)
 by 255, digits by 16; float arrays are used as given. npz labels are classes 0..K-1, each
 present in the training split.
@@ -633,10 +634,10 @@ def _npz_input(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
 
 
 def npz_layout(a: np.ndarray) -> np.ndarray:
-    """Input arrays as every stage sees them, (N, C, H, W): (N, H, W), and (N, 1, L) signals
-    with them, gain a channel axis, (N, F) features two; 4-D arrays as given."""
-    if a.ndim == 2:
-        return a[:, None, None, :]
+    """Input arrays as every stage sees them: (N, H, W), and (N, 1, L) signals with them, gain
+    a channel axis; (N, F) features and 4-D arrays stay as given (features went in as
+    (N, 1, 1, F) before, and the exported file took them so: an app's (1, F) vector failed on
+    its rank)."""
     if a.ndim == 3:
         return a[:, None]
     return a
@@ -645,9 +646,9 @@ def npz_layout(a: np.ndarray) -> np.ndarray:
 def _npz_x(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
     if a.dtype.kind not in "fiub":
         raise InputError(f"--data {spec!r}: array {name} has dtype {a.dtype}; use numbers")
-    if a.ndim in (2, 3):
+    if a.ndim == 3:
         a = npz_layout(a)
-    elif a.ndim != 4:
+    elif a.ndim not in (2, 4):
         raise InputError(
             f"--data {spec!r}: array {name} has shape {a.shape}; use (N, F), (N, H, W) or (N, C, H, W)"
         )
@@ -1036,19 +1037,19 @@ def _user_arrays(data: Dataset) -> bool:
 
 
 def _layout_hint(data: Dataset) -> str:
-    """How float arrays reach a model, for a model that did not take them: every stage and
-    exporter sees one 4-D layout, so (N, F) features arrive as (N, 1, 1, F) and a 3-D array
-    (N, T, F), images or sequences alike, as (N, 1, T, F)."""
+    """How float arrays reach a model, for a model that did not take them: a 3-D array gains a
+    channel axis, so (N, 1, L) signals arrive as (N, 1, 1, L) and (N, T, F) sequences, read
+    like (N, H, W) images, as (N, 1, T, F)."""
     shape = tuple(data.in_shape)
     if data.is_tokens or len(shape) != 3 or shape[0] != 1:
         return ""
     if not _user_arrays(data):
         return ""  # built-in images: nothing to say beyond their shape
-    if shape[1] == 1:  # a Linear applied to (N, 1, 1, F) keeps the two 1-sized dimensions
+    if shape[1] == 1:
         return (
-            f"; --data gives (N, F) features and (N, 1, L) signals alike as (N, 1, 1, "
-            f"{shape[2]}): a model of features begins forward with x = x.flatten(1), a Conv1d "
-            "or recurrent model with x = x[:, 0]"
+            f"; --data gives (N, 1, L) signals as (N, 1, 1, {shape[2]}): a Conv1d or recurrent "
+            "model begins forward with x = x[:, 0] (or store them as (N, L) features, which "
+            "reach the model as given)"
         )
     return (
         f"; --data gives 3-D arrays (N, T, F) as (N, 1, {shape[1]}, {shape[2]}): a model of "

@@ -625,3 +625,45 @@ def test_in_memory_data_a_compiled_module_and_what_the_report_hands_back(tmp_pat
         ck.shrink(net, FAST, "digits", out=tmp_path / "p", spec="lenet300")
     with pytest.raises(ck.InputError, match="archive None: give a file path"):
         ck.decode(None)
+
+
+FEATURES = """\
+from torch import nn
+
+
+class Tabular(nn.Module):
+    def __init__(self, features=20, num_classes=3):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(features, 32), nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).relu())
+"""
+
+
+def test_features_reach_the_model_and_its_onnx_files_as_given(tmp_path, monkeypatch):
+    # (N, F) features went in as (N, 1, 1, F): a model like this one, with no x.flatten(1),
+    # was refused, and the exported files took a rank-4 input an app's (1, F) vector failed on
+    # ("Invalid rank for input: x Got: 2 Expected: 4").
+    import onnxruntime as ort
+
+    featnets = _user_module(tmp_path, monkeypatch, "featnets", FEATURES)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 20)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0)
+    torch.manual_seed(0)
+    net = featnets.Tabular()
+    ck.train(net, (x, y), ck.TrainConfig(epochs=3))
+    recipe = dataclasses.replace(FAST, export=ExportSection(ort=False))
+    report = ck.shrink(net, (x, y), recipe, out=tmp_path / "o", spec="featnets:Tabular")
+    shipped = featnets.Tabular().eval()
+    shipped.load_state_dict(torch.load(report.out / "model.pt", weights_only=True)["state_dict"])
+    with torch.no_grad():
+        want = shipped(torch.from_numpy(x[:5])).numpy()
+    for name in ("model.fp32.onnx", "model.int8.onnx"):
+        session = ort.InferenceSession(report.out / name)
+        assert session.get_inputs()[0].shape == ["batch", 20]
+        got = session.run(None, {session.get_inputs()[0].name: x[:5]})[0]
+        assert got.shape == (5, 3)
+        if name == "model.fp32.onnx":  # the compressed model's
+            np.testing.assert_allclose(got, want, atol=1e-5)

@@ -778,3 +778,51 @@ def test_a_report_and_a_plot_are_written_both_or_neither(run, shrunk, tmp_path, 
     assert result.exit_code == 1
     assert result.stderr.startswith("error: no space left on device"), result.stderr
     assert not plot.exists() and not report.exists()
+
+
+class _Signal(torch.nn.Module):
+    """A Conv1d over (N, 1, L) signals, written as a user writes it (no x[:, 0])."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 4, 5)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean(-1))
+
+
+@pytest.mark.parametrize("sample", [(1, 64), (20,)])
+def test_a_users_own_onnx_of_signals_or_features_is_scored_on_its_npz(run, tmp_path, sample):
+    # compress reads an npz's (N, 1, L) signals as (N, 1, 1, L) and its (N, F) features went
+    # in as (N, 1, 1, F): a file the user exported from such a model, benched on the npz it was
+    # trained on, was refused as "takes (1, 64), --data gives (1, 1, 64); give matching data".
+    import contextlib
+    import io
+
+    torch.manual_seed(0)
+    net = (_Signal() if len(sample) == 2 else torch.nn.Linear(20, 3)).eval()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, *sample)).astype(np.float32)
+    y = np.arange(50) % 3
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    path = tmp_path / "mine.onnx"
+    with contextlib.redirect_stdout(io.StringIO()):
+        torch.onnx.export(
+            net,
+            (torch.from_numpy(x[:1]),),
+            path,
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+            external_data=False,
+        )
+    test = np.arange(50) % 5 == 4  # the npz's test split: every 5th sample
+    session = ort.InferenceSession(path)
+    feed = {session.get_inputs()[0].name: x[test]}
+    want = float(np.mean(session.run(None, feed)[0].argmax(1) == y[test]))
+    result = run(
+        "bench", path, "--data", f"npz:{tmp_path / 'd.npz'}", "--batch", "1,4", *FAST, "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    rows = result.json()["results"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert [r["test_accuracy"] for r in rows] == [pytest.approx(want, abs=1e-12)] * 2

@@ -65,7 +65,7 @@ def test_npz_with_and_without_test_arrays(tmp_path, npz_file):
     assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (27, 3, 5)
     flat = tmp_path / "flat.npz"
     np.savez(flat, x=np.random.rand(20, 6).astype(np.float32), y=np.arange(20) % 2)
-    assert load(f"npz:{flat}").in_shape == (1, 1, 6)
+    assert load(f"npz:{flat}").in_shape == (6,)
 
 
 def _npz(tmp_path, **arrays):
@@ -218,19 +218,16 @@ def test_the_training_mode_probe_leaves_statistics_and_the_generator_as_they_wer
     assert not model.training
 
 
-def test_a_model_of_flat_features_is_told_how_they_arrive(tmp_path):
-    """(N, F) features reach a model as (N, 1, 1, F): a model whose first layer is a Linear
-    returned (2, 1, 1, classes) and was told only that a classifier returns (batch, classes)."""
+def test_flat_features_reach_the_model_as_given(tmp_path):
+    """(N, F) features reach a model as (N, F): they went in as (N, 1, 1, F) before, so a
+    model whose first layer is a Linear returned (2, 1, 1, classes) and the exported file took
+    a rank-4 input an app's feature vector did not fit."""
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "f.npz", x=rng.normal(size=(40, 20)).astype("float32"), y=np.arange(40) % 3)
+    x = rng.normal(size=(40, 20)).astype("float32")
+    np.savez(tmp_path / "f.npz", x=x, y=np.arange(40) % 3)
     data = load(f"npz:{tmp_path / 'f.npz'}")
-    assert data.in_shape == (1, 1, 20)
-    unflat = torch.nn.Sequential(torch.nn.Linear(20, 3))
-    with pytest.raises(
-        InputError,
-        match=r"returns \(2, 1, 1, 3\).*as \(N, 1, 1, 20\): a model of features begins forward",
-    ):
-        check_fits(unflat, data, "mine")
+    assert data.in_shape == (20,) and torch.equal(data.x_train[0], torch.from_numpy(x[0]))
+    check_fits(torch.nn.Sequential(torch.nn.Linear(20, 3)), data, "mine")
     check_fits(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(20, 3)), data, "mine")
 
 
@@ -275,8 +272,8 @@ class _Conv1d(torch.nn.Module):
 
 
 def test_a_conv1d_model_of_signals_and_arrays_from_python_are_told_how_they_arrive(tmp_path):
-    # (N, 1, L) audio arrives as (N, 1, 1, L), as (N, F) features do: the hint named only
-    # x.flatten(1), which breaks a Conv1d; arrays given in Python got no hint at all.
+    # (N, 1, L) audio arrives as (N, 1, 1, L): a hint naming only x.flatten(1) broke a
+    # Conv1d; arrays given in Python got no hint at all.
     from compresskit.models.data import from_arrays
 
     rng = np.random.default_rng(0)
@@ -288,7 +285,8 @@ def test_a_conv1d_model_of_signals_and_arrays_from_python_are_told_how_they_arri
             check_fits(_Conv1d(squeeze=False), data, "kws")
         msg = str(e.value)
         assert "inputs of shape (1, 1, 64)" in msg and "images" not in msg
-        assert "a Conv1d or recurrent model with x = x[:, 0]" in msg and "\n" not in msg
+        assert "a Conv1d or recurrent model begins forward with x = x[:, 0]" in msg
+        assert "\n" not in msg
         check_fits(_Conv1d(squeeze=True), data, "kws")
     seqs = from_arrays(rng.normal(size=(40, 7, 5)).astype("float32"), np.arange(40) % 3)
     with pytest.raises(InputError, match="a model of sequences begins forward with x = x"):
@@ -392,9 +390,7 @@ def test_validation_split_never_overlaps_train_or_test(tmp_path):
     n = 500
     x = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)
     d = load(_npz(tmp_path, x=x, y=np.arange(n) % 4))
-    ids = {
-        k: set(getattr(d, f"x_{k}")[:, 0, 0, 0].long().tolist()) for k in ("train", "val", "test")
-    }
+    ids = {k: set(getattr(d, f"x_{k}")[:, 0].long().tolist()) for k in ("train", "val", "test")}
     assert not ids["val"] & ids["train"] and not ids["val"] & ids["test"]
     assert not ids["train"] & ids["test"] and set().union(*ids.values()) == set(range(n))
     assert ids["test"] == {i for i in range(n) if i % 5 == 4}

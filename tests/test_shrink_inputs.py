@@ -28,8 +28,8 @@ def test_an_int8_file_larger_than_the_fp32_one_is_not_the_one_to_ship():
 
 @pytest.mark.parametrize("shape", [(1, 64), (64,)])
 def test_a_calibration_file_cut_from_the_npz_x_takes_its_layout(tmp_path, shape):
-    # (N, 1, L) audio (and (N, F) features) reach the model with the npz's added axes; a
-    # calibration file cut from the same x was refused as "(1, 64), the model takes (1, 1, 64)".
+    # (N, 1, L) audio reaches the model with the npz's added axis; a calibration file cut from
+    # the same x was refused as "(1, 64), the model takes (1, 1, 64)". (N, F) stays as given.
     from torch import nn
 
     from compresskit.compressor import pipeline, recipe
@@ -39,11 +39,11 @@ def test_a_calibration_file_cut_from_the_npz_x_takes_its_layout(tmp_path, shape)
     x = rng.normal(size=(60, *shape)).astype("float32")
     np.savez(tmp_path / "a.npz", x=x, y=np.arange(60) % 3)
     ds = data.load(f"npz:{tmp_path / 'a.npz'}")
-    assert ds.in_shape == (1, 1, 64)
+    assert ds.in_shape == ((1, 1, 64) if len(shape) == 2 else (64,))
     np.save(tmp_path / "c.npy", x[:16])
     r = recipe.resolve({"export": {"calibration_data": str(tmp_path / "c.npy")}})
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
     calib = pipeline.preflight(r, ds, model)
-    assert calib.shape == (16, 1, 1, 64) and np.array_equal(
+    assert calib.shape == (16, *ds.in_shape) and np.array_equal(
         calib.reshape(16, 64), x[:16].reshape(16, 64)
     )

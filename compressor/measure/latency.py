@@ -556,12 +556,12 @@ def _shape(v, data) -> tuple[int, ...]:
                     f"{v.model.path}: takes sequences of 1 to {shape[0]} token ids, --data "
                     f"{data.spec} gives shape {given}; give sequences of at most {shape[0]}"
                 )
-        elif shape is not None and tuple(shape) != given:
+        elif shape is not None and tuple(shape) != given and not _same_samples(shape, given):
             raise InputError(
                 f"{v.model.path}: takes inputs of shape {tuple(shape)}, --data {data.spec} gives "
                 f"{given}; give matching data"
             )
-        return given
+        return _shape_of(v.model, data)
     if shape is None:
         raise InputError(
             f"{v.model.path}: its input shape is not fixed in the file; pass --data SPEC"
@@ -595,18 +595,35 @@ def inputs(m, batch: int, data, rng: np.random.Generator) -> np.ndarray:
 
     if data is not None and len(data.x_test):
         x = data.x_test.numpy()
-        return np.ascontiguousarray(x[np.arange(batch) % len(x)])
+        return fitted(m, data, np.ascontiguousarray(x[np.arange(batch) % len(x)]))
     shape = (batch, *_shape_of(m, data))
     vocab = data.vocab if data is not None and data.is_tokens else m.vocab
     return random_inputs(shape, m.tokens, vocab, rng)
 
 
+def _same_samples(want, given) -> bool:
+    """Whether a file taking samples of shape `want` reads `given` ones once axes of size 1 go:
+    a file exported outside compress takes (N, 1, L) signals as they are, where compress's data
+    gives them as (N, 1, 1, L) (an npz's 3-D array gains a channel axis)."""
+    return [d for d in want if d != 1] == [d for d in given if d != 1]
+
+
 def _shape_of(m, data) -> tuple[int, ...]:
     if data is not None:
-        return tuple(data.in_shape)
+        given = tuple(data.in_shape)
+        want = m.in_shape
+        if want is not None and not m.dynamic_sequence and _same_samples(want, given):
+            return tuple(want)
+        return given
     if m.in_shape is None:
         raise InputError(f"{m.path}: its input shape is not fixed in the file; pass --data SPEC")
     return tuple(m.in_shape)
+
+
+def fitted(m, data, x: np.ndarray) -> np.ndarray:
+    """Data inputs `x` laid out as model `m` takes its samples (`_shape_of`)."""
+    shape = _shape_of(m, data)
+    return x if tuple(x.shape[1:]) == shape else x.reshape(len(x), *shape)
 
 
 def _skip(v, reason: str) -> dict[str, Any]:
@@ -631,8 +648,9 @@ def _accuracy(variants, data, skipped, progress) -> tuple[dict[int, dict[str, fl
     reference = reference_name = None
     for v in variants:
         batch = v.model.fixed_batch or 1
+        xv = fitted(v.model, data, x)
         try:
-            logits = prepare(v, batch, 0, x[:batch]).predict(x)
+            logits = prepare(v, batch, 0, xv[:batch]).predict(xv)
         except Skip as e:
             skipped.append(_skip(v, str(e)))
             continue
@@ -680,7 +698,7 @@ def _macs(v, batch: int, data) -> int | None:
             net = m.state
             return flops.torch_macs(net, x)
         if m.format == "onnx":
-            sample = tuple(data.in_shape) if data is not None else m.in_shape
+            sample = _shape_of(m, data) if data is not None else m.in_shape
             return flops.onnx_macs(m.path, batch, sample)
     except Exception:  # counting is informative only; a model it cannot count gets none
         return None
