@@ -1079,6 +1079,11 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str, trains: b
     elif data.is_tokens and rows is None:
         hint = "; it has no nn.Embedding to look token ids up in: give it float inputs"
     want = getattr(model, "in_shape", None)
+    if want is not None and tuple(want) == (1, 1, *data.in_shape) and not data.is_tokens:
+        hint = (
+            "; compress gave (N, F) features as (N, 1, 1, F) before 2026-11-29 and gives them "
+            "as (N, F) now: train the model again on them"
+        )
     if want is not None and tuple(want) != tuple(data.in_shape):
         raise InputError(
             f"--data {data.spec!r} gives {what} of shape {tuple(data.in_shape)} but model "

@@ -229,6 +229,11 @@ def test_flat_features_reach_the_model_as_given(tmp_path):
     assert data.in_shape == (20,) and torch.equal(data.x_train[0], torch.from_numpy(x[0]))
     check_fits(torch.nn.Sequential(torch.nn.Linear(20, 3)), data, "mine")
     check_fits(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(20, 3)), data, "mine")
+    from compresskit.models import zoo
+
+    before = zoo.build(zoo.resolve_spec("mlp", {}, (1, 1, 20), 3))  # trained on the old layout
+    with pytest.raises(InputError, match=r"as \(N, 1, 1, F\) before .* train the model again"):
+        check_fits(before, data, "mlp")
 
 
 class _LastStep(torch.nn.Module):
