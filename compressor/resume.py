@@ -92,9 +92,7 @@ def fingerprint(model: nn.Module, spec: dict[str, Any], data: Any, metadata: dic
     weights resumes from work done with the old one) and the torch thread count (the kept
     work stays usable; the bits after it follow this run's count)."""
     h = hashlib.sha256(f"compress-resume-{FORMAT}".encode())
-    # another compress or torch computes other bits (Python's version does not)
-    versions = {k: v for k, v in checkpoint.versions().items() if k != "python"}
-    h.update(json.dumps(versions, sort_keys=True).encode())
+    h.update(json.dumps(_versions(), sort_keys=True).encode())
     h.update(json.dumps(spec, sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -107,8 +105,16 @@ def fingerprint(model: nn.Module, spec: dict[str, Any], data: Any, metadata: dic
     return h.hexdigest()
 
 
+def _versions() -> dict[str, str]:
+    """The versions a mark's bits depend on: another compress or torch computes other bits
+    (Python's version does not)."""
+    return {k: v for k, v in checkpoint.versions().items() if k != "python"}
+
+
 def _foreign(folder: Path) -> list[str]:
-    """Names in a marks folder that no run wrote (the index, the marks, their temporary files)."""
+    """Names in a marks folder that no run wrote (the index, the marks, their temporary files).
+    Only regular files count as ours: a folder or a link named like a mark is someone else's
+    (the marks folder is removed whole, which took a folder `prune-0a.pt/` and its files)."""
 
     def ours(name: str) -> bool:
         if name == INDEX or (name.startswith(".") and name.endswith(".tmp")):
@@ -119,7 +125,35 @@ def _foreign(folder: Path) -> list[str]:
         token = rest[:-3].replace("-", "")
         return kind in ORDER and name.endswith(".pt") and all(c in HEX for c in token)
 
-    return sorted(p.name for p in folder.iterdir() if not ours(p.name))
+    with os.scandir(folder) as entries:
+        return sorted(
+            e.name for e in entries if not (e.is_file(follow_symlinks=False) and ours(e.name))
+        )
+
+
+def _json(text: Any) -> Any:
+    """JSON kept by a run, read: anything that is not (nested too deep to read among them) is
+    a ValueError, which the callers turn into their one-line refusal."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a record this tool wrote") from None
+
+
+def _plain(what: Any) -> str | None:
+    """A mark's description as this tool writes it ("prune round 2 of 3"), or None: a crafted
+    index's text never reaches the terminal or the report (escape sequences, lines)."""
+    if isinstance(what, str) and 0 < len(what) <= 120 and what.isprintable():
+        return what
+    return None
+
+
+def _finite(state: dict[str, Any], what: str = "its weights") -> None:
+    """Kept floating-point tensors hold numbers: a NaN (a flipped bit on disk) was retrained
+    on and failed as "training diverged; lower the learning rate", which --resume repeated."""
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.isfinite().all():
+            raise ValueError(f"{what} hold NaN or infinity ({name})")
 
 
 def _table(value: Any, what: str) -> dict[str, Any] | None:
@@ -150,6 +184,18 @@ def _sections(
     calibration file): then [export] counts from the channels mark on."""
     d = recipe.to_dict()
     part = {k: d.get(k) for k in DEPENDS[kind]}
+    # Sections this run never reads count for nothing: a changed [budget] of a recipe without
+    # an accuracy budget threw the kept pruning rounds away.
+    unread = {
+        "budget": recipe.budget.max_drop == "off",
+        "distill": not recipe.distill.student,
+        "channels": not recipe.channels.enabled,
+    }
+    part = {k: v for k, v in part.items() if not unread.get(k)}
+    if kind == "trials" and isinstance(part.get("budget"), dict):
+        # each kept trial is replayed only where its own recipe's digest matches (`_replay`):
+        # more or fewer trials asked for keeps the ones that match
+        part["budget"] = {k: v for k, v in part["budget"].items() if k != "trials"}
     if "distill" in part and isinstance(part["distill"], dict) and teachers:
         part["distill"] = {**part["distill"], "teachers": list(teachers)}
     if "channels" in part and recipe.channels.enabled and recipe.channels.target_latency:
@@ -233,7 +279,7 @@ class Marks:
         try:
             if (size := path.stat().st_size) > MAX_INDEX_BYTES:
                 raise ValueError(f"{size:,} bytes, more than an index holds")
-            index = json.loads(path.read_text(encoding="utf-8"))
+            index = _json(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise InputError(
                 f"{path}: unreadable ({one_line(e)}); remove {self.folder} (the kept work is "
@@ -258,7 +304,10 @@ class Marks:
         return {  # `_index` checked that a fingerprinted index holds a table of marks
             k: m
             for k, m in index["marks"].items()
-            if k in DEPENDS and isinstance(m, dict) and m.get("recipe") == self._sections(k)
+            if k in DEPENDS
+            and isinstance(m, dict)
+            and m.get("recipe") == self._sections(k)
+            and _plain(m.get("what"))
         }
 
     def readable(self) -> dict[str, dict[str, Any]]:
@@ -280,6 +329,13 @@ class Marks:
         if not index.get("marks"):
             return "no work kept"
         if index.get("fingerprint") != self.fingerprint:
+            if (then := index.get("versions")) != (now := _versions()) and isinstance(then, dict):
+                changed = ", ".join(
+                    f"{k} {then.get(k)!s:.20} then, {v} now"
+                    for k, v in now.items()
+                    if then.get(k) != v
+                )
+                return f"the kept work is from another version ({_plain(changed) or '?'})"
             return "the kept work is from another model, data or checkpoint file name"
         return "the kept work is from another recipe or --teacher file"
 
@@ -311,19 +367,23 @@ class Marks:
         if not isinstance(payload, dict) or payload.get("kind") != kind:
             raise InputError(f"{path}: not a {kind} mark; {fix}")
         try:
-            trained = _table(json.loads(payload["trained"]), "its training record")
+            trained = _table(_json(payload["trained"]), "its training record")
         except (KeyError, TypeError, ValueError) as e:
             raise unfit(self, kind, e) from None
         if claim:
-            self.claim(str(mark.get("what", kind)), trained)
+            self.claim(mark["what"], trained)
         return payload
 
     def claim(self, what: str, trained: dict[str, Any] | None) -> None:
         """The run continues from kept work `what`, whose retraining runs recorded `trained`."""
         self.trained_before = trained
         self.resumed.append(what)
-        with contextlib.suppress(OSError):  # a stop from here on still names what is kept
-            os.utime(self.folder / INDEX)
+        # A stop from here on names this mark (`describe`), not the furthest one kept, which
+        # may not fit this run's recipe.
+        with contextlib.suppress(OSError, InputError):
+            index = self._index()
+            if index.get("fingerprint") == self.fingerprint:
+                self._write_index({**index, "last": what})
 
     def trained(self, now: dict[str, Any] | None) -> dict[str, Any]:
         """`Hooks.trained` of this run (`now`) with the runs before the kept work it resumed."""
@@ -364,6 +424,8 @@ class Marks:
         index = self._index()
         if index.get("fingerprint") != self.fingerprint:
             index = {"format": FORMAT, "fingerprint": self.fingerprint, "marks": {}}
+        index["versions"] = _versions()
+        index["last"] = what
         marks = index["marks"]
         # A new file each time, the index switched to it in one rename, then the files it no
         # longer names removed: a kill at any moment leaves the last whole mark usable (over-
@@ -380,9 +442,11 @@ class Marks:
             "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         self._write_index(index)
-        named = {m.get("file") for m in marks.values() if isinstance(m, dict)}
-        for p in self.folder.glob("*.pt"):
-            if p.name not in named:
+        # Every other file goes, a killed save's temporary file among them (`_foreign` let
+        # only regular files of our names in, and this run holds --out's lock).
+        named = {m.get("file") for m in marks.values() if isinstance(m, dict)} | {INDEX}
+        for p in self.folder.iterdir():
+            if p.name not in named and p.is_file() and not p.is_symlink():
                 with contextlib.suppress(OSError):
                     p.unlink()
 
@@ -403,12 +467,16 @@ def describe(out: Path, since: float | None = None) -> str | None:
     try:
         if since is not None and path.stat().st_mtime < since:
             return None
-        index = json.loads(path.read_text(encoding="utf-8"))
+        if path.is_symlink() or path.stat().st_size > MAX_INDEX_BYTES:
+            return None
+        index = _json(path.read_text(encoding="utf-8"))
+        if "last" in index:  # what the run last kept or continued from
+            return _plain(index["last"])
         marks = index["marks"]
         latest = [marks[k]["what"] for k in ORDER if k in marks]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return latest[-1] if latest else None
+    return _plain(latest[-1]) if latest else None
 
 
 def _model_state(model: nn.Module, spec: ModelSpec) -> dict[str, Any]:
@@ -419,10 +487,11 @@ def _rebuilt(kept: dict[str, Any], expected: ModelSpec) -> tuple[nn.Module, Mode
     """The kept model, built from the spec this run resolves itself (`expected`), with only
     the channel plan taken from the mark: a spec read from a file would name code to import
     and call, which needs the user's consent (the run asked for it when it resolved its own)."""
-    spec = ModelSpec.from_dict(json.loads(kept["spec"]))
+    spec = ModelSpec.from_dict(_json(kept["spec"]))
     if (spec.name, spec.kwargs) != (expected.name, expected.kwargs):
         raise ValueError(f"it holds model {spec.name!r}, this run builds {expected.name!r}")
     spec = dataclasses.replace(expected, thinned=spec.thinned)
+    _finite(kept["state"])
     model = build(spec)
     model.load_state_dict(kept["state"])
     _order_like_(model, list(kept["state"]))
@@ -464,6 +533,7 @@ def restore_student(
         model, spec = _rebuilt(kept, expected)
         train_on = data
         if (t := kept["transfer"]) is not None:
+            _finite({"x_extra": t["x_extra"]}, "its synthetic inputs")
             train_on = dataclasses.replace(
                 data,
                 spec=t["spec"],
@@ -472,7 +542,7 @@ def restore_student(
                 y_val=t["y_val"],
             )
         set_generators(kept["generators"])
-        return model, spec, json.loads(kept["record"]), train_on
+        return model, spec, _json(kept["record"]), train_on
     except Exception as e:
         raise unfit(marks, "student", e) from None
 
@@ -490,7 +560,7 @@ def restore_channels(
     try:
         model, spec = _rebuilt(kept, expected)
         set_generators(kept["generators"])
-        return model, spec, json.loads(kept["record"])
+        return model, spec, _json(kept["record"])
     except Exception as e:
         raise unfit(marks, "channels", e) from None
 
@@ -537,7 +607,7 @@ def read_pruned(
     record with its proposal when the sparsity is `auto`, `n_test` test hits."""
     try:
         done, hits = kept["round"], kept["hits"]
-        sens = json.loads(kept["sensitivity"])
+        sens = _json(kept["sensitivity"])
         if not isinstance(done, int) or not 1 <= done <= rounds:
             raise ValueError(f"round {done!r} is not one of 1..{rounds}")
         if hits is not None and (
@@ -565,6 +635,7 @@ def restore_pruned_(model: nn.Module, pruned: Pruned, marks: Marks) -> None:
     """Put the unpruned `model` where a prune mark left it (in place). A mark that does not
     fit the model is refused."""
     try:
+        _finite(pruned.payload["state"])
         for full, mask in pruned.payload["masks"].items():
             prune.set_mask_(model, full, mask)
         model.load_state_dict(pruned.payload["state"])
@@ -617,7 +688,7 @@ def read_trials(marks: Marks) -> Trials | None:
     if kept is None:
         return None
     try:
-        trials = json.loads(kept["trials"])
+        trials = _json(kept["trials"])
         generators_after = kept["generators_after"]
         if not isinstance(trials, list) or not trials or len(trials) != len(generators_after):
             raise ValueError("no trials, or not one generator state per trial")
@@ -647,18 +718,57 @@ def _check_trial(t: int, entry: Any) -> None:
     for key in ("archive_bytes", "val_drop", "val_soft_drop"):
         if isinstance(record.get(key), bool) or not isinstance(record.get(key), int | float):
             raise ValueError(f"trial {t}'s {key} is not a number")
-    archive = report.get("archive") if isinstance(report, dict) else None
-    if not isinstance(archive, dict) or not isinstance(archive.get("sha256"), str):
+    _check_report(report, f"trial {t}'s report")
+    if "archive" not in report:
         raise ValueError(f"trial {t}'s report names no archive")
-    if not isinstance(report.get("stages"), list):
-        raise ValueError(f"trial {t}'s report has no stages")
     _table(entry.get("trained"), f"trial {t}'s training record")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_report(report: Any, what: str) -> dict[str, Any]:
+    """A kept Deep Compression report, in the fields the pipeline, the search and the report's
+    pages read from it; returns it. An archive's bytes are checked against its digest
+    (`_archive`): these are the figures around them."""
+    if not isinstance(report, dict):
+        raise ValueError(f"{what} is not a table")
+    base = report.get("baseline")
+    if not isinstance(base, dict) or not all(
+        _number(base.get(k)) or (k == "test_accuracy" and base.get(k) is None)
+        for k in ("bytes", "parameters", "test_accuracy")
+    ):
+        raise ValueError(f"{what} has no baseline figures")
+    stages = report.get("stages")
+    if not isinstance(stages, list) or not all(
+        isinstance(st, dict)
+        and isinstance(st.get("name"), str)
+        and (st.get("test_accuracy") is None or _number(st.get("test_accuracy")))
+        for st in stages
+    ):
+        raise ValueError(f"{what}'s stages are not records of stages")
+    if not isinstance(report.get("recipe"), dict):
+        raise ValueError(f"{what} has no recipe")
+    layers = report.get("layers", [])
+    if not isinstance(layers, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("name"), str) for r in layers
+    ):
+        raise ValueError(f"{what}'s layers are not records of layers")
+    if "archive" in report:
+        a = report["archive"]
+        if not isinstance(a, dict) or not isinstance(a.get("sha256"), str):
+            raise ValueError(f"{what} names no archive digest")
+        if not all(_number(a.get(k)) and a[k] >= 0 for k in ("bytes", "stream_bytes")):
+            raise ValueError(f"{what}'s archive sizes are not numbers")
+    return report
 
 
 def restore_trial_(model: nn.Module, cached: Trials, marks: Marks, archive: Path) -> None:
     """Put the unpruned `model` where the kept best trial left it (in place), and its archive
     at `archive`."""
     try:
+        _finite(cached.state)
         model.load_state_dict(cached.state)
         _order_like_(model, list(cached.state))
         with atomic_path(archive) as tmp:
@@ -710,7 +820,8 @@ def restore_compressed_(
     `archive`; return its report, whose recipe records are this run's in the sections the mark
     did not depend on (a resumed run with another [export] section reports that one)."""
     try:
-        report = no_seconds_(json.loads(kept["report"]))
+        report = no_seconds_(_check_report(_json(kept["report"]), "its report"))
+        _finite(kept["state"])
         if "archive" in report:
             data = _archive(kept["archive"], report)
             with atomic_path(archive) as tmp:

@@ -135,15 +135,15 @@ def test_a_run_stopped_in_its_last_pruning_round_resumes_to_the_same_bytes(
     assert not resume.folder_for(out).exists()
 
 
+def _failing_export(*args, **kwargs):
+    raise StageError("export: the exporter failed")
+
+
 def test_a_failed_export_resumes_from_the_compressed_model_with_a_new_export_section(
     net, uninterrupted, monkeypatch
 ):
     out = net.parent / "export-failed"
-
-    def fails(*args, **kwargs):
-        raise StageError("export: the exporter failed")
-
-    monkeypatch.setattr(pipeline, "_export", fails)
+    monkeypatch.setattr(pipeline, "_export", _failing_export)
     with pytest.raises(StageError):
         ck.shrink(net, "digits", RECIPE, out=out)
     monkeypatch.undo()
@@ -221,7 +221,20 @@ class _Boom:
 
 
 @pytest.mark.parametrize(
-    "damage", ["pickle", "truncated", "index", "index-list", "shapes", "round", "hits", "trained"]
+    "damage",
+    [
+        "pickle",
+        "truncated",
+        "index",
+        "index-list",
+        "index-deep",
+        "shapes",
+        "round",
+        "hits",
+        "trained",
+        "trained-deep",
+        "nan",
+    ],
 )
 def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, stopped, damage, capsys):
     out = net.parent / f"damaged-{damage}"
@@ -237,6 +250,8 @@ def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, stopped, damage, 
     elif damage == "index-list":  # the right fingerprint, marks of the wrong type
         index = json.loads((folder / resume.INDEX).read_text(encoding="utf-8"))
         (folder / resume.INDEX).write_text(json.dumps({**index, "marks": [1, 2]}), encoding="utf-8")
+    elif damage == "index-deep":  # Python's JSON reader raised RecursionError: "unexpected"
+        (folder / resume.INDEX).write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
     else:  # a mark of the right kind whose fields do not fit the run
         payload = torch.load(mark, weights_only=True)
         if damage == "shapes":
@@ -245,8 +260,12 @@ def test_a_damaged_or_crafted_mark_is_refused_in_one_line(net, stopped, damage, 
             payload["round"] = 10**6
         elif damage == "hits":  # it failed after the whole run, naming no file
             payload["hits"] = torch.ones(5, dtype=torch.bool)
-        else:
+        elif damage == "trained":
             payload["trained"] = "{bad"
+        elif damage == "trained-deep":
+            payload["trained"] = "[" * 100_000 + "]" * 100_000
+        else:  # a flipped exponent bit: retrained on, it failed as "lower the learning rate"
+            payload["state"]["fc1.bias"][0] = float("nan")
         torch.save(payload, mark)
     with pytest.raises(InputError) as e:
         ck.shrink(net, "digits", RECIPE, out=out, resume=True)
@@ -574,3 +593,97 @@ def test_an_unforeseen_failure_after_kept_work_still_says_what_is_kept(net, run,
         "kept: Deep Compression (pruning, weight sharing, Huffman) (add --resume to continue "
         "from there)"
     )
+
+
+@pytest.mark.parametrize("field", ["baseline", "stages", "layers", "archive"])
+def test_a_kept_report_is_checked_in_the_fields_read_from_it(net, monkeypatch, field):
+    """The compressed mark's report, its archive's digest intact: a crafted figure failed
+    deep in the pipeline as an "unexpected" KeyError or TypeError, with --resume's hint."""
+    out = net.parent / f"report-{field}"
+    monkeypatch.setattr(pipeline, "_export", _failing_export)
+    with pytest.raises(StageError):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    mark = _mark_file(out, "compressed")
+    payload = torch.load(mark, weights_only=True)
+    report = json.loads(payload["report"])
+    report[field] = (
+        {**report["archive"], "bytes": "many"} if field == "archive" else [1] if field else None
+    )
+    payload["report"] = json.dumps(report)
+    torch.save(payload, mark)
+    with pytest.raises(InputError, match=r"cannot be resumed from \(its report"):
+        ck.shrink(net, "digits", RECIPE, out=out, resume=True)
+
+
+def test_only_regular_files_of_its_names_are_its_own(net, tmp_path):
+    """The kept-work folder is removed whole: a folder named like a mark, and the user's files
+    in it, went with it."""
+    out = tmp_path / "out"
+    folder = resume.folder_for(out)
+    (folder / "prune-0a.pt").mkdir(parents=True)
+    (folder / "prune-0a.pt" / "thesis.tex").write_text("mine", encoding="utf-8")
+    with pytest.raises(InputError, match=r"files this tool did not write \(prune-0a.pt\)"):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    assert (folder / "prune-0a.pt" / "thesis.tex").read_text(encoding="utf-8") == "mine"
+
+
+def test_a_killed_saves_temporary_file_goes_with_the_next_save(net, stopped, monkeypatch):
+    out = net.parent / "leftover"
+    folder = resume.folder_for(out)
+    shutil.copytree(resume.folder_for(stopped), folder)
+    (folder / ".prune-0123456789ab.pt.xyz.tmp").write_bytes(b"half a mark")
+    _stop_at_retrain(monkeypatch, 2)  # round 3 of 3 is kept first
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", RECIPE, out=out, resume=True)
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == sorted([resume.INDEX, _mark_file(out, "prune").name])
+
+
+def test_a_stop_names_the_work_this_run_continued_from_not_the_furthest_kept(net, monkeypatch):
+    """A failed export keeps the compressed model; rerun with another [quantize] it resumes
+    from the last pruning round, and a stop there said "kept: Deep Compression" (which the
+    next --resume would not use)."""
+    out = net.parent / "furthest"
+    monkeypatch.setattr(pipeline, "_export", _failing_export)
+    with pytest.raises(StageError):
+        ck.shrink(net, "digits", RECIPE, out=out)
+    monkeypatch.undo()
+    assert resume.describe(out) == "Deep Compression (pruning, weight sharing, Huffman)"
+    other = dataclasses.replace(RECIPE, quantize=QuantizeSection(fc_bits=4, finetune_epochs=1))
+    _stop_at_retrain(monkeypatch, 1)  # centroid fine-tuning
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", other, out=out, resume=True)
+    assert resume.describe(out) == "prune round 3 of 3"
+    index = json.loads((resume.folder_for(out) / resume.INDEX).read_text(encoding="utf-8"))
+    index["last"] = "\x1b[31mred\nline"  # a crafted index's text never reaches the terminal
+    (resume.folder_for(out) / resume.INDEX).write_text(json.dumps(index), encoding="utf-8")
+    assert resume.describe(out) is None
+
+
+def test_sections_a_recipe_never_reads_keep_its_marks():
+    def digests(recipe: ck.Recipe) -> dict[str, str]:
+        return {k: resume._sections(recipe, k) for k in resume.ORDER}
+
+    base = digests(RECIPE)
+    unread = dataclasses.replace(
+        RECIPE, budget=BudgetSection(trials=4), distill=DistillSection(epochs=3)
+    )
+    assert digests(unread) == base  # no accuracy budget, no student
+    budget = dataclasses.replace(RECIPE, budget=BudgetSection(max_drop=1.0, search="scale"))
+    more = dataclasses.replace(RECIPE, budget=BudgetSection(max_drop=1.0, search="scale", trials=9))
+    changed = {k for k in resume.ORDER if digests(budget)[k] != digests(more)[k]}
+    assert "trials" not in changed  # trials replay by their own recipes' digests
+    assert "compressed" in changed
+
+
+def test_nothing_to_resume_names_the_version_that_changed(net, stopped, monkeypatch):
+    out = net.parent / "versions"
+    shutil.copytree(resume.folder_for(stopped), resume.folder_for(out))
+    real = resume.checkpoint.versions
+    monkeypatch.setattr(resume.checkpoint, "versions", lambda: {**real(), "torch": "9.9.9"})
+    said = Said()
+    _stop_at_retrain(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        ck.shrink(net, "digits", RECIPE, out=out, resume=True, progress=said)
+    line = next(x for x in said.lines if x.startswith("nothing to resume"))
+    assert f"another version (torch {real()['torch']} then, 9.9.9 now)" in line
