@@ -577,6 +577,8 @@ def decode(
             + (
                 ""
                 if result["rebuilt"]
+                else " (tensors only: its model is a class of a script or notebook)"
+                if str(result["model"]).startswith("__main__:")
                 else f" (tensors only: pass --model {result['model']} to check they build it)"
             )
         )

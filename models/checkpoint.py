@@ -37,7 +37,7 @@ from torch import nn
 from compresskit.models import fileio
 from compresskit.models.errors import InputError
 from compresskit.models.fileio import atomic_path
-from compresskit.models.zoo import ModelSpec, build, resolve_spec, state_shapes
+from compresskit.models.zoo import ModelSpec, build, from_script, resolve_spec, state_shapes
 
 FORMAT = "compress.checkpoint"
 FORMAT_VERSION = 1
@@ -104,6 +104,8 @@ class Checkpoint:
                 "(spec= in Python)"
             )
         if spec is self.spec and spec.needs_consent and not allow_import:
+            if hint := from_script(spec.name):
+                raise InputError(f"{self.path}: its model {spec.name} is {hint}")
             raise InputError(
                 f"{self.path}: names model code {spec.name}; pass --model {spec.name} "
                 "to allow importing it (in Python: spec= naming it, or trust_model=True)"
@@ -163,13 +165,28 @@ class Checkpoint:
             if unexpected:
                 parts.append(f"{len(unexpected)} unexpected ({_first(unexpected)})")
             raise InputError(f"{where}: keys {'; '.join(parts)}; {fix}")
+        classes = spec.kwargs.get("num_classes") if self.spec is None else None
         for k, shape in want.items():
             got = tuple(state[k].shape)
             if got != shape:
+                if classes is not None and _only_classes_differ(got, shape, classes):
+                    # a bare state_dict's model takes its class count from the data: data of
+                    # another task (or the default digits, --data not given) is the mistake
+                    fix = (
+                        f"the model was built for the data's {classes} classes: pass the "
+                        "--data the weights were trained on (data=, in Python)"
+                    )
                 raise InputError(
                     f"{where}: {k} is {got} in the file but {shape} in the model; {fix}"
                 )
         return state
+
+
+def _only_classes_differ(got: tuple[int, ...], want: tuple[int, ...], classes: int) -> bool:
+    """Whether a tensor differs from the model's only where the model has `classes`."""
+    return len(got) == len(want) and all(
+        g == w or w == classes for g, w in zip(got, want, strict=True)
+    )
 
 
 def _first(keys: list[str], n: int = 3) -> str:

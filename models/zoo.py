@@ -128,6 +128,21 @@ class ModelSpec:
 MAX_SPEC_VALUES = 10_000  # values in a model spec's kwargs, nested ones counted
 
 
+def from_script(name: str) -> str | None:
+    """For a spec naming a class of a script or notebook (`__main__:Net`, what a notebook
+    passes as spec=), how to use its files elsewhere; else None. Only the program that defines
+    the class can import it: on the command line `__main__` is compress itself."""
+    module, _, attr = name.partition(":")
+    if module != "__main__":
+        return None
+    return (
+        "a class of a script or notebook, which only that program can build: "
+        f"load its files there (spec='{name}'), or move the class into a module (mynets.py "
+        f"beside your script) and shrink with spec='mynets:{attr}' to use them from the "
+        "command line; the .onnx files need no Python code"
+    )
+
+
 def _values(v: Any, budget: int = MAX_SPEC_VALUES + 1) -> int:
     """How many values `v` holds, counting nested lists and mappings (stops past `budget`)."""
     count, stack = 0, [v]
@@ -223,6 +238,8 @@ def resolve(name: str) -> Callable[..., nn.Module]:
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
+            if hint := from_script(name):
+                raise InputError(f"model {name!r} is {hint}")
             raise InputError(f"model {name!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     what = "a torch.nn.Module class or a function that returns one"

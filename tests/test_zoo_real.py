@@ -161,6 +161,35 @@ def test_weights_that_do_not_fit_say_which_keys_in_one_line(tmp_path, change, me
     assert "\n" not in str(info.value)
 
 
+def test_weights_of_another_class_count_name_the_data(tmp_path):
+    # The class count of a bare state_dict's model comes from the data (digits, when --data is
+    # not given): the fix named was --model and --model-kwargs, which were right.
+    state = _state()
+    spec = ModelSpec("mlp", {**SPEC.kwargs, "num_classes": 4})
+    with pytest.raises(InputError) as info:
+        _weights(tmp_path, state).build_model(spec)
+    assert str(info.value).endswith(
+        "fc2.weight is (10, 16) in the file but (4, 16) in the model; the model was built for "
+        "the data's 4 classes: pass the --data the weights were trained on (data=, in Python)"
+    )
+
+
+def test_a_notebooks_class_names_where_its_files_load(tmp_path):
+    # spec="__main__:Net" is how a notebook names its own class; on the command line the
+    # hint "pass --model __main__:Net" led to "module '__main__' has no attribute 'Net'".
+    spec = ModelSpec("__main__:Net", {})
+    checkpoint.save_state(tmp_path / "m.pt", _state(), spec)
+    for call in (
+        lambda: checkpoint.load(tmp_path / "m.pt").build_model(),
+        lambda: build(spec),
+    ):
+        with pytest.raises(InputError) as info:
+            call()
+        message = str(info.value)
+        assert "a class of a script or notebook, which only that program can build" in message
+        assert "spec='mynets:Net'" in message and "has no attribute" not in message
+
+
 def test_many_missing_keys_are_counted_not_listed(tmp_path):
     state = {"other.weight": torch.zeros(1)}
     with pytest.raises(
