@@ -1164,6 +1164,14 @@ def _check_output(out, n: int, model_name: str, data: Dataset, hint: str, mode="
                 else "; train and shrink need the logits alone in training mode too: build it "
                 "without its auxiliary heads (torchvision's GoogLeNet: aux_logits=False)"
             )
+        if (
+            isinstance(out, torch.Tensor)
+            and out.ndim > 2
+            and out.shape[0] == n
+            and all(d == 1 for d in out.shape[2:])
+        ):
+            # bench scores such a head's files; training needs the one (batch, classes) tensor
+            hint = "; a 1x1-convolution head returns (N, C, 1, 1): end forward with .flatten(1)"
         hint = hint or _layout_hint(data)
         raise InputError(
             f"model {model_name} returns {got} for a batch of {n}{mode}; "

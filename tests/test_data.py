@@ -305,6 +305,15 @@ def test_built_in_images_get_no_sequence_hint(tmp_path):
     assert "sequences" not in str(e.value)
 
 
+def test_a_one_by_one_convolution_head_is_told_to_flatten():
+    # bench scores an (N, C, 1, 1) head's files; shrink said only "(batch, classes)"
+    data = load("digits")
+    head = torch.nn.Sequential(torch.nn.Conv2d(1, 10, 8))  # 8x8 digits -> (N, 10, 1, 1)
+    with pytest.raises(InputError, match=r"returns \(2, 10, 1, 1\).* end forward with \.flatten"):
+        check_fits(head, data, "mine")
+    check_fits(torch.nn.Sequential(torch.nn.Conv2d(1, 10, 8), torch.nn.Flatten()), data, "mine")
+
+
 # --- token ids ------------------------------------------------------------------------------
 
 
