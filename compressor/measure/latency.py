@@ -611,7 +611,7 @@ def _same_samples(want, given) -> bool:
 def _shape_of(m, data) -> tuple[int, ...]:
     if data is not None:
         given = tuple(data.in_shape)
-        want = m.in_shape
+        want = getattr(m, "in_shape", None)  # None: no file's shape to fit (the data's own)
         if want is not None and not m.dynamic_sequence and _same_samples(want, given):
             return tuple(want)
         return given
