@@ -355,6 +355,8 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
             f"{r['size_fraction']:.2%}" if h is not None else "–",
         )
     out.print(layers)
+    if note := report_mod.no_archive_note(report):
+        out.print(note)
     if "archive" in report:
         a = report["archive"]
         out.print(

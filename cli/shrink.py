@@ -75,7 +75,7 @@ Examples:
     "recipe_path",
     type=click.Path(path_type=Path),
     default=None,
-    help="Recipe file (.toml or .json); unset keys take defaults.",
+    help="Recipe file (.toml, .yaml or .json); unset keys take defaults.",
 )
 @click.option(
     "--max-drop",
@@ -163,8 +163,8 @@ Examples:
     "--bits",
     default=None,
     metavar="N|CONV,FC",
-    help="Bits per shared weight: N for every layer, or CONV,FC (e.g. 8,5) "
-    "[recipe quantize.conv_bits, fc_bits].",
+    help="Bits per shared weight: N for every layer, or CONV,FC (e.g. 8,5); replaces a "
+    "recipe's per-layer table [recipe quantize.conv_bits, fc_bits, bits].",
 )
 @click.option(
     "--epochs",
@@ -273,9 +273,23 @@ def shrink(
     raw = _in_pipeline_order(raw, mine)
     if sparsity is not None and isinstance(raw.get("prune"), dict):
         raw["prune"].pop("quality", None)  # --sparsity replaces a recipe's quality threshold
+    if bits is not None and isinstance(raw.get("quantize"), dict):
+        # --bits sets every layer, as --sparsity does: a recipe's {layer = bits} table kept
+        # the layers it named at its own bits, silently
+        raw["quantize"].pop("bits", None)
     source = str(recipe_path) if recipe_path else "recipe"
     given = list(dict.fromkeys(given))
     recipe = recipe_mod.resolve(raw, source=source + (f" with {', '.join(given)}" if given else ""))
+    export_flags = [
+        f for f in ("--fixed-batch", "--opset", "--target", "--calibration") if f in given
+    ]
+    if export_flags and not recipe.export.enabled:
+        # they ask for files this recipe does not write: the run went on without them, exit 0
+        raise click.BadParameter(
+            f"{source} turns export off ([export] enabled = false), so no ONNX file is written; "
+            f"drop {', '.join(export_flags)} or set enabled = true",
+            param_hint=export_flags[0],
+        )
     if epochs == 0 and recipe.distill.student:
         raise click.BadParameter(
             f"0 with a student to distil ({recipe.distill.student}): distillation trains it; "
@@ -283,6 +297,7 @@ def shrink(
             param_hint="--epochs",
         )
     if dry_run:
+        pipeline.check_files(recipe)  # what the run would refuse before any work
         if model_path.exists() and not model_path.is_file():
             raise InputError(f"{model_path}: a folder, not a checkpoint; give the .pt file")
         # With the checkpoint at hand, also what the recipe does to each of its layers.

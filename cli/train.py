@@ -85,7 +85,7 @@ Examples:
     help="""Constructor kwargs as a JSON object, e.g. '{"width": 64}'.""",
 )
 @click.option("--data", default="digits", show_default=True, metavar="SPEC", help=SPECS_HELP + ".")
-@click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1, max=10_000), default=10, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
     "--lr",

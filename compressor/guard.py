@@ -134,6 +134,16 @@ def _int8(report: dict[str, Any]) -> list[dict[str, Any]]:
     if agree >= floor:
         return []
     checked = int8.get("checked_on", {})
+    calib = int8.get("calibration") or {}
+    asked = ((report.get("recipe") or {}).get("export") or {}).get("calibration")
+    # More calibration samples help only where more were there to take: a request past the
+    # training set (or a calibration file, taken whole) was told to raise it further.
+    more = (
+        calib.get("source") == "training set"
+        and isinstance(asked, int)
+        and calib.get("samples") == asked
+    )
+    fix = "raise export.calibration or min_agreement" if more else "raise min_agreement"
     return [
         {
             "kind": "int8_floor",
@@ -143,7 +153,7 @@ def _int8(report: dict[str, Any]) -> list[dict[str, Any]]:
                 f"the INT8 file agrees with FP32 on {agree:.2%} of the test set, under the "
                 f"floor export.min_agreement {floor:.2%} that held on "
                 f"{checked.get('samples', '?')} {checked.get('split', 'check')} samples: "
-                "raise export.calibration or min_agreement, or ship the FP32 file"
+                f"{fix}, or ship the FP32 file"
             ),
         }
     ]

@@ -511,12 +511,26 @@ def preflight(
                     f"{flag} {e.calibration_data}: token ids reach {calib.max()}, the model "
                     f"embeds {rows} ids (0..{rows - 1}); give ids the model was trained on"
                 )
+    check_files(recipe)
+    return calib
+
+
+def check_files(recipe: Recipe) -> None:
+    """The files a recipe names, checked before any work and by --dry-run (which passed a
+    recipe whose run then refused it): the teachers are checkpoints that hold no code, the
+    calibration file exists (its contents are checked against the data by `preflight`)."""
+    e = recipe.export
+    if e.enabled and e.calibration_data and not Path(e.calibration_data).is_file():
+        what = "a folder" if Path(e.calibration_data).is_dir() else "no such file"
+        raise InputError(
+            f"--calibration / export.calibration_data {e.calibration_data}: {what}; give a "
+            ".npy array of inputs"
+        )
     for path in recipe.distill.teachers:
         try:  # exists, is a checkpoint, holds no code; shapes are checked later
             checkpoint.load(path, train_state=False)
         except InputError as err:
             raise InputError(f"--teacher / distill.teachers: {err}") from None
-    return calib
 
 
 def _check_microbatches(recipe: Recipe, data: Dataset | None, model: nn.Module | None) -> None:

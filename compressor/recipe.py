@@ -460,6 +460,8 @@ def read(path: str | Path) -> dict[str, Any]:
     of tables and lists.
     """
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"recipe file {path}: a folder, not a file; give the recipe's file")
     if not path.is_file():
         raise InputError(f"recipe file {path}: no such file")
     kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix, "TOML")
@@ -656,7 +658,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
     if not (_number(c["heads"]) and 0 <= c["heads"] < 1):
         raise _bad(source, "channels.heads", c["heads"], "a fraction in [0, 1)")
     _int(r, source, "channels", "rounds", 1, 100)
-    _int(r, source, "channels", "retrain_epochs", 0)
+    _int(r, source, "channels", "retrain_epochs", 0, MAX_EPOCHS)
     _int(r, source, "channels", "round_to", 0, 1024)
     _positive(r, source, "channels", "lr")
     if not (isinstance(c["ignore"], list) and all(isinstance(n, str) for n in c["ignore"])):
@@ -683,7 +685,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
     if p["scope"] == "global" and not _number(s):
         raise InputError(f"{source}: prune.scope = 'global' needs one sparsity number")
     _int(r, source, "prune", "rounds", 1, 100)
-    _int(r, source, "prune", "retrain_epochs", 0)
+    _int(r, source, "prune", "retrain_epochs", 0, MAX_EPOCHS)
     _positive(r, source, "prune", "lr")
     if not (_number(p["budget"]) and 0 <= p["budget"] < 1):
         raise _bad(source, "prune.budget", p["budget"], "an accuracy drop in [0, 1), e.g. 0.02")
@@ -695,9 +697,9 @@ def _validate(r: dict[str, Any], source: str) -> None:
     for layer, b in qz["bits"].items():
         if not (isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_BITS):
             raise _bad(source, f"quantize.bits.{layer}", b, f"whole bits 1..{MAX_BITS}")
-    _int(r, source, "quantize", "finetune_epochs", 0)
+    _int(r, source, "quantize", "finetune_epochs", 0, MAX_EPOCHS)
     _positive(r, source, "quantize", "lr")
-    _int(r, source, "quantize", "prior_epochs", 0)
+    _int(r, source, "quantize", "prior_epochs", 0, MAX_EPOCHS)
     for key in ("prior_strength", "prior_width", "zero_width"):
         _positive(r, source, "quantize", key)
     if qz["method"] == "soft" and qz["mode"] == "weights":
@@ -721,7 +723,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
     # `~` as a shell would expand it (a stored recipe names files in a home folder); relative
     # paths stay relative to the folder compress runs in, as on the command line
     dd["teachers"] = [os.path.expanduser(t) for t in dd["teachers"]]
-    _int(r, source, "distill", "epochs", 1)
+    _int(r, source, "distill", "epochs", 1, MAX_EPOCHS)
     _positive(r, source, "distill", "lr")
     _positive(r, source, "distill", "temperature")
     if not (_number(dd["alpha"]) and 0 <= dd["alpha"] <= 1):
@@ -733,7 +735,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise InputError(f"{source}: distill.hint_student and distill.hint_teacher go together")
     if dd["hint_student"] and not dd["student"]:
         raise InputError(f"{source}: distill.hint_student needs a distill.student")
-    _int(r, source, "distill", "hint_epochs", 1)
+    _int(r, source, "distill", "hint_epochs", 1, MAX_EPOCHS)
     if not (_number(dd["transfer_size"]) and 0 <= dd["transfer_size"] <= 100):
         raise _bad(source, "distill.transfer_size", dd["transfer_size"], "a multiple 0..100 of N")
     if not (_number(dd["labels"]) and 0 < dd["labels"] <= 1):
@@ -858,6 +860,11 @@ def _number(v: Any) -> bool:
 def _fraction(source: str, key: str, v: Any) -> None:
     if not (_number(v) and 0 <= v < 1):
         raise _bad(source, key, v, "a fraction of weights to prune in [0, 1)")
+
+
+# Epochs of one stage: a hundred billion was accepted and trained "forever" (rounds and batch
+# sizes had bounds); ten thousand is past any recipe's need and still a finite run.
+MAX_EPOCHS = 10_000
 
 
 def _int(r, source, section, key, lo, hi=None) -> None:

@@ -156,6 +156,8 @@ def markdown(
             "(McNemar's discordant pairs). An interval holding 0 is a change the test set cannot "
             "tell from noise.",
         ]
+    if note := no_archive_note(report):
+        lines += ["", note[0].upper() + note[1:] + "."]
     if "archive" in report:
         a = report["archive"]
         lines += [
@@ -273,6 +275,18 @@ def uncovered_note(report: dict[str, Any]) -> str:
         f"stored dense ({_dense_as(report)}), {total:,} weights ({share:.0%} of the model) in "
         f"layers pruning and sharing do not cover (Linear, Conv, ConvTranspose, LSTM/GRU/RNN, "
         f"MultiheadAttention{how}): {names}{more}"
+    )
+
+
+def no_archive_note(report: dict[str, Any]) -> str | None:
+    """Why a run wrote no .dcz, when its recipe turned Huffman coding off (the other files a
+    run leaves out say why too); else None."""
+    huffman = (report.get("recipe") or {}).get("huffman") or {}
+    if "archive" in report or huffman.get("enabled", True):
+        return None
+    return (
+        "no archive written: [huffman] enabled = false; the compressed weights are in the "
+        "checkpoint (and the ONNX files), the per-layer P+Q+H columns stay empty"
     )
 
 

@@ -82,6 +82,12 @@ def test_int8_under_its_floor_on_the_test_set_is_said():
     )
     held = {**int8, "top1_agreement_fp32": 0.996}
     assert guard.findings(_report(onnx={"int8": held}), guard.GuardConfig()) == []
+    # more calibration is advised only where more samples were there to take
+    recipe = {"export": {"calibration": 512}}
+    for samples, fix in ((512, "raise export.calibration or min_agreement"), (143, "raise min")):
+        took = {**int8, "calibration": {"source": "training set", "samples": samples}}
+        (f,) = guard.findings(_report(onnx={"int8": took}, recipe=recipe), guard.GuardConfig())
+        assert f"samples: {fix}" in f["message"]
     missing = {"int8_not_written": {"reason": "only FP32 held the floor"}}
     (f,) = guard.findings(_report(**missing), guard.GuardConfig())
     assert "no INT8 file written: only FP32 held the floor" in f["message"]

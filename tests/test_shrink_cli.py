@@ -229,6 +229,8 @@ def test_target_host_may_ship_no_int8_file_and_says_so(run, trained, tmp_path, m
     assert set(miss["latency_ms_batch1"]) == {"fp32", "int8"}
     assert (out / "model.fp32.ort").is_file() and r["ort"]["path"].endswith("model.fp32.ort")
     assert "No INT8 file was written" in (out / "report.md").read_text()
+    # nor an archive, which the recipe turned off: said as the other missing files are
+    assert "No archive written: [huffman] enabled = false" in (out / "report.md").read_text()
 
 
 def test_index_bits_count_escapes(trained):
@@ -327,6 +329,48 @@ def test_dry_run_resolves_a_recipe_file(run, tmp_path):
     r = result.json()["recipe"]
     assert r["quantize"]["fc_bits"] == 4 and r["quantize"]["bits"] == {"fc1": 6}
     assert r["prune"] == recipe.DEFAULTS["prune"]
+
+
+def test_bits_replaces_a_per_layer_table_as_sparsity_does(run, tmp_path):
+    # "--bits N: N for every layer" kept the layers a recipe's table named at their own bits
+    (tmp_path / "r.json").write_text(
+        '{"quantize": {"bits": {"fc1": 6}}, "prune": {"sparsity": {"fc1": 0.5}}}'
+    )
+    flags = ("--bits", "3", "--sparsity", "0.9", "--dry-run", "--json")
+    result = run("shrink", "nothing.pt", "--recipe", tmp_path / "r.json", *flags)
+    assert result.exit_code == 0, result.stderr
+    r = result.json()["recipe"]
+    assert (r["quantize"]["conv_bits"], r["quantize"]["fc_bits"], r["quantize"]["bits"]) == (
+        3,
+        3,
+        {},
+    )
+    assert r["prune"]["sparsity"] == 0.9
+
+
+@pytest.mark.parametrize("flags", [("--opset", "13"), ("--fixed-batch", "1"), ("--target", "host")])
+def test_export_flags_on_a_recipe_that_exports_nothing_are_refused(run, tmp_path, flags):
+    # the run went on without the files they asked for, exit 0, saying nothing
+    (tmp_path / "r.toml").write_text("[export]\nenabled = false\n")
+    result = run("shrink", "nothing.pt", "--recipe", tmp_path / "r.toml", *flags, "--dry-run")
+    assert result.exit_code == 2
+    assert f"drop {flags[0]} or set enabled = true" in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_dry_run_checks_the_files_a_recipe_names_and_epochs_are_bounded(run, tmp_path):
+    (tmp_path / "folder.toml").mkdir()
+    result = run("shrink", "nothing.pt", "--recipe", tmp_path / "folder.toml", "--dry-run")
+    assert result.exit_code == 2 and "folder.toml: a folder, not a file" in result.stderr
+    (tmp_path / "r.toml").write_text('[export]\ncalibration_data = "nope.npy"\n')
+    result = run("shrink", "nothing.pt", "--recipe", tmp_path / "r.toml", "--dry-run")
+    assert result.exit_code == 2  # as the run itself refuses it, before any work
+    assert "export.calibration_data nope.npy: no such file" in result.stderr
+    (tmp_path / "t.toml").write_text('[distill]\nstudent = "lenet5"\nteachers = ["gone.pt"]\n')
+    result = run("shrink", "nothing.pt", "--recipe", tmp_path / "t.toml", "--dry-run")
+    assert result.exit_code == 2 and "distill.teachers" in result.stderr
+    result = run("shrink", "nothing.pt", "--epochs", str(10**17), "--dry-run")
+    assert result.exit_code == 2 and "a whole number, 0..10000" in result.stderr
 
 
 def test_yaml_recipe(run, tmp_path):
