@@ -327,7 +327,7 @@ def train(
     (--workers N, a parameter server, pipeline stages, or under torchrun)."""
     explicit = frozenset(
         name
-        for name in _SETTINGS
+        for name in (*_SETTINGS, "workers", "strategy")  # the last two: the global batch
         if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
     )
     given = {

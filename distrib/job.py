@@ -201,14 +201,21 @@ def train(
             "model must be a zoo name (e.g. 'lenet300'), an import path 'pkg.module:callable' "
             f"or a torch.nn.Module instance, got {type(model).__name__}"
         )
+    given_processes = {"workers"} if workers is not None else set()
+    if strategy != "allreduce":
+        given_processes.add("strategy")
     workers, ps, pipe = _strategy(strategy, workers)
     check_fresh(Path(out) if out is not None else default_out(model), 1, resume, force)
     if explicit is None:
-        explicit = {"model"} | {
-            f.name
-            for f in dataclasses.fields(TrainConfig)
-            if getattr(config, f.name) != getattr(_DEFAULT_CONFIG, f.name)
-        }
+        explicit = (
+            given_processes
+            | {"model"}
+            | {
+                f.name
+                for f in dataclasses.fields(TrainConfig)
+                if getattr(config, f.name) != getattr(_DEFAULT_CONFIG, f.name)
+            }
+        )
         if model_kwargs is not None:
             explicit.add("model_kwargs")
         if not isinstance(data, str) or data != "digits":
@@ -660,6 +667,8 @@ def _run(
         resume=resume,
         events=events,
         updater=updater,
+        # a resumed run's global batch changes only where the processes were given on purpose
+        elastic=bool({"workers", "strategy"} & job.explicit),
     )
     if keep_model:
         result.model = model
@@ -736,10 +745,14 @@ def check_fresh(
             f"{names['resume']} continues {names['out']}'s checkpoint, {names['force']} starts "
             "over it: give one"
         )
-    if resume or force:
+    if resume:
         return
     out = Path(out)
     paths = [out] if ensemble == 1 else [ensemble_out(out, k) for k in range(max(ensemble, 0))]
+    for path in paths:
+        _refuse_foreign(path, names)
+    if force:
+        return
     for path in paths:
         if not path.is_file() or not path.stat().st_size or not checkpoint.is_torch_file(path):
             continue
@@ -747,11 +760,29 @@ def check_fresh(
             what = "an earlier training checkpoint; " + (
                 f"{names['resume']} continues it, " if ensemble == 1 else ""
             )
-        else:  # a state_dict, a shrink output: nothing to resume
+        else:  # a shrink output: nothing to resume
             what = "weights without training state (nothing to resume); "
         raise InputError(
             f"{names['out']} {path}: holds {what}{names['force']} trains afresh over it, or "
             f"give another {names['out']}"
+        )
+
+
+def _refuse_foreign(path: Path, names: dict[str, str]) -> None:
+    """--force trains afresh over a checkpoint compress wrote, never over another torch file:
+    any `torch.save` file was replaced (a user's data {x, y} among them). Files that are not
+    torch files are left to the writer's own check."""
+    if not path.is_file() or not path.stat().st_size or not checkpoint.is_torch_file(path):
+        return
+    try:
+        ours = checkpoint.load(path, train_state=False).spec is not None
+    except InputError:  # a bare tensor, a list: not a checkpoint at all
+        ours = False
+    if not ours:
+        raise InputError(
+            f"{names['out']} {path}: holds tensors compress did not write (a state_dict or "
+            f"other data), which {names['force']} never replaces; give another {names['out']} "
+            "or remove the file yourself"
         )
 
 
@@ -766,6 +797,11 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
     if not job.resume or not job.out.exists():
         return None
     ck = checkpoint.load(job.out)
+    if ck.spec is None:  # --force would not replace it either (`_refuse_foreign`)
+        raise InputError(
+            f"{job.out}: holds tensors compress did not write (a state_dict or other data), "
+            "with no training state to resume from; give another --out"
+        )
     if not resumable(ck):
         raise InputError(
             f"{job.out}: holds no training state to resume from; drop --resume and pass "

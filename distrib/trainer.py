@@ -586,6 +586,13 @@ def honours_deterministic(loop: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _processes(world: int, updater: Any) -> str:
+    """The processes whose batches make a step's global batch, in words for messages."""
+    if updater is not None:
+        return f"{world} parameter-server workers"
+    return f"{world} all-reduce workers" if world > 1 else "1 process"
+
+
 @honours_deterministic
 def fit(
     model: nn.Module,
@@ -597,6 +604,7 @@ def fit(
     resume: dict[str, Any] | None = None,
     events: Events | None = None,
     updater: Any = None,
+    elastic: bool = True,
 ) -> TrainResult:
     """Train `model` in place on `data.x_train` and evaluate on `data.x_test` after each epoch
     (`cfg.evaluate = "last"`: after the last one only).
@@ -606,9 +614,12 @@ def fit(
     `resume` is the `train_state` of a checkpoint written by this loop; the caller has already
     loaded the matching weights into `model`. `updater` (a parameter-server worker) replaces
     the local optimizer step (it pushes the gradient and pulls the new weights) and says which
-    batches this rank trains (the `Batches` interface).
+    batches this rank trains (the `Batches` interface). `elastic`: a resumed run may take
+    another global batch than its checkpoint's (the caller gave other workers on purpose);
+    else that is refused.
     """
     auto = cfg.microbatches == "auto"
+    written_to = checkpointer.path if checkpointer is not None else "the checkpoint"
     _check(
         auto or cfg.microbatches <= cfg.batch_size,
         "--microbatches",
@@ -658,6 +669,17 @@ def fit(
     state = _initial_state(resume, optimizer, cfg, device)
     history, start = resume_position(state, batches, "--workers, --batch-size or --strategy")
     written = state.get("steps_per_epoch") if resume is not None else None
+    here = _processes(world, updater)
+    if written is not None and written != batches.per_epoch(state["epoch"]) and not elastic:
+        # the README's `--resume` alone, after a --workers 2 run, went on as one process with
+        # half the global batch: a change to it is made on purpose, never by leaving a flag out
+        was = state.get("processes") or "another --workers or --strategy"
+        raise InputError(
+            f"--resume: {written_to} was trained at {written} steps per epoch ({was}), this "
+            f"run takes {batches.per_epoch(state['epoch'])} ({here}): pass the --workers and "
+            "--strategy it was trained with, or give other ones on purpose to change the "
+            "global batch from here on"
+        )
     if written is not None and written != batches.per_epoch(state["epoch"]):
         # allowed at an epoch's end (elastic training), but never silently: the global batch
         # and the schedule's length change from here on
@@ -674,6 +696,7 @@ def fit(
         if checkpointer is None:
             return
         state.update(rng_state(device))
+        state["processes"] = here  # what a resumed run names when its global batch differs
         if updater is None:
             state["optimizer"] = optimizer.state_dict()
         else:  # the servers hold the master weights and the optimizer state: gather them
@@ -989,7 +1012,7 @@ def check_train_state(resume: Any) -> None:
     missing = [k for k in ("epoch", "step", "optimizer", "rng") if k not in resume]
     if missing:
         raise InputError(f"checkpoint's train_state lacks {missing}; drop --resume to start over")
-    counts = ("epoch", "step", "global_step", "correct", "seen")
+    counts = ("epoch", "step", "global_step", "correct", "seen", "steps_per_epoch")
     bad = [
         k
         for k in counts
@@ -998,6 +1021,9 @@ def check_train_state(resume: Any) -> None:
     ]
     if not isinstance(resume.get("config", {}), dict):
         bad.append("config")
+    processes = resume.get("processes", "")
+    if not isinstance(processes, str) or len(processes) > 80 or not processes.isprintable():
+        bad.append("processes")  # named in a message: never a crafted file's escape codes
     history = resume.get("history", [])
     if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
         bad.append("history")

@@ -658,9 +658,17 @@ def test_train_out_that_is_not_a_training_checkpoint_says_what_it_holds(run, tmp
     args = ("train", "--epochs", "1", "-q", "--out")
     _one_line(run(*args, text), 2, "exists and is not a PyTorch checkpoint")
     _one_line(run(*args, text, "--force"), 2, "exists and is not a PyTorch checkpoint")
-    _one_line(run(*args, weights), 2, "holds weights without training state (nothing to resume)")
-    _one_line(run(*args, weights, "--resume"), 2, "drop --resume and pass --force")
-    assert run(*args, weights, "--force").exit_code == 0
+    # a bare state_dict is the user's (their weights, or data saved as a dict of tensors):
+    # --force, which replaced any of them, never replaces it
+    foreign = "holds tensors compress did not write"
+    _one_line(run(*args, weights), 2, foreign)
+    _one_line(run(*args, weights, "--resume"), 2, foreign + " (a state_dict or other data), with")
+    _one_line(run(*args, weights, "--force"), 2, foreign)
+    shrunk = tmp_path / "shrunk.pt"  # weights compress wrote, without training state
+    checkpoint.save_state(shrunk, {"fc.weight": torch.zeros(2, 2)}, ModelSpec("mlp", {}))
+    _one_line(run(*args, shrunk), 2, "holds weights without training state (nothing to resume)")
+    _one_line(run(*args, shrunk, "--resume"), 2, "drop --resume and pass --force")
+    assert run(*args, shrunk, "--force").exit_code == 0
     assert text.read_text() == "hello"
 
 

@@ -660,3 +660,42 @@ def test_a_resume_with_another_layout_says_the_global_batch_changes(digits, tmp_
             events=heard,
         )
         assert any("took 21 steps per epoch, this one takes 41" in m for m in heard.said) == note
+
+
+def test_resume_keeps_the_global_batch_unless_the_processes_are_given(run, tmp_path):
+    """The README's `compress train --out X --resume` after a `--workers 2` run went on as one
+    process at half the global batch, exit 0, and `-q` hid the only note."""
+    out = tmp_path / "t.pt"
+    args = ["train", "--model", "lenet300", "--data", "digits", "--out", out]
+    assert run(*args, "--epochs", "1", "-q").exit_code == 0
+    ck = checkpoint.load(out)
+    # as a 2-worker all-reduce run writes it: 21 steps an epoch of 1,294 images at 2 x 32
+    state = {**ck.train_state, "steps_per_epoch": 21, "processes": "2 all-reduce workers"}
+    checkpoint.save_state(out, ck.state_dict, ck.spec, ck.metadata, state)
+    refused = run(*args, "--epochs", "2", "--resume", "-q")
+    assert refused.exit_code == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"error: --resume: {out} was trained at 21 steps per epoch (2 all-reduce workers), this "
+        "run takes 41 (1 process): pass the --workers and --strategy it was trained with, or "
+        "give other ones on purpose to change the global batch from here on"
+    ]
+    on_purpose = run(*args, "--epochs", "2", "--resume", "--workers", "1")
+    assert on_purpose.exit_code == 0, on_purpose.stderr
+    assert "took 21 steps per epoch, this one takes 41" in on_purpose.stderr
+    state["processes"] = "\x1b[31m"  # named in a message: a crafted file's escape codes refused
+    checkpoint.save_state(out, ck.state_dict, ck.spec, ck.metadata, state)
+    crafted = run(*args, "--epochs", "3", "--resume", "-q")
+    assert crafted.exit_code == 2 and "damaged (processes)" in crafted.stderr
+
+
+def test_force_never_replaces_a_torch_file_compress_did_not_write(run, tmp_path):
+    # "--force: never over a file that is not a checkpoint": any torch.save file was replaced
+    data = tmp_path / "mydata.pt"
+    for content in ({"x": torch.randn(10, 8), "y": torch.arange(10)}, torch.randn(5)):
+        torch.save(content, data)
+        before = data.read_bytes()
+        for flags in (("--force",), ()):
+            result = run("train", "--model", "mlp", "--epochs", "1", "--out", data, *flags)
+            assert result.exit_code == 2 and data.read_bytes() == before
+            assert "holds tensors compress did not write" in result.stderr
+            assert "--force never replaces" in result.stderr
