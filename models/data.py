@@ -1078,6 +1078,11 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str, trains: b
         )
     elif data.is_tokens and rows is None:
         hint = "; it has no nn.Embedding to look token ids up in: give it float inputs"
+        if str(data.spec).startswith("arrays"):  # Python's integer (N, L) x reads as ids
+            hint += (
+                " (integer (N, L) arrays given in Python are token ids: pass "
+                "x.astype(numpy.float32) for features)"
+            )
     want = getattr(model, "in_shape", None)
     if want is not None and tuple(want) == (1, 1, *data.in_shape) and not data.is_tokens:
         hint = (

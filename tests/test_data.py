@@ -305,6 +305,16 @@ def test_built_in_images_get_no_sequence_hint(tmp_path):
     assert "sequences" not in str(e.value)
 
 
+def test_integer_features_given_in_python_are_told_how_they_read():
+    # an npz's integer x is pixels, Python's integer (N, L) x token ids: a features model got
+    # "mat1 and mat2 must have the same dtype" and "give it float inputs", not how
+    from compresskit.models.data import from_arrays
+
+    counts = np.random.default_rng(0).integers(0, 20, size=(40, 20))
+    with pytest.raises(InputError, match=r"pass x\.astype\(numpy\.float32\) for features"):
+        check_fits(torch.nn.Linear(20, 3), from_arrays(counts, np.arange(40) % 3), "mine")
+
+
 def test_a_one_by_one_convolution_head_is_told_to_flatten():
     # bench scores an (N, C, 1, 1) head's files; shrink said only "(batch, classes)"
     data = load("digits")
