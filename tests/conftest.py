@@ -69,3 +69,26 @@ class Run:
 @pytest.fixture
 def run() -> Run:
     return Run()
+
+
+@pytest.fixture(scope="session")
+def zoo_onnx(tmp_path_factory) -> dict:
+    """Every zoo model's tiny instance (1x8x8 images, or 16 token ids), exported once with the
+    default settings, as {name: (model, path)}: test_export checks each against PyTorch,
+    test_flops counts its MACs (each had exported all of them itself)."""
+    import torch
+
+    from compresskit.compressor import export
+    from compresskit.models import available, tiny
+    from compresskit.models.zoo import input_kind
+
+    folder = tmp_path_factory.mktemp("zoo-onnx")
+    files = {}
+    for name in sorted(available()):
+        tokens = input_kind(name) == "tokens"
+        model = tiny(name, in_shape=None if tokens else (1, 8, 8)).eval()
+        x = torch.ones(2, 16, dtype=torch.int64) if tokens else torch.rand(2, 1, 8, 8)
+        (folder / name).mkdir()
+        path = folder / name / f"{name}.onnx"
+        files[name] = model, export.export_onnx(model, x, path, export.ExportConfig())
+    return files

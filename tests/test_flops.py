@@ -10,7 +10,7 @@ from torch.nn.utils import parametrize
 
 from compresskit.compressor import export as E
 from compresskit.compressor import flops as F
-from compresskit.models import available, tiny
+from compresskit.models import available
 from compresskit.models.errors import InputError
 from compresskit.models.zoo import input_kind
 
@@ -106,15 +106,8 @@ def test_a_layer_called_twice_counts_twice():
 
 
 @pytest.fixture(scope="module")
-def zoo_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("zoo")
-    files = {}
-    for name in sorted(available()):
-        tokens = input_kind(name) == "tokens"
-        model = tiny(name, in_shape=None if tokens else (1, 8, 8)).eval()
-        path = folder / f"{name}.onnx"
-        files[name] = model, E.export_onnx(model, _zoo_input(name, 2), path, E.ExportConfig())
-    return files
+def zoo_files(zoo_onnx):
+    return zoo_onnx
 
 
 @pytest.mark.parametrize("name", sorted(available()))
