@@ -772,7 +772,7 @@ def _export(
         _check_onnx_size(model)
         fp32 = export.export_onnx(model, data.x_train[:2], tmp / f"{name}.fp32.onnx", cfg)
     bits = {r["layer"]: r["weight_bits"] for r in report["layers"] if r.get("codebook")}
-    fp32_names: dict[str, str] = {}  # state key -> the FP32 file's initializer, for INT8's
+    fp32_names: dict[str, tuple[str, bool]] = {}  # key -> (the FP32 file's initializer, transposed)
 
     # The PyTorch logits every parity figure is measured against: one forward pass.
     torch_ref = export.torch_logits(model, data.x_test)
@@ -810,7 +810,9 @@ def _export(
     def describe(path: Path, optimized: bool = True) -> dict[str, Any]:
         checks = export.weight_invariants(path, model, bits, fp32_names)
         if not fp32_names:
-            fp32_names.update({k: c["initializer"] for k, c in checks.items() if c["found"]})
+            fp32_names.update(
+                {k: (c["initializer"], c["transposed"]) for k, c in checks.items() if c["found"]}
+            )
         return {
             "path": str(out / path.name),
             "bytes": path.stat().st_size,

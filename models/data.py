@@ -1012,6 +1012,12 @@ def check_kind(model_name: str, data: Dataset, flag: str = "--model") -> None:
         return
     gives = "int64 token ids" if data.is_tokens else "images"
     others = sorted(n for n in zoo.available() if zoo.input_kind(n) != kind)
+    if kind == "tokens" and _user_arrays(data):  # float arrays of ids, not images
+        raise InputError(
+            f"{flag} {model_name} reads token ids but --data {data.spec} gives float arrays "
+            "(read as images or features); token ids are integers: store them as int64 "
+            "(x.astype(numpy.int64); in an npz, as input_ids)"
+        )
     raise InputError(
         f"{flag} {model_name} reads {'token ids' if kind == 'tokens' else 'images'} but --data "
         f"{data.spec} gives {gives}; use a model for {gives} ({', '.join(others)}) or other data"

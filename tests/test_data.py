@@ -315,6 +315,15 @@ def test_integer_features_given_in_python_are_told_how_they_read():
         check_fits(torch.nn.Linear(20, 3), from_arrays(counts, np.arange(40) % 3), "mine")
 
 
+def test_float_token_ids_from_python_are_told_to_be_integers():
+    # "reads token ids but --data arrays gives images": a float (N, 24) array is not images
+    from compresskit.models.data import check_kind, from_arrays
+
+    ids = from_arrays(np.ones((40, 24), np.float32), np.arange(40) % 2)
+    with pytest.raises(InputError, match=r"gives float arrays .* store them as int64"):
+        check_kind("textcls", ids)
+
+
 def test_a_one_by_one_convolution_head_is_told_to_flatten():
     # bench scores an (N, C, 1, 1) head's files; shrink said only "(batch, classes)"
     data = load("digits")

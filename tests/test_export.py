@@ -355,7 +355,25 @@ def test_a_square_weight_stored_transposed_is_found(tmp_path):
     names = {i.name for i in onnx.load(str(path)).graph.initializer}
     check = E.weight_invariants(path, model, {"query": 2, "head": 2})["query.weight"]
     assert "query.weight" not in names  # stored transposed, under a generated name
-    assert check["found"] and check["ok"], (check, names)
+    assert check["found"] and check["ok"] and check["transposed"], (check, names)
+
+
+def test_a_square_weight_stored_transposed_keeps_its_zeros_in_the_int8_file(tmp_path):
+    # Read by the FP32 file's name, the INT8 file's square matrix was compared as it stood:
+    # every HF BERT and ViT report said its q/k/v/o "lost" their pruned zeros.
+    torch.manual_seed(0)
+    model = _Tokens3d().eval()
+    prune.prune_(model, prune.PruneConfig(sparsity=0.6))
+    kmeans.share_weights_(model, kmeans.QuantizeConfig(fc_bits=2))
+    fp32 = E.export_onnx(model, torch.rand(2, 1, 4, 16), tmp_path / "m.onnx", E.ExportConfig())
+    calib = torch.rand(32, 1, 4, 16).numpy()
+    prepared = E.preprocess(fp32, tmp_path / "p.onnx")
+    int8 = E.quantize_int8(prepared, tmp_path / "q.onnx", calib, E.QuantConfig())
+    bits = {"query": 2, "head": 2}
+    first = E.weight_invariants(fp32, model, bits)
+    aliases = {k: (c["initializer"], c["transposed"]) for k, c in first.items()}
+    check = E.weight_invariants(int8, model, bits, aliases)["query.weight"]
+    assert check["int8"] and check["transposed"] and check["zeros_kept"] and check["ok"], check
 
 
 def test_a_model_too_big_for_one_onnx_file_is_refused_before_any_work():

@@ -731,14 +731,18 @@ def torch_logits(model: nn.Module, x: torch.Tensor) -> np.ndarray:
 
 
 def weight_invariants(
-    path: Path, model: nn.Module, bits: dict[str, int], aliases: dict[str, str] | None = None
+    path: Path,
+    model: nn.Module,
+    bits: dict[str, int],
+    aliases: dict[str, tuple[str, bool]] | None = None,
 ) -> dict[str, Any]:
     """Read each weight matrix back from the file (Linear/Conv `.weight`, MultiheadAttention's
     `in_proj_weight`): its zeros must be where the model's are, and a shared layer (named in
     `bits`, by layer) must hold <= 2^bits distinct values in each output channel (INT8 scales
     and folded BatchNorm multiply each channel by its own factor). Each check names the
-    initializer it read (`initializer`); pass the FP32 file's as `aliases` when checking the
-    INT8 file made from it, whose initializers carry those names plus `_quantized`. A shared
+    initializer it read (`initializer`, and whether it holds the weight `transposed`); pass the
+    FP32 file's as `aliases` ({name: (initializer, transposed)}) when checking the INT8 file
+    made from it, whose initializers carry those names plus `_quantized`. A shared
     layer found nowhere in the file gets a check with `found` and `ok` False: a weight the
     checks miss cannot pass for a checked one."""
     import onnx
@@ -759,7 +763,7 @@ def weight_invariants(
             if limit is not None:  # a shared layer the file should hold
                 out[name] = {"found": False, "limit": limit, "ok": False}
             continue
-        arr, quantized, init = found
+        arr, quantized, init, flipped = found
         claimed.add(init)
         # Pruned weights must stay exactly zero (INT8 may also round tiny survivors to zero).
         zeros_ok = bool(np.all(arr[(w == 0).numpy()] == 0))
@@ -769,6 +773,7 @@ def weight_invariants(
         out[name] = {
             "found": True,
             "initializer": init,
+            "transposed": flipped,
             "zeros_kept": zeros_ok,
             "distinct_values_per_channel": int(distinct),
             "distinct_values": len(np.unique(arr)),
@@ -783,31 +788,36 @@ def _find_weight(
     inits: dict[str, np.ndarray],
     name: str,
     w: torch.Tensor,
-    alias: str | None = None,
+    alias: tuple[str, bool] | None = None,
     claimed: frozenset[str] | set[str] = frozenset(),
 ):
-    """(values in `w`'s layout, int8?, initializer name) of the initializer holding `name`:
-    by name (FP32 export keeps parameter names; QDQ appends `_quantized`), by `alias` (the FP32
-    file's name for it), else, in an FP32 file, the unclaimed initializer equal to `w` or to
-    its transpose (torch's dynamo exporter stores a Linear before a MatMul transposed, as
-    `val_14`)."""
+    """(values in `w`'s layout, int8?, initializer name, transposed?) of the initializer
+    holding `name`: by name (FP32 export keeps parameter names; QDQ appends `_quantized`), by
+    `alias` (the FP32 file's name for it, and whether it held it transposed), else, in an FP32
+    file, the unclaimed initializer equal to `w` or to its transpose (torch's dynamo exporter
+    stores a Linear before a MatMul transposed, as `val_14`)."""
     shape, t_shape = tuple(w.shape), tuple(w.shape[::-1])
 
-    def fit(key: str, arr: np.ndarray):
+    def fit(key: str, arr: np.ndarray, flipped: bool | None = None):
         quantized = arr.dtype in (np.int8, np.uint8)
         if quantized:
             arr = _less_zero_point(inits, key, arr)
+        if flipped is not None and w.ndim == 2 and arr.shape == shape == t_shape:
+            # a square matrix fits both ways: the orientation the FP32 file held it in (HF
+            # BERT's and ViT's q/k/v/o, read as they stood in the INT8 file, "lost" their zeros)
+            return (arr.T if flipped else arr), quantized, key, flipped
         if arr.shape == shape:
-            return arr, quantized, key
+            return arr, quantized, key, False
         if w.ndim == 2 and arr.shape == t_shape:
-            return arr.T, quantized, key
+            return arr.T, quantized, key, True
         return None
 
-    for base in (name, alias):
+    named, flipped = alias if alias is not None else (None, None)
+    for base, flip in ((name, None), (named, flipped)):
         if base is None:
             continue
         for key in (base, base + "_quantized"):
-            if key in inits and (hit := fit(key, inits[key])):
+            if key in inits and (hit := fit(key, inits[key], flip)):
                 return hit
     for key, arr in inits.items():
         if key.replace("/", ".").endswith(name) and arr.shape == shape:
@@ -822,7 +832,7 @@ def _find_weight(
         # A square matrix fits both ways: BERT's 128 x 128 query weight, stored transposed,
         # was compared as it stood and read "not found" in every file.
         if w.ndim == 2 and arr.shape == shape == t_shape and np.array_equal(arr.T, ref):
-            return arr.T, False, key
+            return arr.T, False, key, True
     return None
 
 
