@@ -144,9 +144,11 @@ def _pruner(
     ignored: list[str],
     ratios: dict[str, float] | None = None,
     steps: int = STEPS,
+    cap: float = 1.0,
 ):
     """torch-pruning's MetaPruner over `steps` increments up to `cfg.max_ratio` of each layer
-    (or `ratios[layer]`, the sensitivity scope's; layers it leaves out are not cut)."""
+    (or `ratios[layer]`, the sensitivity scope's; layers it leaves out are not cut), no layer
+    cut past `cap` of the width it starts from."""
     import torch_pruning as tp
 
     modules = dict(model.named_modules())
@@ -164,11 +166,14 @@ def _pruner(
                 example,
                 importance=_importance(cfg),
                 global_pruning=cfg.scope == "global",
-                pruning_ratio=cfg.max_ratio if ratios is None else 0.0,
+                # the cap in the ratio too: torch-pruning's own max_pruning_ratio binds only
+                # its global scope, and int(20 x (1 - 0.9)) kept 1 of 20 channels
+                pruning_ratio=min(cfg.max_ratio, cap) if ratios is None else 0.0,
                 pruning_ratio_dict=None
                 if ratios is None
                 else {modules[n]: r for n, r in ratios.items() if r > 0},
                 iterative_steps=steps,
+                max_pruning_ratio=cap,
                 ignored_layers=[modules[n] for n in ignored] + qkv + recurrent,
                 round_to=cfg.round_to or None,
                 num_heads=heads,
@@ -240,13 +245,7 @@ def thin_(
     if cfg.target_latency is not None and layer_times is None:
         raise InputError("channels.target_latency needs the model profiled where it runs")
     one = example[:1]
-    modules = dict(model.named_modules())
-    unknown = [n for n in cfg.ignore if n not in modules]
-    if unknown:
-        raise InputError(
-            f"channels.ignore names {', '.join(repr(n) for n in unknown)}, which the model "
-            f"lacks; layers: {', '.join(prunable(model))}"
-        )
+    check_ignore(model, cfg.ignore)
     head = output_layer(model, one)
     if head is None:
         raise InputError("channels: the model runs no Conv or Linear layer; nothing to cut")
@@ -302,7 +301,17 @@ def thin_(
         # The allocation's fractions are of each layer's original width; a pruner cuts
         # fractions of the width it starts from, so each round converts them.
         now = None if ratios is None else _ratios_now(model, widths0, ignored, ratios, cfg.round_to)
-        cut_until_goals(_pruner(model, example, cfg, ignored, now), goal, time_goal)
+        cap = 1.0
+        if ratios is None:
+            # Each round's pruner takes max_ratio of the width it starts from: the rounds went
+            # past it (LeNet-5's conv1 20 -> 1 channel at target_macs 0.01). Capped at what the
+            # layer closest to its limit may still lose (every layer is cut alike).
+            left = _ratios_now(
+                model, widths0, ignored, dict.fromkeys(prunable(model), cfg.max_ratio), cfg.round_to
+            )
+            cap = min(left.values(), default=0.0)
+        if cap > 0:
+            cut_until_goals(_pruner(model, example, cfg, ignored, now, cap=cap), goal, time_goal)
         if ratios is not None and r == cfg.rounds and short(goal, time_goal):
             # The allocation adds layers' savings as if independent, but coupled layers'
             # overlap (conv1's outputs are conv2's inputs) and the time fit's fixed costs can
@@ -329,6 +338,12 @@ def thin_(
             rounds[-1]["even_cut_from"] = shortfall  # where the allocated cuts stopped
         if fit:
             rounds[-1] |= {"estimated_us": est, "time_goal_us": time_goal}
+    if macs > macs0 * cfg.target_macs * (1 + 1e-9):
+        info(
+            f"channels: target_macs {cfg.target_macs:g} not reached: {macs / macs0:.1%} of the "
+            f"MACs with no layer cut past max_ratio {cfg.max_ratio:g} (raise it, or set "
+            "target_macs to what was reached)"
+        )
     after = widths(model)
     heads1 = head_counts(model)
     return {
@@ -500,6 +515,18 @@ def latency_fit(
     times, macs = layer_times(model), module_macs(model, one)
     twin = _cut_copy(model, example, cfg, ignored, 0.5)
     return fit_layers(macs, times, module_macs(twin, one), layer_times(twin))
+
+
+def check_ignore(model: nn.Module, ignore: tuple[str, ...] | list[str]) -> None:
+    """channels.ignore names layers of `model` (the one thinned: a student when distilling),
+    checked before any work (a typo was found after the whole distillation)."""
+    modules = dict(model.named_modules())
+    unknown = [n for n in ignore if n not in modules]
+    if unknown:
+        raise InputError(
+            f"channels.ignore names {', '.join(repr(n) for n in unknown)}, which the model "
+            f"lacks; layers: {', '.join(prunable(model))}"
+        )
 
 
 def _cut_copy(

@@ -326,7 +326,8 @@ def hint_train(
 
 def student_spec(d: Any, data: Dataset, classes: int) -> ModelSpec:
     """The recipe's student (its [distill] section `d`) for `data`, predicting `classes`."""
-    return zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, classes)
+    where = "--student-kwargs / distill.student_kwargs"
+    return zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, classes, where)
 
 
 def teacher_classes(teacher: nn.Module, data: Dataset) -> int:

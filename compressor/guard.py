@@ -118,6 +118,14 @@ def _stage(name: str, before: float, after: float, cfg: GuardConfig) -> dict[str
     }
 
 
+def recorded_recipe(report: dict[str, Any]) -> dict[str, Any]:
+    """The recipe a report records, as a table (a report being built holds the Recipe)."""
+    r = report.get("recipe")
+    if hasattr(r, "to_dict"):
+        return r.to_dict()
+    return r if isinstance(r, dict) else {}
+
+
 def _int8(report: dict[str, Any]) -> list[dict[str, Any]]:
     miss = report.get("int8_not_written")
     if miss:
@@ -135,7 +143,7 @@ def _int8(report: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     checked = int8.get("checked_on", {})
     calib = int8.get("calibration") or {}
-    asked = ((report.get("recipe") or {}).get("export") or {}).get("calibration")
+    asked = (recorded_recipe(report).get("export") or {}).get("calibration")
     # More calibration samples help only where more were there to take: a request past the
     # training set (or a calibration file, taken whole) was told to raise it further.
     more = (

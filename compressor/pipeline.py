@@ -30,7 +30,7 @@ from compresskit.compressor import shrink as shrink_mod
 from compresskit.compressor.export import checks, compat, int8, mobile
 from compresskit.compressor.measure import envinfo, layertime, speedup
 from compresskit.compressor.recipe import ExportSection, Recipe
-from compresskit.models import checkpoint
+from compresskit.models import checkpoint, zoo
 from compresskit.models.base import batch_statistics
 from compresskit.models.data import Dataset, check_kind, embedding_rows, npz_layout
 from compresskit.models.errors import InputError, MachineError, StageError, one_line
@@ -487,7 +487,14 @@ def preflight(
         distill.check_transfer(recipe.distill, data)
         if recipe.distill.student:
             check_kind(recipe.distill.student, data, "distill.student")
+            d = recipe.distill  # its kwargs against the data, before the teacher's baseline
+            zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, data.num_classes,
+                             STUDENT_KWARGS)  # fmt: skip
     _check_microbatches(recipe, data, model)
+    if recipe.channels.enabled and recipe.channels.ignore:
+        thinned = _student(recipe, data) if recipe.distill.student and data is not None else model
+        if thinned is not None:
+            channels.check_ignore(thinned, recipe.channels.ignore)
     if e.enabled:
         export.check_runtime_opset(e.opset, e.ir_version or None)
         if model is not None and not recipe.distill.student and not recipe.channels.enabled:
@@ -560,12 +567,19 @@ def _probe_opset(model: nn.Module, recipe: Recipe, data: Dataset) -> None:
     export.probe_opset(model, data.x_train[:2], export_config(e))
 
 
+STUDENT_KWARGS = "--student-kwargs / distill.student_kwargs"  # where a student's kwargs come from
+
+
 def _student(recipe: Recipe, data: Dataset) -> nn.Module:
     """The recipe's distillation student as built before training (for checks made up front)."""
-    from compresskit.models import zoo
-
     d = recipe.distill
-    spec = zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, data.num_classes)
+    spec = zoo.resolve_spec(
+        d.student,
+        dict(d.student_kwargs),
+        data.in_shape,
+        data.num_classes,
+        "--student-kwargs / distill.student_kwargs",
+    )
     return zoo.build(spec, seed=0)
 
 

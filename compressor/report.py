@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from compresskit.compressor import recipe as recipe_mod
+from compresskit.compressor.guard import recorded_recipe
 from compresskit.models.fileio import atomic_path
 
 STAGE_NAMES = {"prune": "P", "quantize": "P+Q", "huffman": "P+Q+H"}
@@ -281,7 +282,7 @@ def uncovered_note(report: dict[str, Any]) -> str:
 def no_archive_note(report: dict[str, Any]) -> str | None:
     """Why a run wrote no .dcz, when its recipe turned Huffman coding off (the other files a
     run leaves out say why too); else None."""
-    huffman = (report.get("recipe") or {}).get("huffman") or {}
+    huffman = recorded_recipe(report).get("huffman") or {}
     if "archive" in report or huffman.get("enabled", True):
         return None
     return (

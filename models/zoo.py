@@ -296,12 +296,17 @@ def _accepts(ctor: Callable, param: str) -> bool:
 
 
 def resolve_spec(
-    name: str, kwargs: dict[str, Any], in_shape: tuple[int, ...], num_classes: int
+    name: str,
+    kwargs: dict[str, Any],
+    in_shape: tuple[int, ...],
+    num_classes: int,
+    flag: str = "--model-kwargs",
 ) -> ModelSpec:
     """Complete a spec with the data's input shape and class count where the constructor (a
     class's `__init__`, or the factory function) names them as parameters.
 
-    A value the user gave that contradicts the data is an error, not silently overridden.
+    A value the user gave that contradicts the data is an error, not silently overridden;
+    it names `flag`, where the kwargs came from (a student's: --student-kwargs).
     """
     ctor = resolve(name)
     kwargs = dict(kwargs)
@@ -314,8 +319,8 @@ def resolve_spec(
                 given = list(given)
             if given != value:
                 raise InputError(
-                    f"--model-kwargs {key}={kwargs[key]!r} but the data gives {value!r}; "
-                    f"drop {key} from --model-kwargs"
+                    f"{flag} {key}={kwargs[key]!r} but the data gives {value!r}; "
+                    f"drop {key} from {flag}"
                 )
         kwargs[key] = value
     return ModelSpec(name, kwargs)

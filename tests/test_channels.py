@@ -597,3 +597,36 @@ def test_recurrent_layers_keep_their_width_or_the_refusal_says_so():
         channels.thin_(model, x[:2], cfg)
     record = channels.thin_(model, x[:2], dataclasses.replace(cfg, ignore=("inp",)))
     assert model.rnn.weight_ih_l0.shape == (3 * 16, 32) and model(x).shape == (4, 4)
+
+
+def test_no_layer_is_cut_past_max_ratio_over_the_rounds():
+    # Each round's pruner took max_ratio of the width it started from, and int(20 x 0.1)
+    # kept 1: LeNet-5 at target_macs 0.01 ended with conv1 20 -> 1 channel, exit 0.
+    import math
+
+    model, x = tiny("lenet5")
+    said = []
+    cfg = channels.ChannelsConfig(target_macs=0.01, rounds=3, retrain_epochs=0)
+    record = channels.thin_(model, x[:2], cfg, info=said.append)
+    assert not record["reached"]
+    for layer in record["layers"]:
+        assert layer["after"] >= math.ceil(layer["before"] * (1 - cfg.max_ratio) - 1e-9), layer
+    assert any("target_macs 0.01 not reached" in line for line in said)
+
+
+def test_a_students_channels_ignore_and_kwargs_are_checked_before_any_work():
+    # a typo in channels.ignore was found after the whole distillation; a student's
+    # num_classes was blamed on --model-kwargs
+    from compresskit.compressor import pipeline
+    from compresskit.models.data import load
+
+    data = load("digits")
+    teacher = zoo.build(zoo.resolve_spec("mlp", {}, data.in_shape, data.num_classes))
+    r = recipe.resolve(
+        {"distill": {"student": "lenet5"}, "channels": {"enabled": True, "ignore": ["nosuch"]}}
+    )
+    with pytest.raises(InputError, match=r"channels.ignore names 'nosuch'.*layers: conv1"):
+        pipeline.preflight(r, data, teacher)
+    r = recipe.resolve({"distill": {"student": "mlp", "student_kwargs": {"num_classes": 5}}})
+    with pytest.raises(InputError, match=r"^--student-kwargs / distill.student_kwargs num_cl"):
+        pipeline.preflight(r, data, teacher)
