@@ -272,7 +272,7 @@ def thin_(
         )  # fmt: skip
         sens["ratios"] = ratios
         info(
-            "channels: sensitivity: "
+            "channels: sensitivity plans (of each layer's width; the rounds stop at the goal): "
             + ", ".join(f"{n} {f:.0%}" for n, f in ratios.items() if f > 0)
         )
     macs, est = macs0, time0

@@ -437,10 +437,11 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
     if sens:
         lines += [
             "",
-            "Per-layer fractions from the sensitivity analysis (each layer cut alone and "
+            "Per-layer fractions the sensitivity analysis planned (each layer cut alone and "
             f"measured on the decision data, from {sens['baseline']:.2%}): "
             + ", ".join(f"{n} {f:.0%}" for n, f in sens["ratios"].items() if f > 0)
-            + ".",
+            + "; the rounds stop at the MACs goal, so a layer may keep more (the widths "
+            "above are what the model holds).",
         ]
         short = c["rounds"][-1].get("even_cut_from") if c["rounds"] else None
         if short:
