@@ -58,20 +58,8 @@ def findings(report: dict[str, Any], cfg: GuardConfig) -> list[dict[str, Any]]:
     out = [_stage(name, before, after, cfg) for name, before, after in stage_steps(report)]
     out = [f for f in out if f is not None]
     student, teacher = report.get("student", {}), report.get("teacher", {})
-    if student.get("distilled") and student["parameters"] > teacher.get("parameters", 0):
-        out.append(
-            {
-                "kind": "student_size",
-                "student_parameters": student["parameters"],
-                "teacher_parameters": teacher["parameters"],
-                "message": (
-                    f"the student {student['name']} has {student['parameters']:,} parameters, "
-                    f"{student['parameters'] / teacher['parameters']:.1f}x its teacher "
-                    f"{teacher['name']} ({teacher['parameters']:,}): distillation is for a "
-                    "smaller model; check --student and --student-kwargs"
-                ),
-            }
-        )
+    if student.get("distilled") and (f := student_size(student, teacher)):
+        out.append(f)
     out += _int8(report)
     if miss := report.get("ort_not_written"):
         out.append(
@@ -114,6 +102,24 @@ def _stage(name: str, before: float, after: float, cfg: GuardConfig) -> dict[str
         "message": (
             f"{STAGE_WORDS.get(name, name)} cost {drop:.2f} points of test accuracy "
             f"({before:.2%} -> {after:.2%}), over guard.max_stage_drop {cfg.max_stage_drop:g}"
+        ),
+    }
+
+
+def student_size(student: dict[str, Any], teacher: dict[str, Any]) -> dict[str, Any] | None:
+    """The finding of a student ({name, parameters}) bigger than its teacher, or None. Known
+    before distillation: the pipeline says it then (a --strict run stops before training)."""
+    if student["parameters"] <= teacher.get("parameters", 0):
+        return None
+    return {
+        "kind": "student_size",
+        "student_parameters": student["parameters"],
+        "teacher_parameters": teacher["parameters"],
+        "message": (
+            f"the student {student['name']} has {student['parameters']:,} parameters, "
+            f"{student['parameters'] / teacher['parameters']:.1f}x its teacher "
+            f"{teacher['name']} ({teacher['parameters']:,}): distillation is for a "
+            "smaller model; check --student and --student-kwargs"
         ),
     }
 

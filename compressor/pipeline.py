@@ -145,6 +145,25 @@ def _guard_now(report: dict[str, Any], recipe: Recipe, out: Path, info) -> None:
         info(f"guard: {f['message']} (found before export; the run goes on)")
 
 
+def _student_size_now(
+    teacher: nn.Module, name: str, recipe: Recipe, data: Dataset, out: Path, info
+) -> None:
+    """A student bigger than its teacher, said before distillation trains it (a --strict run
+    stopped only after every stage). An ensemble's size is summed by distillation: said then."""
+    if recipe.distill.teachers:
+        return
+    count = sum(p.numel() for p in _student(recipe, data).parameters())
+    found = guard.student_size(
+        {"name": recipe.distill.student, "parameters": count},
+        {"name": name, "parameters": sum(p.numel() for p in teacher.parameters())},
+    )
+    if found is None:
+        return
+    if guard.GuardConfig.from_recipe(recipe.guard).strict:
+        raise _strict([found], out)
+    info(f"guard: {found['message']} (found before distillation; the run goes on)")
+
+
 def _strict(found: list[dict[str, Any]], out: Path) -> StageError:
     """--strict's failure: the first guardrail crossed, and how many more."""
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
@@ -269,6 +288,7 @@ def _shrink_to_folder(
                     )
                     clock.info(f"resumed after distillation (kept in {marks.folder})")
                 else:
+                    _student_size_now(model, teacher_name, recipe, data, out, clock.info)
                     model, spec, distilled, train_on = distill.distill_student(
                         model,
                         recipe.distill,

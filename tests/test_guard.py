@@ -421,3 +421,17 @@ def test_the_plan_names_what_is_stored_dense():
     # with embeddings in, the table is a layer like the others
     rows = shrink.plan(model, recipe.resolve({"prune": {"embeddings": True}}, source="r"), ids)
     assert [r["layer"] for r in rows if r["kind"] == "dense"] == ["(model)"]
+
+
+def test_a_student_bigger_than_its_teacher_is_said_before_distillation(run, teacher, tmp_path):
+    # the size is known before training: a --strict run stopped only after every stage
+    folder, ck = teacher
+    args = ["shrink", ck, "--recipe", folder / "fast.toml", "--student", "lenet5", "--epochs", "1"]
+    strict = run(*args, "--strict", "--out", tmp_path / "s")
+    assert strict.exit_code == 1 and not (tmp_path / "s").exists()
+    assert "guardrail: the student lenet5 has" in strict.stderr
+    assert "epoch" not in strict.stderr  # nothing trained
+    said = run(*args, "--out", tmp_path / "o")
+    assert said.exit_code == 0, said.stderr
+    first = said.stderr.index("(found before distillation; the run goes on)")
+    assert first < said.stderr.index("epoch")
