@@ -338,7 +338,8 @@ def thin_(
             rounds[-1]["even_cut_from"] = shortfall  # where the allocated cuts stopped
         if fit:
             rounds[-1] |= {"estimated_us": est, "time_goal_us": time_goal}
-    if macs > macs0 * cfg.target_macs * (1 + 1e-9):
+    reached = macs <= macs0 * cfg.target_macs * (1 + 1e-9)
+    if not reached:
         info(
             f"channels: target_macs {cfg.target_macs:g} not reached: {macs / macs0:.1%} of the "
             f"MACs with no layer cut past max_ratio {cfg.max_ratio:g} (raise it, or set "
@@ -351,7 +352,7 @@ def thin_(
         "macs_ratio": macs / macs0,
         "parameters": [params0, _params(model)],
         "target_macs": cfg.target_macs,
-        "reached": macs <= macs0 * cfg.target_macs * (1 + 1e-9),
+        "reached": reached,
         "ignored": ignored,
         "layers": [{"name": n, "before": w, "after": after.get(n, w)} for n, w in widths0.items()],
         "heads": [{"name": n, "before": h, "after": heads1.get(n, h)} for n, h in heads0.items()],

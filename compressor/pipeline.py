@@ -507,9 +507,8 @@ def preflight(
         distill.check_transfer(recipe.distill, data)
         if recipe.distill.student:
             check_kind(recipe.distill.student, data, "distill.student")
-            d = recipe.distill  # its kwargs against the data, before the teacher's baseline
-            zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, data.num_classes,
-                             STUDENT_KWARGS)  # fmt: skip
+            # its kwargs against the data, before the teacher's baseline
+            distill.student_spec(recipe.distill, data, data.num_classes)
     _check_microbatches(recipe, data, model)
     if recipe.channels.enabled and recipe.channels.ignore:
         thinned = _student(recipe, data) if recipe.distill.student and data is not None else model
@@ -587,20 +586,9 @@ def _probe_opset(model: nn.Module, recipe: Recipe, data: Dataset) -> None:
     export.probe_opset(model, data.x_train[:2], export_config(e))
 
 
-STUDENT_KWARGS = "--student-kwargs / distill.student_kwargs"  # where a student's kwargs come from
-
-
 def _student(recipe: Recipe, data: Dataset) -> nn.Module:
     """The recipe's distillation student as built before training (for checks made up front)."""
-    d = recipe.distill
-    spec = zoo.resolve_spec(
-        d.student,
-        dict(d.student_kwargs),
-        data.in_shape,
-        data.num_classes,
-        "--student-kwargs / distill.student_kwargs",
-    )
-    return zoo.build(spec, seed=0)
+    return zoo.build(distill.student_spec(recipe.distill, data, data.num_classes), seed=0)
 
 
 def _thin(

@@ -201,6 +201,11 @@ def _sections(
     if "channels" in part and recipe.channels.enabled and recipe.channels.target_latency:
         part["export"] = d.get("export")
         part["calibration_bytes"] = calibration
+    return _digest(part)
+
+
+def _digest(part: dict[str, Any]) -> str:
+    """One digest of recipe sections (a table of tables)."""
     return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -622,8 +627,7 @@ def read_pruned(
         if auto:
             proposal = (sens or {}).get("proposal")
             if not isinstance(proposal, dict) or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1
-                for v in proposal.values()
+                _number(v) and 0 <= v < 1 for v in proposal.values()
             ):
                 raise ValueError("no sensitivity proposal of sparsities in [0, 1)")
         return Pruned(done, hits, sens, kept)
@@ -648,8 +652,7 @@ def recipe_digest(recipe: Recipe) -> str:
     """One digest of a --max-drop trial's recipe, in the sections a trial depends on (its
     [export] and [guard] are the asked recipe's, which the trials never read)."""
     d = recipe.to_dict()
-    part = {k: d.get(k) for k in _DEEP}
-    return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()
+    return _digest({k: d.get(k) for k in _DEEP})
 
 
 def trials_payload(
@@ -716,7 +719,7 @@ def _check_trial(t: int, entry: Any) -> None:
     if not isinstance(record.get("within_budget"), bool):
         raise ValueError(f"trial {t} has no verdict")
     for key in ("archive_bytes", "val_drop", "val_soft_drop"):
-        if isinstance(record.get(key), bool) or not isinstance(record.get(key), int | float):
+        if not _number(record.get(key)):
             raise ValueError(f"trial {t}'s {key} is not a number")
     _check_report(report, f"trial {t}'s report")
     if "archive" not in report:

@@ -749,14 +749,13 @@ def check_fresh(
         return
     out = Path(out)
     paths = [out] if ensemble == 1 else [ensemble_out(out, k) for k in range(max(ensemble, 0))]
-    for path in paths:
-        _refuse_foreign(path, names)
+    found = [_ours(path, names, train_state=not force) for path in paths]  # each read once
     if force:
         return
-    for path in paths:
-        if not path.is_file() or not path.stat().st_size or not checkpoint.is_torch_file(path):
+    for path, ck in zip(paths, found, strict=True):
+        if ck is None:
             continue
-        if resumable(checkpoint.load(path)):
+        if resumable(ck):
             what = "an earlier training checkpoint; " + (
                 f"{names['resume']} continues it, " if ensemble == 1 else ""
             )
@@ -768,22 +767,23 @@ def check_fresh(
         )
 
 
-def _refuse_foreign(path: Path, names: dict[str, str]) -> None:
-    """--force trains afresh over a checkpoint compress wrote, never over another torch file:
-    any `torch.save` file was replaced (a user's data {x, y} among them). Files that are not
-    torch files are left to the writer's own check."""
+def _ours(path: Path, names: dict[str, str], train_state: bool) -> checkpoint.Checkpoint | None:
+    """The checkpoint compress wrote at `path`, read once (None: no torch file there, which
+    the writer's own check names). Another torch file is refused: --force replaced any
+    `torch.save` file, a user's data {x, y} among them."""
     if not path.is_file() or not path.stat().st_size or not checkpoint.is_torch_file(path):
-        return
+        return None
     try:
-        ours = checkpoint.load(path, train_state=False).spec is not None
+        ck = checkpoint.load(path, train_state=train_state)
     except InputError:  # a bare tensor, a list: not a checkpoint at all
-        ours = False
-    if not ours:
+        ck = None
+    if ck is None or ck.spec is None:
         raise InputError(
             f"{names['out']} {path}: holds tensors compress did not write (a state_dict or "
             f"other data), which {names['force']} never replaces; give another {names['out']} "
             "or remove the file yourself"
         )
+    return ck
 
 
 def resumable(ck: checkpoint.Checkpoint) -> bool:
@@ -797,7 +797,7 @@ def _stored_run(job: TrainJob) -> tuple[TrainJob, checkpoint.Checkpoint] | None:
     if not job.resume or not job.out.exists():
         return None
     ck = checkpoint.load(job.out)
-    if ck.spec is None:  # --force would not replace it either (`_refuse_foreign`)
+    if ck.spec is None:  # --force would not replace it either (`_ours`)
         raise InputError(
             f"{job.out}: holds tensors compress did not write (a state_dict or other data), "
             "with no training state to resume from; give another --out"

@@ -670,17 +670,18 @@ def fit(
     history, start = resume_position(state, batches, "--workers, --batch-size or --strategy")
     written = state.get("steps_per_epoch") if resume is not None else None
     here = _processes(world, updater)
-    if written is not None and written != batches.per_epoch(state["epoch"]) and not elastic:
-        # the README's `--resume` alone, after a --workers 2 run, went on as one process with
-        # half the global batch: a change to it is made on purpose, never by leaving a flag out
-        was = state.get("processes") or "another --workers or --strategy"
-        raise InputError(
-            f"--resume: {written_to} was trained at {written} steps per epoch ({was}), this "
-            f"run takes {batches.per_epoch(state['epoch'])} ({here}): pass the --workers and "
-            "--strategy it was trained with, or give other ones on purpose to change the "
-            "global batch from here on"
-        )
     if written is not None and written != batches.per_epoch(state["epoch"]):
+        if not elastic:
+            # the README's `--resume` alone, after a --workers 2 run, went on as one process
+            # with half the global batch: a change to it is made on purpose, never by leaving
+            # a flag out
+            was = state.get("processes") or "another --workers or --strategy"
+            raise InputError(
+                f"--resume: {written_to} was trained at {written} steps per epoch ({was}), "
+                f"this run takes {batches.per_epoch(state['epoch'])} ({here}): pass the "
+                "--workers and --strategy it was trained with, or give other ones on purpose "
+                "to change the global batch from here on"
+            )
         # allowed at an epoch's end (elastic training), but never silently: the global batch
         # and the schedule's length change from here on
         events.info(
