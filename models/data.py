@@ -17,14 +17,18 @@ Splits are fixed so every run and every stage sees the same test set, whatever `
     mnist           train-* files for training and t10k-* for test; when only the t10k files
                     exist, image i is a test image when i % 5 == 4 (8,000 train / 2,000 test,
                     drawn evenly from both halves of t10k, which differ in writers)
-    npz             x_test/y_test when present, else every 5th sample (i % 5 == 4) is test
+    npz             x_test/y_test when present, else every 5th sample with the samples
+                    ordered by class (`every_of_class`): a fifth of each class, in the file's
+                    order, so labels that cycle through the classes still train and test on
+                    every class
     tokens          sample i is a test sample when i % 5 == 4 (2,400 / 600)
 
 A validation split is then held out of the training split, so that the decisions a stage makes
 (pruning sensitivity, the INT8 agreement floor) are judged on data no model was trained on
 and the test set stays for the figures reported: the training sample at position j of the
-split above is a validation sample when j % 10 == 9 (digits 1,294 train / 143 val, tokens
-2,160 / 240, MNIST t10k only 7,200 / 800, MNIST train files 54,000 / 6,000). An npz with
+split above is a validation sample when j % 10 == 9, stratified so for an npz (digits 1,294
+train / 143 val, tokens 2,160 / 240, MNIST t10k only 7,200 / 800, MNIST train files 54,000 /
+6,000). An npz with
 x_val/y_val (input_ids_val, or NAME_val, with y_val) uses those instead and trains on all of
 x. A training split of fewer than 20 samples keeps no validation split: stages then decide on
 training data and the report says so (`Dataset.split_note`).
@@ -71,6 +75,7 @@ from compresskit.models.errors import InputError, one_line
 
 SPECS_HELP = "digits, digits:28, mnist:DIR, npz:FILE or tokens[:L[:V]]"
 MAX_CLASSES = 100_000
+TEST_EVERY = 5  # a user's data without test arrays: a fifth of each class is test
 VAL_EVERY = 10  # training position j is a validation sample when j % VAL_EVERY == VAL_EVERY - 1
 VAL_MIN_TRAIN = 20  # fewer training samples: no validation split
 
@@ -484,12 +489,12 @@ def _npz(spec: str, path: Path, input_name: str | None = None) -> Dataset:
         xt = _npz_input(spec, test, arrays[test]())
         yt = _npz_y(spec, "y_test", arrays["y_test"]())
     else:
-        is_test = torch.arange(len(y)) % 5 == 4
+        is_test = torch.from_numpy(every_of_class(y.numpy(), TEST_EVERY))
         x, xt, y, yt = x[~is_test], x[is_test], y[~is_test], y[is_test]
     given = None
     if val in arrays:
         given = (_npz_input(spec, val, arrays[val]()), _npz_y(spec, "y_val", arrays["y_val"]()))
-    return _checked(spec, x, y, xt, yt, val=given)
+    return _checked(spec, x, y, xt, yt, val=given, per_class=True)
 
 
 def _npz_arrays(
@@ -705,10 +710,19 @@ def _checked(
     y_test: torch.Tensor,
     num_classes: int | None = None,
     val: tuple[torch.Tensor, torch.Tensor] | None = None,
+    per_class: bool = False,
 ) -> Dataset:
     """The data set after checks, with its validation split: `val` as given (an npz's x_val,
-    y_val) or held out of the training split (`val_positions`)."""
+    y_val) or held out of the training split (`val_positions`, of each class when `per_class`:
+    a user's data)."""
     what = "images" if x_train.is_floating_point() else "token sequences"
+    if num_classes is None and len(y_train):  # before the splits' sizes: labels 2**40 leave
+        lo, hi = int(y_train.min()), int(y_train.max())  # every class one sample, none to test
+        if lo < 0 or hi >= MAX_CLASSES:
+            raise InputError(
+                f"--data {spec!r}: train labels out of range [{lo}, {hi}]; "
+                f"number classes 0..K-1 (K <= {MAX_CLASSES})"
+            )
     parts = [("train", x_train, y_train), ("test", x_test, y_test)]
     if val is not None:
         parts.append(("val", *val))
@@ -732,11 +746,6 @@ def _checked(
             )
     if num_classes is None:  # npz: classes are 0..K-1, every one present in training
         lo, hi = int(y_train.min()), int(y_train.max())
-        if lo < 0 or hi >= MAX_CLASSES:
-            raise InputError(
-                f"--data {spec!r}: train labels out of range [{lo}, {hi}]; "
-                f"number classes 0..K-1 (K <= {MAX_CLASSES})"
-            )
         num_classes = max(hi + 1, 2)
         present = torch.bincount(y_train, minlength=num_classes) > 0
         if not bool(present.all()):
@@ -754,7 +763,8 @@ def _checked(
                 f"expected 0..{num_classes - 1} (classes are numbered from 0)"
             )
     if val is None:
-        is_val = torch.from_numpy(val_positions(len(y_train)))
+        labels = y_train.numpy() if per_class else None
+        is_val = torch.from_numpy(val_positions(len(y_train), labels))
         val = (x_train[is_val], y_train[is_val])
         x_train, y_train = x_train[~is_val], y_train[~is_val]
     return Dataset(
@@ -783,8 +793,8 @@ def from_arrays(
     """A Dataset from in-memory arrays (numpy, torch or nested lists), converted, split and
     checked by the rules an npz follows (the module doc); also `Dataset.from_arrays`.
 
-    x_test/y_test when given, else every 5th sample is test; x_val/y_val when given, else
-    every 10th training sample is held out for validation. Inputs: float arrays as given
+    x_test/y_test when given, else a fifth of each class is test; x_val/y_val when given, else
+    a tenth of each class's training samples is held out for validation (`every_of_class`). Inputs: float arrays as given
     (float32), uint8 pixels scaled by 1/255, signed integer (N, L) arrays as token ids; labels
     are classes 0..K-1, K = `num_classes` or the largest label + 1 (then every class must
     occur in training). Errors name the argument."""
@@ -819,12 +829,12 @@ def from_arrays(
                 _npz_y(name, "y_test", _array(where, "y_test", y_test)),
             )
         else:
-            is_test = torch.arange(len(ys)) % 5 == 4
+            is_test = torch.from_numpy(every_of_class(ys.numpy(), TEST_EVERY))
             xs, xt, ys, yt = xs[~is_test], xs[is_test], ys[~is_test], ys[is_test]
         val = None
         if x_val is not None:
             val = (inputs("x_val", x_val), _npz_y(name, "y_val", _array(where, "y_val", y_val)))
-        return _checked(name, xs, ys, xt, yt, num_classes, val=val)
+        return _checked(name, xs, ys, xt, yt, num_classes, val=val, per_class=True)
     except InputError as e:  # the npz rules speak of --data SPEC; here the call is the source
         raise InputError(f"{where}: {str(e).removeprefix(f'--data {name!r}: ')}") from None
 
@@ -914,14 +924,39 @@ def _check_fields(d: Dataset) -> None:
             )
 
 
-def val_positions(n_train: int) -> np.ndarray:
+def val_positions(n_train: int, labels: np.ndarray | None = None) -> np.ndarray:
     """Which of n_train training samples (by position) are held out for validation: every
-    VAL_EVERY-th (j % 10 == 9), none when n_train < VAL_MIN_TRAIN. Positions, not a random draw:
-    the split is the same on every run and machine, and for digits (already a stratified
-    shuffle) and the other specs (interleaved) it spreads over classes and sources."""
+    VAL_EVERY-th (j % 10 == 9), or stratified by class when `labels` are given (a user's data,
+    whose order may cycle through the classes: `every_of_class`), none when n_train < VAL_MIN_TRAIN. Positions, not a
+    random draw: the split is the same on every run and machine, and for digits (already a
+    stratified shuffle) and the other specs (interleaved) it spreads over classes and sources."""
     if n_train < VAL_MIN_TRAIN:
         return np.zeros(n_train, dtype=bool)
+    if labels is not None:
+        return every_of_class(labels, VAL_EVERY)
     return np.arange(n_train) % VAL_EVERY == VAL_EVERY - 1
+
+
+def every_of_class(labels: np.ndarray, every: int) -> np.ndarray:
+    """Every every-th sample with the samples ordered by class (each class's in the data's
+    order), a class's second in place of its first: a fixed split that keeps each class's share and keeps every
+    class in what is left, whatever order the samples come in. By position alone, labels that
+    cycle 0..9 would put all of classes 4 and 9 in an every-5th test split and none in
+    training."""
+    y = np.asarray(labels).reshape(-1)
+    order = np.argsort(y, kind="stable")  # each class's samples together, in data order
+    ys = y[order]
+    first = np.r_[True, ys[1:] != ys[:-1]] if len(ys) else np.zeros(0, dtype=bool)
+    hit = np.arange(len(ys)) % every == every - 1
+    # A class's first sample stays; its second goes in its place (when it has one), so the
+    # share stays a fixed 1/every of the samples.
+    moved = np.flatnonzero(hit & first)
+    moved = moved[(moved + 1 < len(ys)) & ~np.r_[first, True][moved + 1]]
+    hit &= ~first
+    hit[moved + 1] = True
+    picked = np.zeros(len(y), dtype=bool)
+    picked[order] = hit
+    return picked
 
 
 def check_labels(data: Dataset, num_classes: int, model_name: str) -> None:

@@ -426,10 +426,43 @@ def test_validation_split_never_overlaps_train_or_test(tmp_path):
     ids = {k: set(getattr(d, f"x_{k}")[:, 0].long().tolist()) for k in ("train", "val", "test")}
     assert not ids["val"] & ids["train"] and not ids["val"] & ids["test"]
     assert not ids["train"] & ids["test"] and set().union(*ids.values()) == set(range(n))
-    assert ids["test"] == {i for i in range(n) if i % 5 == 4}
-    train_order = [i for i in range(n) if i % 5 != 4]  # positions in the training split
-    assert ids["val"] == {train_order[j] for j in range(len(train_order)) if j % 10 == 9}
+    y = [i % 4 for i in range(n)]
+    assert ids["test"] == _every_by_class(list(range(n)), y, 5)
+    train_order = [i for i in range(n) if i not in ids["test"]]  # the training split, in order
+    assert ids["val"] == _every_by_class(train_order, [y[i] for i in train_order], 10)
     assert d.has_val and d.decision_split()[0] is d.x_val
+
+
+def _every_by_class(items, labels, every):
+    """The documented rule, spelled out: order the samples by class (each class's in data
+    order), take every `every`-th, a class's second in place of its first."""
+    ranked = sorted(range(len(items)), key=lambda i: (labels[i], i))
+    picked = set()
+    for p in range(every - 1, len(ranked), every):
+        if p > 0 and labels[ranked[p]] == labels[ranked[p - 1]]:
+            picked.add(items[ranked[p]])
+        elif p + 1 < len(ranked) and labels[ranked[p + 1]] == labels[ranked[p]]:
+            picked.add(items[ranked[p + 1]])  # a class's first stays; its second goes instead
+    return picked
+
+
+def test_a_users_data_whose_labels_cycle_trains_and_tests_on_every_class(tmp_path):
+    # Labels 0..9 in turn: by position alone, every 5th sample would put all of classes 4
+    # and 9 in test, none in training ("class 4 never occurs"), or, with num_classes=10,
+    # silently test a model only on classes it never saw.
+    x, y = np.random.default_rng(0).random((100, 6), dtype=np.float32), np.arange(100) % 10
+    for d in (
+        D.Dataset.from_arrays(x, y),
+        D.Dataset.from_arrays(x, y, num_classes=10),
+        load(_npz(tmp_path, x=x, y=y)),
+    ):
+        assert np.bincount(d.y_test.numpy()).tolist() == [2] * 10
+        assert np.bincount(d.y_train.numpy(), minlength=10).min() >= 7
+        assert len(d.y_val) == 8  # a tenth of the 80 training samples, across classes
+    # a class with a single sample stays in training
+    y1 = np.r_[np.zeros(9, dtype=np.int64), [1]]
+    d = D.Dataset.from_arrays(np.ones((10, 2), dtype=np.float32), y1)
+    assert 1 in d.y_train.tolist() and d.y_test.tolist() == [0]
 
 
 def test_digits_validation_split_is_every_tenth_stratified_training_image():
@@ -540,7 +573,8 @@ def test_from_arrays_splits_converts_and_names_itself_in_errors():
     d = D.Dataset.from_arrays(x.numpy().astype(np.float64), y.numpy().astype(np.int32))
     assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (216, 24, 60)
     assert d.x_train.dtype == torch.float32 and d.num_classes == 7
-    assert torch.equal(d.x_test, x[4::5])  # every 5th sample, as an npz without x_test
+    picked = sorted(_every_by_class(list(range(300)), y.tolist(), 5))
+    assert torch.equal(d.x_test, x[picked])  # a fifth of each class, as an npz without x_test
     given = D.Dataset.from_arrays(x[:200], y[:200], x_test=x[200:], y_test=y[200:], num_classes=12)
     assert len(given.y_test) == 100 and given.num_classes == 12
     ids = torch.randint(1, 50, (100, 6))
