@@ -579,7 +579,6 @@ def decode(
     exit 2. Its CRC32 catches damage, not tampering: pass --expect with the SHA-256 from
     report.json (sent over a channel you trust) to know it is the archive that was written.
     """
-    out = out or archive_path.with_suffix(".decoded.pt")
     result = pipeline.decode_to_checkpoint(
         archive_path, out, allow_import=model, max_elements=max_elements, sha256=sha256, force=force
     )

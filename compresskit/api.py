@@ -48,7 +48,7 @@ class ShrinkReport:
 
     name            "model", or "student" when the recipe distilled into a new model
     out             the folder holding every file
-    files           the files written, sorted
+    files           the files written, sorted (absolute; report.json names them in `out`)
     ship            the file to ship (the INT8 ONNX, or the FP32 one where INT8 was refused);
                     `ship_mobile` the .ort for ONNX Runtime Mobile, when written
     dense_bytes     the dense FP32 weights the ratios are measured against
@@ -81,7 +81,7 @@ class ShrinkReport:
         return cls(
             name=report["name"],
             out=out,
-            files=tuple(Path(f) for f in report.get("files", [])),
+            files=tuple(out / Path(f).name for f in report.get("files", [])),
             ship=deliverables.get("ship"),
             ship_mobile=deliverables.get("ship_mobile"),
             dense_bytes=report["baseline"]["bytes"],
@@ -305,7 +305,8 @@ def shrink(
                 trained on
     recipe      a `compresskit.Recipe` (default: `Recipe()`, the paper's settings)
     out         the folder for NAME.dcz, NAME.pt, NAME.fp32/int8.onnx, NAME.int8.ort,
-                report.json/.md and plots; it must be new or empty unless `force`
+                report.json/.md and plots: new, empty or holding files of your own; one
+                that already holds a run's outputs is refused unless `force`
     spec        for a checkpoint, the model code to import (as `--model`); the checkpoint's
                 own import path is imported only with this or `trust_model`
     student_code  the recipe's `distill.student` when it is an import path
@@ -437,8 +438,12 @@ def decode(
     for what, value in (("archive", archive), ("out", out)):
         if not (isinstance(value, str | os.PathLike) or (what == "out" and value is None)):
             raise InputError(f"{what} {brief(value)}: give a file path (a str or Path)")
-    archive = Path(archive)
-    target = Path(out) if out is not None else archive.with_suffix(".decoded.pt")
+    target = Path(out) if out is not None else None
     return pipeline.decode_to_checkpoint(
-        archive, target, allow_import=model, max_elements=max_elements, sha256=sha256, force=force
+        Path(archive),
+        target,
+        allow_import=model,
+        max_elements=max_elements,
+        sha256=sha256,
+        force=force,
     )

@@ -637,7 +637,7 @@ class _Trials:
         m, rep, d = self.kept[won["trial"]]
         (d / self.archive_name).replace(self.out_dir / self.archive_name)
         shutil.rmtree(d, ignore_errors=True)
-        rep["archive"]["path"] = str(self.out_dir / self.archive_name)
+        rep["archive"]["path"] = self.archive_name  # a name in the output folder
         return m, rep, won
 
 

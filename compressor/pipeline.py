@@ -401,15 +401,15 @@ def _shrink_to_folder(
                     else:
                         report["ort"] = {
                             **ort_file,
-                            "path": str(out / f"{name}.{kind}.ort"),
-                            "config": str(out / Path(ort_file["config"]).name),
+                            "path": f"{name}.{kind}.ort",
+                            "config": Path(ort_file["config"]).name,
                         }
                     report["mobile"] = mobile.usability(shipped)
             n = recipe.export.fixed_batch
             if n:
                 fixed = mobile.fixed_batch(shipped, tmp / f"{name}.{kind}.fixed.onnx", n)
                 report["mobile_fixed_batch"] = {
-                    "path": str(out / fixed.name),
+                    "path": fixed.name,
                     "batch": n,
                     "bytes": fixed.stat().st_size,
                     **compat.describe(_load(fixed)),
@@ -426,7 +426,7 @@ def _shrink_to_folder(
             {**metadata, "test_accuracy": final_acc, "compressed": True},
         )
         if "archive" in report:
-            report["archive"]["path"] = str(out / f"{name}.dcz")
+            report["archive"]["path"] = f"{name}.dcz"
         report["name"] = name
         if trained := marks.trained(hooks.training()):
             report["training"] = trained
@@ -445,6 +445,9 @@ def _shrink_to_folder(
         # What the bytes may depend on: retraining's float sums follow the torch thread count
         # (a one-core container writes other bits), and --target host times this CPU.
         report["environment"] = envinfo.environment()
+        # Paths in the report are names in its folder: they hold wherever the folder goes.
+        written = {p.name for p in tmp.iterdir() if p.name in OUTPUTS}
+        report["files"] = sorted(written | {"report.json", "report.md"})
         with atomic_path(tmp / "report.json") as f:
             f.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         with atomic_path(tmp / "report.md") as f:
@@ -455,7 +458,6 @@ def _shrink_to_folder(
         marks.finish()  # the outputs are in place: nothing left to resume
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report["files"] = sorted(str(out / p.name) for p in out.iterdir() if p.name in OUTPUTS)
     return report
 
 
@@ -836,7 +838,7 @@ def _export(
                 {k: (c["initializer"], c["transposed"]) for k, c in checks.items() if c["found"]}
             )
         return {
-            "path": str(out / path.name),
+            "path": path.name,
             "bytes": path.stat().st_size,
             **compat.describe(proto := onnx.load(str(path))),
             "input": export.input_info(proto),
@@ -1079,7 +1081,7 @@ BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 def decode_to_checkpoint(
     path: Path,
-    out: Path,
+    out: Path | None,
     allow_import: str | None = None,
     max_elements: int | None = None,
     sha256: str | None = None,
@@ -1095,8 +1097,13 @@ def decode_to_checkpoint(
     tensor. A user's model without `allow_import` is not imported (a file never picks the
     code): its tensors are decoded within the archive's own bounds (`max_elements`, sizes
     checked against the file) and written as a checkpoint naming the same code, which builds
-    when it is loaded with consent (`rebuilt` False in the result).
+    when it is loaded with consent (`rebuilt` False in the result). `out` None: beside the
+    archive, as NAME.decoded.pt.
     """
+    if out is None:
+        if path.is_dir() or not path.name:  # ".", "/" or "": no name to derive one from
+            raise InputError(f"{path}: a folder, not an archive; give the .dcz file in it")
+        out = path.with_suffix(".decoded.pt")
     check_writable(out, inputs=[path], replace=force)
     rebuilt = True
 
@@ -1130,12 +1137,15 @@ def decode_to_checkpoint(
     else:
         checkpoint.save_state(out, decoded.state_dict, spec, meta)
         # the model's parameters as train and shrink count them: not BatchNorm's running
-        # statistics, which a state_dict holds beside them (a KWS net: 11,108 for 10,596)
-        parameters = sum(
-            t.numel()
+        # statistics, which a state_dict holds beside them (a KWS net: 11,108 for 10,596);
+        # a tied weight once, as parameters() counts it (the archive decodes its names to one
+        # tensor)
+        tensors = {
+            t.data_ptr(): t
             for k, t in decoded.state_dict.items()
             if t.is_floating_point() and not k.endswith(BN_BUFFERS)
-        )
+        }
+        parameters = sum(t.numel() for t in tensors.values())
     return {
         "checkpoint": str(out),
         "archive": str(path),

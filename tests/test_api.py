@@ -70,6 +70,15 @@ def test_factory_model_shrunk_through_the_api_and_the_cli(tmp_path, monkeypatch)
     assert report.test_accuracy > 0.5 and report.out.resolve() == tmp_path / "api"
     assert {p.name for p in report.files} >= {"model.dcz", "model.pt", "report.json"}
     assert report.to_json()["recipe"] == FAST.to_dict()
+    # report.json names the files in its folder (they were relative to the shell's folder),
+    # and the report's paths are absolute: both hold after a change of folder
+    written = json.loads(Path("api/report.json").read_text())
+    assert written["files"] == sorted(p.name for p in report.files)
+    assert written["archive"]["path"] == "model.dcz"
+    monkeypatch.chdir(tmp_path / "api")
+    assert all(p.is_absolute() and p.is_file() for p in report.files)
+    assert all(Path(f["path"]).is_file() for f in written["deliverables"]["files"])
+    monkeypatch.chdir(tmp_path)
 
     FAST.dump("fast.toml")
     args = ["build_net.pt", "--model", "mynets:build_net", "--recipe", "fast.toml"]

@@ -357,3 +357,18 @@ def test_decoding_without_the_model_counts_its_parameters_as_shrink_does(tmp_pat
     built = pipeline.decode_to_checkpoint(path, tmp_path / "b.pt", allow_import="bnmod:Net")
     assert built["rebuilt"] and not alone["rebuilt"]
     assert built["parameters"] == alone["parameters"] == sum(p.numel() for p in model.parameters())
+
+    # A tied weight (one tensor under two names, an Alias in the archive) is one parameter
+    # tensor, as parameters() counts it: it was counted once per name (8,970 for 4,874).
+    tied = {**model.state_dict(), "fc2.weight": model.fc.weight}
+    entries = [archive.Dense(k, v) for k, v in tied.items() if k != "fc2.weight"]
+    path = tmp_path / "tied.dcz"
+    archive.write(path, [*entries, archive.Alias("fc2.weight", "fc.weight")], spec, {})
+    tied_alone = pipeline.decode_to_checkpoint(path, tmp_path / "t.pt")
+    assert tied_alone["tensors"] == len(tied) and tied_alone["parameters"] == alone["parameters"]
+    assert pipeline.decode_to_checkpoint(path, None)["checkpoint"] == str(
+        path.with_suffix(".decoded.pt")
+    )
+    for folder in (tmp_path, Path(".")):  # no name to derive the default from: one line
+        with pytest.raises(InputError, match="a folder, not an archive"):
+            pipeline.decode_to_checkpoint(folder, None)

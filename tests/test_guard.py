@@ -187,7 +187,7 @@ def test_outputs_are_named_for_what_they_hold_and_the_summary_names_each_deliver
     d = report["deliverables"]
     assert d["ship"].endswith("model.int8.onnx") and d["ship_mobile"].endswith("model.int8.ort")
     for f in d["files"]:
-        assert f["bytes"] == os.path.getsize(f["path"])
+        assert f["bytes"] == os.path.getsize(out / f["path"])  # names in the folder
         assert f["ratio"] == pytest.approx(report["baseline"]["bytes"] / f["bytes"])
 
     student = tmp_path / "st"
