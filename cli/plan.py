@@ -119,8 +119,9 @@ Examples:
     "plot_path",
     type=OutPath(dir_okay=False, path_type=Path),
     default=None,
-    help="Write speed-up against N per strategy as a PNG.",
+    help="Write speed-up against N per strategy: a .png, .svg or .pdf file.",
 )
+@click.option("--force", is_flag=True, help="Replace an existing --plot file.")
 @json_option
 @log_option
 def plan(
@@ -141,13 +142,15 @@ def plan(
     threads: int,
     optimizer: str,
     plot_path: Path | None,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Predict step time, speed-up and efficiency for N = 1..64 workers (alpha-beta model)."""
     if plot_path is not None:
-        from compresskit.models.fileio import check_writable
+        from compresskit.models.fileio import check_plot_path, check_writable
 
-        check_writable(plot_path, "--plot")
+        check_plot_path(plot_path)
+        check_writable(plot_path, "--plot", replace=force)  # a .pt named by mistake was lost
     result = make_plan(
         PlanRequest(
             model=model,
@@ -285,7 +288,10 @@ def saturation_lines(p: Plan) -> list[str]:
             f"{s['speedup']:.2f}x, {s['efficiency']:.0%} efficient)"
         )
         if s["still_gaining"]:
-            line += f"; still gaining at N = {p.max_workers}: try a larger --max-workers"
+            line += (
+                f" within N <= {p.max_workers}, and still gaining at N = {p.max_workers}: "
+                "try a larger --max-workers"
+            )
         elif s["limited"]:
             line += "; the most workers it applies to here"
         elif s["workers"] < p.max_workers:
@@ -350,10 +356,10 @@ def _figure(p: Plan):
 
 
 def write_plot(p: Plan, path: Path) -> Path:
-    """The speed-up curves as a PNG, written atomically."""
-    from compresskit.models.fileio import atomic_path
+    """The speed-up curves as the PNG, SVG or PDF the path's suffix names, written atomically."""
+    from compresskit.models.fileio import atomic_path, check_plot_path
 
     fig = _figure(p)
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format=check_plot_path(path))
     return path

@@ -954,15 +954,15 @@ def _check_shape(r: _Reader, name: str, shape: tuple[int, ...], count: bool = Tr
         raise InputError(
             f"{r.path}: tensor {name}: shape {list(shape)} takes the archive past "
             f"{r.max_elements:,} elements; if the model really is this large, raise the cap "
-            f"(--max-elements or ${limits.ENV_MAX_ELEMENTS})"
+            f"(--max-elements, max_elements= in Python, or ${limits.ENV_MAX_ELEMENTS})"
         )
     if r.expect is None and r.unchecked_left is not None:
         if numel > r.unchecked_left:
             raise InputError(
                 f"{r.path}: tensor {name}: shape {list(shape)} declares more elements than "
                 f"{UNCHECKED_PER_BYTE:,} per byte of the archive while no model checks its "
-                "shapes; pass --model NAME (your model's code) to check them, or --max-elements "
-                "to trust the file"
+                "shapes; pass --model NAME (your model's code; model= in Python) to check them, "
+                "or --max-elements (max_elements=) to trust the file"
             )
         r.unchecked_left -= numel
     r.elements_left -= numel

@@ -108,7 +108,8 @@ class Checkpoint:
                 raise InputError(f"{self.path}: its model {spec.name} is {hint}")
             raise InputError(
                 f"{self.path}: names model code {spec.name}; pass --model {spec.name} "
-                "to allow importing it (in Python: spec= naming it, or trust_model=True)"
+                "to allow importing it (in Python: the same name as shrink's spec= or bench's "
+                "model=, or trust_model=True)"
             )
         shapes = state_shapes(spec)
         state = self.state_dict if shapes is None else self._fitted(shapes, spec)

@@ -139,7 +139,9 @@ def check_writable(
     if path.is_dir():
         raise InputError(f"{flag} {path}: is a folder; give a file name, e.g. {path / 'model.pt'}")
     if path.exists() and not replace:
-        raise InputError(f"{flag} {path}: exists; pass --force to replace it, or another path")
+        raise InputError(
+            f"{flag} {path}: exists; pass --force (force=True) to replace it, or another path"
+        )
     if not parent.exists():
         raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first")
     if not parent.is_dir():
@@ -298,3 +300,17 @@ def scratch_cwd() -> Iterator[None]:
             yield
         finally:
             os.chdir(old)
+
+
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def check_plot_path(path: str | os.PathLike) -> str:
+    """The image format a --plot path names by its suffix (png, svg or pdf); InputError for
+    another (a .jpg or .xyz path received PNG bytes)."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise InputError(
+            f"--plot {path}: give a .png, .svg or .pdf file name (the suffix picks the format)"
+        )
+    return suffix

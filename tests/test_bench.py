@@ -706,7 +706,7 @@ def test_a_report_never_replaces_what_the_folder_holds(run, shrunk, tmp_path):
     fast = ("--batch", "1", "--min-runs", "3", "--min-seconds", "0", "-q")
     for out, message in [
         (model, "a report is a .md (Markdown) or .json file, not .onnx"),
-        (folder / "report.json", "exists; pass --force to replace it"),
+        (folder / "report.json", "exists; pass --force (force=True) to replace it"),
     ]:
         result = run("bench", folder, "--report", out, *fast)
         assert result.exit_code == 2 and message in result.stderr, result.stderr

@@ -192,6 +192,23 @@ def test_bandwidth_bounds_the_ring_and_a_free_link_keeps_gaining():
     assert sat["workers"] == 64 and sat["still_gaining"] and sat["efficiency"] == pytest.approx(1)
 
 
+def test_a_curve_still_falling_past_the_plan_says_so_though_its_saturation_lies_within():
+    # The README's example: within N <= 64 the ring's N = 59 is within 1% of N = 64, but the
+    # ring's step T(N) = 200/N + 2(N-1) 5us + 2(N-1)/N 8 ms falls until N = sqrt(184/0.01)
+    # ~ 136, 5% below T(59): "more workers gain < 1%" was wrong there.
+    w = P.Workload(model_bytes=100e6, batch=1024, sample_s=0.2 / 1024, activation_bytes=1e6)
+    link = P.Link(5e-6, 100e9 / 8)
+    p = P.plan(w, link, max_workers=64)
+    sat = p.saturation()["allreduce"]
+    t = {n: P.allreduce_step(w, link, n).total_s for n in (59, 64, 136)}
+    assert t[136] < t[64] < t[59] and t[136] < 0.96 * t[59]  # by the formula, as above
+    assert sat["workers"] == 59 and sat["still_gaining"]
+    wide = P.plan(w, link, max_workers=256).saturation()["allreduce"]
+    assert 64 < wide["workers"] < 256 and not wide["still_gaining"]
+    with pytest.raises(InputError, match="--max-workers 1000000: give at most 65,536"):
+        P.plan(w, link, max_workers=1_000_000)
+
+
 # ---- units -------------------------------------------------------------------------------
 
 
@@ -335,6 +352,18 @@ def test_plan_with_nothing_measured_and_a_plot(run, tmp_path, monkeypatch):
     assert any(line.lstrip().startswith("64 ") for line in lines)
     assert sum("saturates at N =" in line for line in lines) == 3
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the suffix picks the format, as bench's --plot does (a .svg held PNG bytes)
+    svg = tmp_path / "plan.svg"
+    assert run(*args, *GIVEN, "--plot", svg).exit_code == 0
+    assert b"<svg" in svg.read_bytes()[:400]
+    result = run(*args, *GIVEN, "--plot", tmp_path / "plan.jpg")
+    assert result.exit_code == 2 and "give a .png, .svg or .pdf file name" in result.stderr
+    assert not (tmp_path / "plan.jpg").exists()
+    # an existing file is replaced only with --force (a checkpoint named by mistake was lost)
+    result = run(*args, *GIVEN, "--plot", svg)
+    assert result.exit_code == 2 and "pass --force" in result.stderr
+    assert b"<svg" in svg.read_bytes()[:400]
+    assert run(*args, *GIVEN, "--plot", svg, "--force").exit_code == 0
 
 
 def test_plan_fixed_servers_and_stages(run):
@@ -410,6 +439,8 @@ def test_links_from_with_a_given_link_is_refused(run, tmp_path):
         (["--stages", "-1", *GIVEN], "--stages -1"),
         (["--max-workers", "0", *GIVEN], "--max-workers 0"),
         (["--batch-size", "0", *GIVEN], "--batch-size 0"),
+        (["--max-workers", "70000", *GIVEN], "give at most 65,536"),
+        (["--threads", "100000", *GIVEN], "--threads 100000: this machine gives compress"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(run, args, message):

@@ -12,7 +12,7 @@ from typing import Any
 
 from compresskit.compressor.report import new_figure, save_figure
 from compresskit.models.errors import InputError
-from compresskit.models.fileio import atomic_path, check_writable
+from compresskit.models.fileio import atomic_path, check_plot_path, check_writable
 from compresskit.models.jsonable import finite
 
 ENV_KEYS = (
@@ -332,20 +332,6 @@ def figure(bench: dict[str, Any]) -> Any:
             title_fontsize=7,
         )
     return fig
-
-
-PLOT_FORMATS = ("png", "svg", "pdf")
-
-
-def check_plot_path(path: str | Path) -> str:
-    """The image format a --plot path names by its suffix (png, svg or pdf); InputError for
-    another (a .jpg or .xyz path received PNG bytes)."""
-    suffix = Path(path).suffix.lower().lstrip(".")
-    if suffix not in PLOT_FORMATS:
-        raise InputError(
-            f"--plot {path}: give a .png, .svg or .pdf file name (the suffix picks the format)"
-        )
-    return suffix
 
 
 def plot(bench: dict[str, Any], path: Path) -> Path:

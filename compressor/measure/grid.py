@@ -225,13 +225,14 @@ def notes(environment: dict[str, Any], results: list[dict[str, Any]]) -> list[st
             )
             out.append(
                 f"other processes kept cores busy while these were timed, on {cores} usable "
-                f"cores: {where}; their latencies read high and the measured peaks (and % "
-                "peak) low"
+                f"cores: {where}; their latencies read high, and % peak, taken against a peak "
+                "measured on the same busy cores, is unreliable (it can pass 100%)"
             )
     elif load is not None and cores and load > cores:  # more runnable work than cores
         out.append(
             f"load average {load:.1f} on {cores} usable cores: other work ran beside the "
-            "timings, so latencies read high and the measured peaks (and % peak) low"
+            "timings, so latencies read high, and % peak, taken against a peak measured on "
+            "the same busy cores, is unreliable (it can pass 100%)"
         )
     torch_rows = {r["model"] for r in results if str(r.get("provider")).startswith("pytorch")}
     small = [
