@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from compresskit.compressor.report import new_figure, save_figure
-from compresskit.models.errors import InputError
 from compresskit.models.fileio import atomic_path, check_plot_path, check_writable
 from compresskit.models.jsonable import finite
 
