@@ -501,6 +501,7 @@ def measure(
                     if v.name == speed_reference or first is None:
                         first = first or row["p50_ms"]
                     row["speedup_vs_first"] = first / row["p50_ms"]
+                    row["gflops"] = row["peak_fraction"] = None  # every row has each key
                     if macs:
                         row["gflops"] = 2 * macs / (row["p50_ms"] / 1000) / 1e9
                         # INT8 against the INT8 matmul peak; FP32 (and bf16) against FP32's

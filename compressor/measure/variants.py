@@ -147,7 +147,8 @@ def expand(paths: list[Path]) -> list[Path]:
         elif file_kind(p) == ".dcz":
             raise InputError(
                 f"{p}: a compress archive, which no runtime runs; decode it first "
-                f"(compress decode {p} --out {p.with_suffix('.pt')}) and bench the .pt"
+                f"(compress decode {p}, which writes {p.with_suffix('.decoded.pt')}) and bench "
+                "the .pt"
             )
         elif file_kind(p) not in SUFFIXES:
             raise InputError(
