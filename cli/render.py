@@ -379,6 +379,9 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
         )
         if kind == "fp32" and (line := report_mod.sequence_line(o.get("input", {}))):
             out.print(f"  {line}")
+        if kind == "fp32" and (scaling := o.get("input", {}).get("scaling")):
+            i = o["input"]
+            out.print(f"  input {i['name']} ({', '.join(map(str, i['shape']))}): {scaling}")
         if kind == "int8":
             lat = o.get("latency_ms_batch1")
             timed = f"; batch 1 {lat['int8']:.3f} ms vs FP32 {lat['fp32']:.3f} ms" if lat else ""

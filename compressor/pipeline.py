@@ -27,7 +27,7 @@ from compresskit.compressor import archive, budget, channels, distill, export, g
 from compresskit.compressor import report as report_mod
 from compresskit.compressor import resume as resume_mod
 from compresskit.compressor import shrink as shrink_mod
-from compresskit.compressor.export import checks, compat, int8, mobile
+from compresskit.compressor.export import checks, compat, int8, mobile, protos
 from compresskit.compressor.measure import envinfo, layertime, speedup
 from compresskit.compressor.recipe import ExportSection, Recipe
 from compresskit.models import checkpoint, zoo
@@ -776,6 +776,21 @@ def deliverables(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def app_metadata(data: Dataset) -> dict[str, str]:
+    """What an app must know to use the files, written into their metadata_props: how a raw
+    sample becomes the input (the data's scaling) and what the output is."""
+    k = data.num_classes
+    meta = {
+        protos.OUTPUT_KEY: (
+            f"logits, one per class 0..{k - 1}: the largest is the prediction; softmax gives "
+            "probabilities"
+        )
+    }
+    if data.scaling:
+        meta[protos.INPUT_KEY] = data.scaling
+    return meta
+
+
 def _export(
     model,
     e: ExportSection,
@@ -794,7 +809,9 @@ def _export(
     cfg = export_config(e)
     with clock.step("export_fp32", f"export: FP32 ONNX (opset {cfg.opset})"):
         _check_onnx_size(model)
-        fp32 = export.export_onnx(model, data.x_train[:2], tmp / f"{name}.fp32.onnx", cfg)
+        fp32 = export.export_onnx(
+            model, data.x_train[:2], tmp / f"{name}.fp32.onnx", cfg, app_metadata(data)
+        )
     bits = {r["layer"]: r["weight_bits"] for r in report["layers"] if r.get("codebook")}
     fp32_names: dict[str, tuple[str, bool]] = {}  # key -> (the FP32 file's initializer, transposed)
 
@@ -842,6 +859,7 @@ def _export(
             "bytes": path.stat().st_size,
             **compat.describe(proto := onnx.load(str(path))),
             "input": export.input_info(proto),
+            "output": export.output_info(proto),
             **parity(path, optimized),
             "weights_ok": all(c["ok"] for c in checks.values()),
             "weights": checks,

@@ -530,6 +530,19 @@ def sequence_line(inp: dict[str, Any]) -> str:
     return f"input {name}: exactly {n} token ids per sequence" + (f" ({why})" if why else "")
 
 
+def io_lines(o: dict[str, Any]) -> list[str]:
+    """What an app feeds every file and reads back: the input's name, type and shape with how
+    a raw sample becomes it, and the output's (from the file's metadata; none when unknown)."""
+    out = []
+    for what, key, about in (("Input", "input", "scaling"), ("Output", "output", "meaning")):
+        io = o.get(key)
+        if io:
+            shape = ", ".join(map(str, io["shape"]))
+            text = f"- {what} `{io['name']}`: {io['type']} ({shape})"
+            out.append(text + (f": {io[about]}" if io.get(about) else ""))
+    return ["", *out] if out else []
+
+
 def _onnx_lines(report: dict[str, Any]) -> list[str]:
     if "onnx" not in report:
         return []
@@ -549,6 +562,7 @@ def _onnx_lines(report: dict[str, Any]) -> list[str]:
             f"{'yes' if o['weights_ok'] else 'NO'} | "
             f"{o['opsets'].get('ai.onnx')} / {o['ir_version']} | ≥ {o['min_ort']} |"
         )
+    lines += io_lines(report["onnx"].get("fp32", {}))
     line = sequence_line(report["onnx"].get("fp32", {}).get("input", {}))
     if line:
         lines += ["", f"{line[0].upper()}{line[1:]}."]

@@ -446,6 +446,26 @@ def _every_by_class(items, labels, every):
     return picked
 
 
+def test_each_data_spec_says_how_a_raw_sample_became_the_input(tmp_path):
+    # the exported files carry this, so an app feeds what the model was trained on
+    assert "divided by 16" in load("digits").scaling
+    assert "resized to 28x28" in load("digits:28").scaling
+    assert load("tokens").scaling == "int64 token ids, 0 = padding"
+    y = np.arange(40) % 2
+    cases = [
+        (np.zeros((40, 4, 4), np.uint8), "uint8 values divided by 255: float32 in [0, 1]"),
+        (np.zeros((40, 4, 4), np.uint16), "uint16 values divided by 65535"),
+        (np.zeros((40, 6), np.float64), "the values as stored (float32, no scaling)"),
+        (np.zeros((40, 4, 4), np.int32), "8-bit pixel values (0..255) divided by 255"),
+    ]
+    for x, want in cases:
+        assert want in load(_npz(tmp_path, x=x, y=y)).scaling
+        assert want in D.Dataset.from_arrays(x, y).scaling
+    ids = np.ones((40, 5), np.int64)
+    assert load(_npz(tmp_path, input_ids=ids, y=y)).scaling == "token ids as stored (int64)"
+    assert D.Dataset.from_arrays(ids, y).scaling == "token ids as stored (int64)"
+
+
 def test_a_users_data_whose_labels_cycle_trains_and_tests_on_every_class(tmp_path):
     # Labels 0..9 in turn: by position alone, every 5th sample would put all of classes 4
     # and 9 in test, none in training ("class 4 never occurs"), or, with num_classes=10,

@@ -139,6 +139,19 @@ def test_shrink_exports_fp32_and_int8_onnx_that_answer_like_the_model(trained):
         assert o["weights_ok"], o["weights"]  # pruned zeros and shared values survive export
     assert onnx["fp32"]["top1_agreement"] == 1.0 and onnx["fp32"]["max_abs_diff"] < 1e-4
     assert onnx["int8"]["top1_agreement"] >= 0.99
+    # what an app must feed and reads back, in every file and the report (digits' raw
+    # 0..16 pixels, fed unscaled, cost an INT8 file 14 points, and nothing said to scale them)
+    import onnxruntime as ort
+
+    scaling = "scikit-learn digits' 8x8 pixels (0..16) divided by 16: float32 in [0, 1]"
+    for name in ("model.fp32.onnx", "model.int8.onnx", "model.int8.ort"):
+        meta = ort.InferenceSession(str(out / name)).get_modelmeta().custom_metadata_map
+        assert meta["compress.input"] == scaling
+        assert meta["compress.output"].startswith("logits, one per class 0..9")
+    assert onnx["int8"]["input"]["scaling"] == scaling
+    assert onnx["int8"]["output"]["shape"] == ["batch", 10]
+    md = (out / "report.md").read_text()
+    assert f"- Input `x`: float32 (batch, 1, 8, 8): {scaling}" in md
     assert onnx["fp32"]["test_accuracy"] == pytest.approx(report["stages"][-1]["test_accuracy"])
     q = onnx["int8"]
     assert q["target"] == "mobile" and q["latency_ms_batch1"] is None  # nothing timed

@@ -102,7 +102,7 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
             assert shared <= {k for k, c in checks.items() if c["found"]}, kind
             assert full["onnx"][kind]["weights_ok"], kind
     fp32 = report["onnx"]["fp32"]
-    (inp,) = onnx.load(fp32["path"]).graph.input
+    (inp,) = onnx.load(out / fp32["path"]).graph.input
     assert inp.type.tensor_type.elem_type == onnx.TensorProto.INT64
     assert fp32["top1_agreement"] == 1.0 and fp32["max_abs_diff"] < 1e-4
     assert fp32["input"] == {
@@ -111,12 +111,13 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
         "shape": ["batch", "sequence"],
         "sequence_length": 16,
         "sequence": "dynamic",
+        "scaling": "int64 token ids, 0 = padding",
     }
     assert "1 to 16 token ids per sequence" in (out / "report.md").read_text()
     # INT8: written and measured against FP32, or the report says why not.
     if "int8" in report["onnx"]:
         q = report["onnx"]["int8"]
-        (inp,) = onnx.load(q["path"]).graph.input
+        (inp,) = onnx.load(out / q["path"]).graph.input
         assert inp.type.tensor_type.elem_type == onnx.TensorProto.INT64
         assert {"top1_agreement", "check_agreement", "calibration"} <= q.keys()
         assert q["calibration"]["samples"] == 64

@@ -191,7 +191,13 @@ def predict(path: Path, x: np.ndarray) -> np.ndarray:
     return run(_session(path), x)
 
 
-def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: ExportConfig) -> Path:
+def export_onnx(
+    model: nn.Module,
+    example: torch.Tensor,
+    path: Path,
+    cfg: ExportConfig,
+    metadata: dict[str, str] | None = None,
+) -> Path:
     """Write `model` (masks and shared weights baked in) as one ONNX file at `path`, at exactly
     `cfg.opset` and `cfg.ir_version`, only used opsets imported; returns the path. The file's
     one input has `example`'s dtype: float32 images, or int64 token ids for a text model.
@@ -206,7 +212,8 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: Export
     7-token query at the cost of 7 tokens, not L. The file must answer as the model on
     `example` cut to a shorter length; where the exporter cannot make the axis symbolic (a
     model that reshapes by L) or the file answers differently, it is exported at L, and the
-    file's doc string says why. Either way the file's metadata holds `sequence_length` = L."""
+    file's doc string says why. Either way the file's metadata holds `sequence_length` = L.
+    `metadata`: more metadata_props to write (what the input and output mean, for an app)."""
     import onnx
 
     model = prune.bake_(copy.deepcopy(model)).eval()
@@ -233,6 +240,8 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, cfg: Export
     drop_source_locations(proto)
     proto.ir_version = cfg.ir_version or compat.min_ir_for(cfg.opset)
     proto.doc_string = f"compress: torch {how} exporter, opset {cfg.opset}"
+    for key, value in (metadata or {}).items():
+        protos.set_metadata(proto, key, value)
     if example.dtype in INTEGER_INPUTS and example.dim() == 2:
         protos.set_metadata(proto, SEQUENCE_KEY, str(example.shape[1]))
         if fixed_why:
@@ -270,13 +279,33 @@ def input_info(proto) -> dict[str, Any]:
         "type": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
         "shape": [d.dim_param or d.dim_value for d in t.shape.dim],
     }
-    length = protos.trained_length(protos.metadata(proto))
+    meta = protos.metadata(proto)
+    if protos.INPUT_KEY in meta:
+        info["scaling"] = meta[protos.INPUT_KEY]
+    length = protos.trained_length(meta)
     if length is not None and len(info["shape"]) == 2:
         info["sequence_length"] = length
         info["sequence"] = "dynamic" if info["shape"][1] == SEQUENCE else "fixed"
         mark = FIXED_AT.format(length)
         if mark in proto.doc_string:
             info["fixed_why"] = proto.doc_string.split(mark, 1)[1]
+    return info
+
+
+def output_info(proto) -> dict[str, Any]:
+    """The file's first output for the report: {"name", "type", "shape"}, and "meaning" from
+    the metadata `export_onnx` wrote (logits over the classes), when there."""
+    import onnx
+
+    out = proto.graph.output[0]
+    t = out.type.tensor_type
+    info: dict[str, Any] = {
+        "name": out.name,
+        "type": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
+        "shape": [d.dim_param or d.dim_value for d in t.shape.dim],
+    }
+    if meaning := protos.metadata(proto).get(protos.OUTPUT_KEY):
+        info["meaning"] = meaning
     return info
 
 

@@ -42,6 +42,9 @@ def compact(model):
 
 SEQUENCE = "sequence"  # the symbolic sequence axis of a token model's input (`export_onnx`)
 SEQUENCE_KEY = "sequence_length"  # metadata: the length it was trained on, the most it takes
+# metadata for an app: how a raw sample becomes the input, and what the output means
+INPUT_KEY = "compress.input"
+OUTPUT_KEY = "compress.output"
 
 
 def set_metadata(model, key: str, value: str) -> None:
