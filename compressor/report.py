@@ -164,7 +164,8 @@ def markdown(
         lines += [
             "",
             f"Archive `{Path(a['path']).name}`: {a['bytes']:,} bytes "
-            f"({a['ratio']:.1f}×), header {a['header_bytes']} bytes; at order-0 entropy it would be "
+            f"({a['ratio']:.1f}×), {a['header_bytes']} of them outside the coded streams "
+            "(header, directory, framing); at order-0 entropy it would be "
             f"{a['entropy_bound_bytes']:,} bytes: the archive is {a['vs_entropy_bound']:.4f}× "
             f"that ({_vs_bound(a['vs_entropy_bound'])}). It decodes to the compressed model bit "
             "for bit (checked).",
@@ -179,12 +180,20 @@ def markdown(
         "| index bits (P+Q+H) | gap width | size (P+Q+H) | stored as |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    recipe = report.get("recipe", {})  # a dict from report.json, a Recipe in tests
+    huffman = recipe.get("huffman", {}) if isinstance(recipe, dict) else vars(recipe.huffman)
+    gaps = huffman.get("coder") == "huffman"
     for r in report["layers"]:
-        lines.append(_layer_line(r))
+        lines.append(_layer_line(r, gaps))
+    index_code = (
+        "the relative-index (gap) code, escapes included"
+        if gaps
+        else "the code of which positions are kept (format 3 codes a mask of kept positions: "
+        "no gaps, so no gap width)"
+    )
     lines += [
         "",
-        "Bits are per kept weight; index bits are the relative-index (gap) code, escapes "
-        "included. Size is the layer's archive record against its FP32 dense bytes. A shared "
+        f"Bits are per kept weight; index bits are {index_code}. Size is the layer's archive record against its FP32 dense bytes. A shared "
         "layer is stored dense where that record is smaller (both priced, each coded alone "
         "with the range coder's final flush, so up to 4 bytes over its share of the archive; "
         "the dense one estimated, marked ≈, where it is plainly the larger).",
@@ -495,7 +504,7 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def _layer_line(r: dict[str, Any]) -> str:
+def _layer_line(r: dict[str, Any], gaps: bool = True) -> str:
     def num(key: str, fmt: str) -> str:
         return format(r[key], fmt) if key in r else "–"
 
@@ -508,7 +517,7 @@ def _layer_line(r: dict[str, Any]) -> str:
         num("weight_bits_huffman", ".2f"),
         f"{r['index_bits']:.2f}",
         num("index_bits_huffman", ".2f"),
-        str(r["gap_bits"]) if huff else "–",
+        str(r["gap_bits"]) if huff and gaps else "–",
         num("size_fraction", ".2%"),
         r.get("encoding_reason", "–"),
     ]
