@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from compresskit.cli import render
-from compresskit.cli.main import OutPath, emit_json, json_option, log_option
+from compresskit.cli.main import Interrupted, OutPath, emit_json, json_option, log_option
 from compresskit.cli.shrink import json_view, run_shrink
 from compresskit.compressor import pipeline
 from compresskit.compressor import recipe as recipe_mod
@@ -49,7 +49,19 @@ Example:
 @log_option
 def demo(out: Path, force: bool, quiet: bool, as_json: bool) -> None:
     """Train a teacher on digits, shrink it to an INT8 ONNX student, compare them."""
-    pipeline.check_out_dir(out)  # before any training: a folder we can create or fill
+    try:
+        _demo(out, force, quiet, as_json)
+    except (KeyboardInterrupt, Interrupted):  # shrink's own note offered a --resume demo lacks
+        raise Interrupted(
+            f"interrupted; the demo does not resume: `compress demo --out {out} --force` "
+            "starts it again"
+        ) from None
+
+
+def _demo(out: Path, force: bool, quiet: bool, as_json: bool) -> None:
+    # before any training: a folder we can create or fill (it writes no shrink output names
+    # at its top, so files of those names there are not in the way)
+    pipeline.check_out_dir(out, force=True)
     if (out / "teacher.pt").exists() and not force:
         raise InputError(
             f"--out {out}: already holds an earlier demo (teacher.pt); pass --force to replace "

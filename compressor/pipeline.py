@@ -36,12 +36,14 @@ from compresskit.models.data import Dataset, check_kind, embedding_rows, npz_lay
 from compresskit.models.errors import InputError, MachineError, StageError, one_line
 from compresskit.models.fileio import (
     atomic_path,
+    check_folder_writable,
     check_writable,
     hidden,
     machine_failure,
     output_lock,
     refuse_link,
     same_file,
+    signals_deferred,
     umask,
     utf8_path,
 )
@@ -183,9 +185,9 @@ def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -
         raise InputError(f"--out {out}: {out.parent} is a file, not a folder; give a folder path")
     if not out.parent.is_dir():
         raise InputError(f"--out {out}: folder {out.parent} does not exist; create it first")
-    check_writable(out.parent / f"{hidden(out.name)}.probe")
+    check_folder_writable(out.parent, f"--out {out}")
     if out.is_dir():  # we replace our files inside it: each must be replaceable
-        check_writable(out / ".compress.probe")
+        check_folder_writable(out, f"--out {out}")
         for name in OUTPUTS:
             refuse_link(out / name, f"--out {out}:")
             if (out / name).exists() and not (out / name).is_file():
@@ -198,10 +200,16 @@ def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -
                     f"own {name}; give another --out folder (or move the input)"
                 )
         if held and not force:
+            names = f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
+            if set(held) <= recorded_outputs(out):
+                raise InputError(
+                    f"--out {out}: already holds an earlier run's outputs ({names}); pass "
+                    "--force (force=True) to replace them, or give another folder"
+                )
             raise InputError(
-                f"--out {out}: already holds an earlier run's outputs ({', '.join(held[:3])}"
-                f"{', ...' if len(held) > 3 else ''}); pass --force (force=True) to replace them, "
-                "or give another folder"
+                f"--out {out}: holds files named as compress's outputs ({names}), not all "
+                "written by an earlier run of it; pass --force (force=True) to replace those "
+                "this run writes, or give another folder"
             )
     return out
 
@@ -1087,11 +1095,41 @@ def _move_into(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)  # one atomic rename when the folder is new
         tmp.mkdir()  # so the caller's cleanup finds a folder
         return
-    for name in OUTPUTS:  # a rerun into an existing folder replaces our files one by one
-        if (tmp / name).exists():
-            os.replace(tmp / name, out / name)
-        elif (out / name).exists():
-            (out / name).unlink()
+    earlier = recorded_outputs(out)
+    # A rerun into an existing folder replaces our files one by one; a Ctrl-C between two
+    # renames left the new ONNX files beside the old archive and a report of the old run, so
+    # the signals wait until the folder is whole.
+    with signals_deferred():
+        for name in OUTPUTS:
+            if (tmp / name).exists():
+                os.replace(tmp / name, out / name)
+            elif name in earlier and (out / name).is_file():
+                # an earlier run's file this one did not write (its INT8 file, say); a file
+                # of the user's that only shares a name (a training checkpoint student.pt)
+                # stays: --force had deleted it
+                (out / name).unlink()
+
+
+MAX_REPORT_BYTES = 64 * 2**20  # a report.json bigger than this is not one compress wrote
+
+
+def recorded_outputs(out: Path) -> set[str]:
+    """The output names an earlier run's report.json in `out` says that run wrote (its
+    `files`, deliverables and the report itself); empty when there is none or it is not one
+    of ours."""
+    path = out / "report.json"
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_REPORT_BYTES:
+            return set()
+        report = json.loads(path.read_text(encoding="utf-8"))
+        names = [*report.get("files", [])]
+        names += [f["path"] for f in report.get("deliverables", {}).get("files", [])]
+        if not names:
+            return set()
+        found = {Path(str(n)).name for n in names} | {"report.json", "report.md"}
+        return found & set(OUTPUTS)
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError):
+        return set()
 
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")

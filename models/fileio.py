@@ -146,15 +146,21 @@ def check_writable(
         raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first")
     if not parent.is_dir():
         raise InputError(f"{flag} {path}: {parent} is not a folder")
+    check_folder_writable(parent, f"{flag} {path}")
+    return path
+
+
+def check_folder_writable(folder: Path, what: str) -> None:
+    """Fail unless a file can be created in `folder` (probed, then removed); `what` starts the
+    message: the flag and the path the user gave."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=f"{hidden(path.name)}.", suffix=".probe", dir=parent)
+        fd, probe = tempfile.mkstemp(prefix=".compress.", suffix=".probe", dir=folder)
     except OSError as e:
         raise InputError(
-            f"{flag} {path}: folder {parent} is not writable ({e.strerror}); choose another"
+            f"{what}: folder {folder} is not writable ({e.strerror}); choose another"
         ) from None
     os.close(fd)
     os.unlink(probe)
-    return path
 
 
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -314,3 +320,27 @@ def check_plot_path(path: str | os.PathLike) -> str:
             f"--plot {path}: give a .png, .svg or .pdf file name (the suffix picks the format)"
         )
     return suffix
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends, then arrive as they would have: for a few
+    renames that must all happen or none. Held by Python handlers, not a signal mask: a
+    process-directed signal goes to any thread that does not mask it (torch's pools), and
+    Python still runs its handler in the main thread at once. A no-op off the main thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    wanted = [signal.SIGINT, signal.SIGTERM]
+    before = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in wanted}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if pending:
+            signal.raise_signal(pending[0])

@@ -239,6 +239,54 @@ def test_an_existing_out_is_refused_without_force(run, teacher, tmp_path):
     (tmp_path / "empty").mkdir()
     result = run("shrink", ck, "--recipe", recipe_path, "--out", tmp_path / "empty", "-q")
     assert result.exit_code == 0, result.stderr
+    # A folder of the user's files that only share names with outputs (a training
+    # checkpoint student.pt, notes in report.md): named as such, and with --force only what
+    # this run writes is replaced. --force had deleted student.pt, which no run here writes.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "student.pt").write_bytes(Path(ck).read_bytes())
+    (theirs / "report.md").write_text("my notes\n")
+    result = run("shrink", ck, "--recipe", recipe_path, "--out", theirs, "-q")
+    assert result.exit_code == 2
+    assert "holds files named as compress's outputs (student.pt, report.md)" in result.stderr
+    assert "not all written by an earlier run" in result.stderr
+    result = run("shrink", ck, "--recipe", recipe_path, "--out", theirs, "--force", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert (theirs / "student.pt").read_bytes() == Path(ck).read_bytes()
+    assert (theirs / "model.pt").is_file() and (theirs / "report.md").read_text() != "my notes\n"
+
+
+def test_a_signal_while_outputs_replace_an_earlier_runs_waits_until_the_folder_is_whole(
+    tmp_path, monkeypatch
+):
+    import os
+    import signal
+
+    from compresskit.compressor import pipeline
+
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir()
+    tmp.mkdir()
+    names = ["model.dcz", "model.pt", "model.fp32.onnx", "model.int8.onnx", "report.json"]
+    for name in names:
+        (out / name).write_text("old")
+        (tmp / name).write_text("new")
+    (out / "report.json").write_text('{"files": ["model.dcz", "model.int8.ort"]}')
+    (out / "model.int8.ort").write_text("old")  # the earlier run's, not written again
+    real, calls = os.replace, []
+
+    def replace(a, b):  # a real Ctrl-C arrives after the second rename
+        real(a, b)
+        calls.append(a)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(pipeline.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):  # delivered, once the folder is whole
+        pipeline._move_into(tmp, out)
+    assert len(calls) == len(names)
+    assert all((out / n).read_text() == "new" for n in names)
+    assert not (out / "model.int8.ort").exists()
 
 
 def test_shortcut_flags_override_the_recipe_and_dry_run_prints_the_layer_plan(run, teacher):

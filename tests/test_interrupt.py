@@ -245,6 +245,20 @@ def test_a_failure_after_a_swallowed_ctrl_c_is_reported_as_the_interrupt(run, mo
     assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted"
 
 
+def test_an_interrupted_demo_says_how_to_start_it_again_not_to_resume(run, monkeypatch, tmp_path):
+    # The shrink step's note said "add --resume", which demo does not take; the rerun was then
+    # refused as "an earlier demo".
+    from compresskit.cli import demo
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_demo", stopped)
+    result = run("demo", "--out", tmp_path / "d")
+    assert result.exit_code == 130
+    assert "--resume" not in result.stderr and "--force` starts it again" in result.stderr
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_ranks_leave_when_the_launcher_is_killed(tmp_path):

@@ -420,7 +420,7 @@ def _write_recipe(tmp_path, text):
         ("bits 0", "quantize.fc_bits = 0 is impossible"),
         ("sparsity 1.5", "prune.sparsity = 1.5 is impossible"),
         ("recipe not toml", "not valid TOML"),
-        ("out not writable", "not writable"),
+        ("out not writable", "/out: folder /sys is not writable"),  # the --out given, no probe
         ("out is a file", "is not a folder"),
         ("recipe names a missing layer", "names layer 'fc9'"),
         ("seed out of range", "train.seed = -1 is impossible"),
