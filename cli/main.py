@@ -45,6 +45,8 @@ class OutPath(click.Path):
         if problem:
             self.fail(f"{os.fsdecode(value)} {problem}", param, ctx)
         text = os.fsdecode(value)
+        if not text.strip():  # Path("") is the working folder: shrink filled it
+            self.fail("an empty path; give a file or folder name", param, ctx)
         if not self.dir_okay and text.endswith((os.sep, "/")):
             # Path("newdir/") is "newdir": a file of that name had been written
             self.fail(

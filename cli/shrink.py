@@ -66,7 +66,7 @@ Examples:
 )
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=OutPath(path_type=Path),
     default=None,
     help="Output folder [default: MODEL-shrunk/].",
 )

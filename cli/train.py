@@ -425,7 +425,8 @@ def train(
         kept = ""
         # written by this run, not an older file (spawned ranks report to their own progress)
         written = Path(out).is_file() and Path(out).stat().st_mtime >= started
-        if progress.last_checkpoint is not None or written:
+        # or the checkpoint a --resume started from, untouched: it still continues
+        if progress.last_checkpoint is not None or written or (resume and Path(out).is_file()):
             kept = f"; last good checkpoint: {out} (continue with --resume)"
         raise Interrupted(f"interrupted{kept}") from None
     finally:

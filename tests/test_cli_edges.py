@@ -889,3 +889,13 @@ def test_long_legal_names_are_written(run, tmp_path, teacher_pt):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [out.name, folder.name, "fast.toml", "teacher.pt"]
     )
+
+
+@pytest.mark.parametrize("command", ["shrink", "train", "decode"])
+def test_an_empty_out_is_refused_not_the_working_folder(run, command, tmp_path, monkeypatch):
+    # Path("") is ".": shrink --out "" had filled the working folder with its outputs
+    monkeypatch.chdir(tmp_path)
+    first = {"shrink": ["m.pt"], "train": [], "decode": ["m.dcz"]}[command]
+    result = run(command, *first, "--out", "")
+    assert result.exit_code == 2 and "an empty path" in result.stderr
+    assert list(tmp_path.iterdir()) == []
