@@ -323,7 +323,7 @@ def report(model: str, name: str, rep: dict, seconds: float, recipe: Path | None
                 f"{t['val_drop']:+.2f} [{lo:+.2f}, {hi:+.2f}], mean p(right) drop "
                 f"{t['val_soft_drop']:+.2f}, {how}"
             )
-    generic = generic_compressors(Path(a["path"]))
+    generic = generic_compressors(Path(rep["out"]) / a["path"])  # a name in the run's folder
     print(
         "generic compressors on a plain serialisation of the same weights: "
         + ", ".join(f"{k} {v:,} bytes (.dcz is {a['bytes'] / v:.3f}x)" for k, v in generic.items())

@@ -112,8 +112,8 @@ def main() -> None:
         lat = latency.p50_ms(
             [
                 latency.torch_runner(net, x),
-                latency.onnx_runner(fp32["path"], x.numpy()),
-                latency.onnx_runner(int8["path"], x.numpy()),
+                latency.onnx_runner(str(Path(r["out"]) / fp32["path"]), x.numpy()),
+                latency.onnx_runner(str(Path(r["out"]) / int8["path"]), x.numpy()),
             ],
             seconds=5.0,
         )

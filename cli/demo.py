@@ -103,7 +103,7 @@ def _demo(out: Path, force: bool, quiet: bool, as_json: bool) -> None:
         "student_onnx_fp32": by.get("student.fp32.onnx"),
         "student_onnx_int8": by.get("student.int8.onnx"),
     }
-    report["teacher"]["path"] = str(teacher_path)
+    report["teacher"]["path"] = str(teacher_path.resolve())
     report["teacher"]["bytes"] = 4 * report["teacher"]["parameters"]  # FP32 weights (the .pt
     # file also holds the optimizer state, for --resume)
     if as_json:
@@ -118,8 +118,8 @@ def _demo(out: Path, force: bool, quiet: bool, as_json: bool) -> None:
 def _bench(teacher_path: Path, report: dict, quiet: bool) -> dict:
     """`compress bench` of teacher (PyTorch), student FP32 ONNX and INT8 ONNX: batch 1, one
     thread, interleaved, with accuracy and agreement on the digits test set."""
-    folder = teacher_path.parent / "student"
-    files = [teacher_path] + [folder / f"student.{k}.onnx" for k in ("fp32", "int8")]
+    folder = teacher_path.parent.resolve() / "student"  # rows' paths hold from any folder
+    files = [teacher_path.resolve()] + [folder / f"student.{k}.onnx" for k in ("fp32", "int8")]
     ds = data_mod.load("digits")
     models = [variants.load(p, data=ds) for p in files if p.is_file()]
     runnable = [v for v in variants.variants(models, ["torch", "cpu"])[0] if v.precision != "bf16"]

@@ -430,6 +430,7 @@ def _plan(
 
 
 JSON_KEYS = (
+    "out",  # the folder, absolute: report.json's paths are names in it
     "name",
     "deliverables",
     "guard",
@@ -513,7 +514,7 @@ def run_shrink(
         raise
     finally:
         progress.close()
-    return result.report
+    return {"out": str(result.out), **result.report}
 
 
 def _kept(out: Path, since: float, disk: bool = False) -> str:

@@ -784,16 +784,24 @@ def deliverables(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def app_metadata(data: Dataset) -> dict[str, str]:
+def app_metadata(model: nn.Module, data: Dataset) -> dict[str, str]:
     """What an app must know to use the files, written into their metadata_props: how a raw
-    sample becomes the input (the data's scaling) and what the output is."""
-    k = data.num_classes
+    sample becomes the input (the data's scaling) and what the output is. The class count is
+    the model's output width: a 10-class model shrunk on 5-class data still answers 10."""
+    was = model.training
+    try:
+        with torch.no_grad():
+            k = int(model.eval()(data.x_train[:1]).shape[-1])
+    finally:
+        model.train(was)
     meta = {
         protos.OUTPUT_KEY: (
             f"logits, one per class 0..{k - 1}: the largest is the prediction; softmax gives "
             "probabilities"
         )
     }
+    if k > data.num_classes:
+        meta[protos.OUTPUT_KEY] += f" (the data used here has classes 0..{data.num_classes - 1})"
     if data.scaling:
         meta[protos.INPUT_KEY] = data.scaling
     return meta
@@ -818,7 +826,7 @@ def _export(
     with clock.step("export_fp32", f"export: FP32 ONNX (opset {cfg.opset})"):
         _check_onnx_size(model)
         fp32 = export.export_onnx(
-            model, data.x_train[:2], tmp / f"{name}.fp32.onnx", cfg, app_metadata(data)
+            model, data.x_train[:2], tmp / f"{name}.fp32.onnx", cfg, app_metadata(model, data)
         )
     bits = {r["layer"]: r["weight_bits"] for r in report["layers"] if r.get("codebook")}
     fp32_names: dict[str, tuple[str, bool]] = {}  # key -> (the FP32 file's initializer, transposed)

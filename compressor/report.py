@@ -159,13 +159,21 @@ def markdown(
         ]
     if note := no_archive_note(report):
         lines += ["", note[0].upper() + note[1:] + "."]
+    recipe = report.get("recipe", {})  # a dict from report.json, a Recipe in tests
+    huffman = recipe.get("huffman", {}) if isinstance(recipe, dict) else vars(recipe.huffman)
+    gaps = huffman.get("coder") == "huffman"  # format 2: gaps and a header; 3: a mask, a stream
     if "archive" in report:
         a = report["archive"]
+        outside = (
+            f"header {a['header_bytes']} bytes"
+            if gaps
+            else f"{a['header_bytes']} of them outside the coded stream (header, directory, "
+            "framing)"
+        )
         lines += [
             "",
             f"Archive `{Path(a['path']).name}`: {a['bytes']:,} bytes "
-            f"({a['ratio']:.1f}×), {a['header_bytes']} of them outside the coded streams "
-            "(header, directory, framing); at order-0 entropy it would be "
+            f"({a['ratio']:.1f}×), {outside}; at order-0 entropy it would be "
             f"{a['entropy_bound_bytes']:,} bytes: the archive is {a['vs_entropy_bound']:.4f}× "
             f"that ({_vs_bound(a['vs_entropy_bound'])}). It decodes to the compressed model bit "
             "for bit (checked).",
@@ -180,9 +188,6 @@ def markdown(
         "| index bits (P+Q+H) | gap width | size (P+Q+H) | stored as |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    recipe = report.get("recipe", {})  # a dict from report.json, a Recipe in tests
-    huffman = recipe.get("huffman", {}) if isinstance(recipe, dict) else vars(recipe.huffman)
-    gaps = huffman.get("coder") == "huffman"
     for r in report["layers"]:
         lines.append(_layer_line(r, gaps))
     index_code = (

@@ -616,6 +616,7 @@ def _run(
     )
     meta = {
         "data": _spec(job.data),
+        "data_fingerprint": data.fingerprint(ds),
         "seed": job.config.seed,
         "parameters": zoo.count_parameters(model),
     }
@@ -683,6 +684,7 @@ def _prepare(job: TrainJob, events: Events):
         # Built first: building checks the consent to import code the checkpoint names.
         model = ck.build_model(allow_import="model" in job.explicit)
         ds = _load(job.data, data.forward_input(model))
+        _check_same_data(job, ck, ds)
         data.check_fits(model, ds, job.model)
         spec, resume = ck.spec, ck.train_state
         if resume["epoch"] >= job.config.epochs:
@@ -707,6 +709,26 @@ def _prepare(job: TrainJob, events: Events):
             "whose statistics it could refresh; drop --bn-refresh"
         )
     return job, ds, model, spec, resume
+
+
+def _check_same_data(job: TrainJob, ck, ds: Dataset) -> None:
+    """--resume continues on the samples and splits it trained on, not only the same --data
+    string. A checkpoint from before the fingerprint was kept is taken as it is, except on an
+    npz or arrays, whose split changed then (a fifth of each class to test, 2026-11-29)."""
+    kept = ck.metadata.get("data_fingerprint")
+    if kept is None:
+        if str(ds.spec).startswith(("npz:", "arrays")):
+            raise InputError(
+                f"--resume: {job.out} was written before compress recorded which samples it "
+                "trained on, and the split of an npz without test arrays changed since (a "
+                "fifth of each class is test): drop --resume and pass --force to train afresh"
+            )
+        return
+    if kept != data.fingerprint(ds):
+        raise InputError(
+            f"--resume: --data {ds.spec} gives other samples or splits than {job.out} trained "
+            "on; resume with the same data, or drop --resume and pass --force to train afresh"
+        )
 
 
 def _load(spec: str | Dataset, input_name: str | None) -> Dataset:

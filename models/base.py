@@ -9,19 +9,31 @@ import torch
 from torch import nn
 
 
-def check_shape(in_shape: Sequence[int], num_classes: int) -> tuple[int, int, int]:
-    """Validate (C, H, W) or (F,) and the class count; return (C, H, W)."""
+def check_shape(in_shape: Sequence[int], num_classes: int) -> tuple[int, ...]:
+    """Validate (C, H, W) images or (F,) features and the class count; return the shape.
+
+    (F,) stays (F,): `models.data` gives (N, F) features as (N, F), and a model built for
+    (1, 1, F) was refused on them ("built for (1, 1, 8)") on a fresh run."""
     try:
         shape = tuple(int(s) for s in in_shape)
     except (TypeError, ValueError):
         raise ValueError(f"in_shape must be a list like [C, H, W], got {in_shape!r}") from None
-    if len(shape) == 1:
-        shape = (1, 1, shape[0])
-    if len(shape) != 3 or min(shape) < 1:
+    if len(shape) not in (1, 3) or min(shape) < 1:
         raise ValueError(f"in_shape must be (C, H, W) or (F,) of positive sizes, got {in_shape}")
     if not isinstance(num_classes, int) or num_classes < 2:
         raise ValueError(f"num_classes must be at least 2, got {num_classes}")
-    return shape  # type: ignore[return-value]
+    return shape
+
+
+def image_shape(shape: Sequence[int], model: str) -> tuple[int, int, int]:
+    """(C, H, W) of a model that convolves images; ValueError for (F,) features."""
+    if len(shape) != 3:
+        raise ValueError(
+            f"{model} convolves images (C, H, W), but the inputs are features of shape "
+            f"{tuple(shape)}; give them to a model that flattens (mlp, lenet300)"
+        )
+    c, h, w = shape
+    return c, h, w
 
 
 class ZooModel(nn.Module):
@@ -31,6 +43,11 @@ class ZooModel(nn.Module):
         super().__init__()
         self.in_shape = check_shape(in_shape, num_classes)
         self.num_classes = int(num_classes)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(C, H, W), for a model that convolves images (ValueError for (F,) features)."""
+        return image_shape(self.in_shape, type(self).__name__)
 
     def example_inputs(self, batch: int = 2, seed: int = 0) -> tuple[torch.Tensor]:
         """A seeded batch in [0, 1) of this model's input shape (the layout `models.data` gives)."""

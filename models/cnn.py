@@ -28,7 +28,7 @@ class VGG(ZooModel):
         dropout: float = 0.0,
     ) -> None:
         super().__init__(in_shape, num_classes)
-        c, h, w = self.in_shape
+        c, h, w = self.image_shape
         layers: list[nn.Module] = []
         for stage in range(4):
             out = int(width) * 2**stage

@@ -26,9 +26,9 @@ Splits are fixed so every run and every stage sees the same test set, whatever `
 A validation split is then held out of the training split, so that the decisions a stage makes
 (pruning sensitivity, the INT8 agreement floor) are judged on data no model was trained on
 and the test set stays for the figures reported: the training sample at position j of the
-split above is a validation sample when j % 10 == 9, stratified so for an npz (digits 1,294
-train / 143 val, tokens 2,160 / 240, MNIST t10k only 7,200 / 800, MNIST train files 54,000 /
-6,000). An npz with
+split above is a validation sample when j % 10 == 9 (digits 1,294 train / 143 val, tokens
+2,160 / 240, MNIST t10k only 7,200 / 800, MNIST train files 54,000 / 6,000); for an npz or
+arrays, every 10th with the samples ordered by class (`every_of_class`). An npz with
 x_val/y_val (input_ids_val, or NAME_val, with y_val) uses those instead and trains on all of
 x. A training split of fewer than 20 samples keeps no validation split: stages then decide on
 training data and the report says so (`Dataset.split_note`).
@@ -211,6 +211,20 @@ def recorded_spec(spec: str) -> str:
     data, and a spec that does not parse, stay as given."""
     named = _spec_path(spec)
     return spec if named is None else f"{named[0]}:{os.path.abspath(named[1])}"
+
+
+def fingerprint(d: Dataset) -> str:
+    """A SHA-256 over every split's inputs and labels, in order: the same spec string can give
+    other samples or other splits (the file changed, or the npz split rule did: a training run
+    resumed on a new split trained on 297 of its 359 test samples)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (d.x_train, d.y_train, d.x_val, d.y_val, d.x_test, d.y_test):
+        a = t.detach().cpu().contiguous().numpy()
+        h.update(f"{a.dtype}{a.shape};".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
 
 
 def shipped_spec(spec: object) -> object:
@@ -741,8 +755,8 @@ def _checked(
     y_val) or held out of the training split (`val_positions`, of each class when `per_class`:
     a user's data)."""
     what = "images" if x_train.is_floating_point() else "token sequences"
-    if num_classes is None and len(y_train):  # before the splits' sizes: labels 2**40 leave
-        lo, hi = int(y_train.min()), int(y_train.max())  # every class one sample, none to test
+    if num_classes is None and len(y_train):  # labels 2**40: one sample a class, none to test
+        lo, hi = int(y_train.min()), int(y_train.max())
         if lo < 0 or hi >= MAX_CLASSES:
             raise InputError(
                 f"--data {spec!r}: train labels out of range [{lo}, {hi}]; "
@@ -751,8 +765,9 @@ def _checked(
     parts = [("train", x_train, y_train), ("test", x_test, y_test)]
     if val is not None:
         parts.append(("val", *val))
+    no_test = per_class and len(x_test) == 0  # said after the labels, which may be the fix
     for part, x, y in parts:
-        if len(x) == 0:
+        if len(x) == 0 and not (part == "test" and no_test):
             raise InputError(f"--data {spec!r}: the {part} split is empty")
         if len(x) != len(y):
             raise InputError(f"--data {spec!r}: {part} has {len(x)} {what} but {len(y)} labels")
@@ -780,7 +795,15 @@ def _checked(
                 f"--data {spec!r}: labels out of range: classes must be 0..{num_classes - 1} with "
                 f"every class in training, but class {shown} never occurs; renumber the labels"
             )
+    if no_test:  # a class's first sample stays in training
+        raise InputError(
+            f"--data {spec!r}: the test split is empty: no class has a second sample to hold "
+            "out (a fifth of each class is test, its first always in training); give "
+            "x_test/y_test, or more samples"
+        )
     for part, _, y in parts:
+        if not len(y):
+            continue
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= num_classes:
             raise InputError(

@@ -105,7 +105,7 @@ class ResNetSE(ZooModel):
             raise ValueError(f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
         if not 0 < bn_momentum <= 1:
             raise ValueError(f"bn_momentum must be in (0, 1], got {bn_momentum!r}")
-        c, h, w = self.in_shape
+        c, h, w = self.image_shape
         self.stem = nn.Sequential(
             nn.Conv2d(c, width, 3, 1, 1, bias=False),
             nn.BatchNorm2d(width, momentum=bn_momentum),
@@ -175,7 +175,7 @@ class ViT(ZooModel):
         mlp: int = 128,
     ) -> None:
         super().__init__(in_shape, num_classes)
-        c, h, w = self.in_shape
+        c, h, w = self.image_shape
         if h % patch or w % patch:
             raise ValueError(f"image {h}x{w} is not a whole number of {patch}x{patch} patches")
         if dim % heads:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compresskit.models.base import ZooModel, check_shape
+from compresskit.models.base import ZooModel, check_shape, image_shape
 from compresskit.models.errors import InputError
 
 # The fix every "transformers is missing" error names: the extra that pins a tested range.
@@ -123,7 +123,8 @@ def _for_scratch_training(net: nn.Module) -> nn.Module:
 
 
 def _image(in_shape: Sequence[int], num_classes: int) -> tuple[int, int, int]:
-    return check_shape(in_shape, num_classes)  # the zoo's own checks and messages
+    # the zoo's own checks and messages
+    return image_shape(check_shape(in_shape, num_classes), "this Hugging Face model")
 
 
 @_reads("image")

@@ -34,7 +34,7 @@ class LeNet5(ZooModel):
         fc: int = 500,
     ) -> None:
         super().__init__(in_shape, num_classes)
-        c, h, w = self.in_shape
+        c, h, w = self.image_shape
         pad = 2 if min(h, w) < 16 else 0
         c1, c2 = (int(x) for x in channels)
         # Named as in the paper's Table 3 (conv1, conv2, fc1, fc2).

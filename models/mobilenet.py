@@ -34,7 +34,7 @@ class MobileNet(ZooModel):
         self, in_shape: Sequence[int] = (3, 32, 32), num_classes: int = 10, width: int = 16
     ) -> None:
         super().__init__(in_shape, num_classes)
-        c, h, w = self.in_shape
+        c, h, w = self.image_shape
         layers = _conv_bn(c, width, 3, 1)
         c = width
         for mult, stride in _BLOCKS:

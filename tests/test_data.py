@@ -234,6 +234,33 @@ def test_flat_features_reach_the_model_as_given(tmp_path):
     before = zoo.build(zoo.resolve_spec("mlp", {}, (1, 1, 20), 3))  # trained on the old layout
     with pytest.raises(InputError, match=r"as \(N, 1, 1, F\) before .* train the model again"):
         check_fits(before, data, "mlp")
+    # A zoo model built for the data fits it (it was built for (1, 1, 20), then refused as
+    # "trained on the old layout" on a fresh run), and one that convolves says it cannot.
+    for name in ("mlp", "lenet300"):
+        fresh = zoo.build(zoo.resolve_spec(name, {}, data.in_shape, 3))
+        assert fresh.in_shape == (20,)
+        check_fits(fresh, data, name)
+    with pytest.raises(InputError, match=r"LeNet5 convolves images .* \(mlp, lenet300\)"):
+        zoo.build(zoo.resolve_spec("lenet5", {}, data.in_shape, 3))
+
+
+def test_the_files_metadata_counts_the_models_classes_not_the_datas():
+    # a 10-class model shrunk on 5-class data answers 10 logits: the files said "0..4"
+    from compresskit.compressor import pipeline
+
+    data = D.Dataset.from_arrays(np.zeros((50, 6), np.float32), np.arange(50) % 5)
+    model = torch.nn.Linear(6, 10).train()
+    meta = pipeline.app_metadata(model, data)
+    assert meta["compress.output"].startswith("logits, one per class 0..9")
+    assert "(the data used here has classes 0..4)" in meta["compress.output"]
+    assert meta["compress.input"] == "the values as stored (float32, no scaling)"
+    assert model.training  # left as it was
+
+
+def test_a_test_split_of_single_sample_classes_says_why_it_is_empty():
+    x, y = np.zeros((40, 3), np.float32), np.arange(40)
+    with pytest.raises(InputError, match="no class has a second sample to hold out"):
+        D.Dataset.from_arrays(x, y)
 
 
 class _LastStep(torch.nn.Module):

@@ -70,6 +70,7 @@ def trained(tmp_path_factory):
 
 def test_shrink_json_and_files(trained):
     folder, out, report = trained
+    assert report["out"] == str(out.resolve())  # report.json's paths are names in it
     assert {"bytes", "test_accuracy"} <= report["baseline"].keys()
     assert [s["name"] for s in report["stages"]] == ["prune", "quantize", "huffman"]
     for s in report["stages"]:
@@ -188,6 +189,7 @@ def _without(
     keys=(
         "seconds",
         "path",
+        "out",
         "files",
         "config",
         "checkpoint",

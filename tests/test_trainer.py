@@ -162,6 +162,37 @@ def test_job_resume_refuses_changed_settings(tmp_path):
     assert checkpoint.load(out).spec.name == "mlp"
 
 
+def test_resume_refuses_other_samples_under_the_same_data_spec(tmp_path):
+    # Train's resume compared the --data string only: an npz changed in place (or split
+    # another way by a newer compress) resumed silently on test samples it had trained on.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path, out = tmp_path / "d.npz", tmp_path / "m.pt"
+    x, y = rng.random((120, 8, 8), dtype=np.float32), np.arange(120) % 3
+    np.savez(path, x=x, y=y)
+    run(TrainJob(model="mlp", data=f"npz:{path}", out=out, config=TrainConfig(epochs=1)))
+    assert len(checkpoint.load(out).metadata["data_fingerprint"]) == 64
+    again = TrainJob(
+        data=f"npz:{path}", out=out, resume=True, config=TrainConfig(epochs=2),
+        explicit=frozenset({"epochs"}),
+    )  # fmt: skip
+    np.savez(path, x=x[::-1].copy(), y=y[::-1].copy())
+    with pytest.raises(InputError, match="gives other samples or splits than .* trained on"):
+        run(again)
+    np.savez(path, x=x, y=y)  # the same samples: it continues
+    assert run(again).resumed_from == (1, 0)
+    # a checkpoint written before the fingerprint was kept, on an npz: refused (its split
+    # rule changed then); on built-in data: taken as it is
+    ck = checkpoint.load(out)
+    del ck.metadata["data_fingerprint"]
+    from compresskit.distrib import job as job_mod
+
+    with pytest.raises(InputError, match="written before compress recorded which samples"):
+        job_mod._check_same_data(again, ck, load(f"npz:{path}"))
+    job_mod._check_same_data(again, ck, load("digits"))
+
+
 def test_resume_takes_when_to_test_from_the_caller(tmp_path):
     # evaluate changes no weight: a resumed run tests as its caller asks, whatever the
     # checkpoint's run did, and is never refused for it.
