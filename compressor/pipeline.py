@@ -802,7 +802,14 @@ def app_metadata(model: nn.Module, data: Dataset) -> dict[str, str]:
     }
     if k > data.num_classes:
         meta[protos.OUTPUT_KEY] += f" (the data used here has classes 0..{data.num_classes - 1})"
-    if data.scaling:
+    rows = embedding_rows(model) if data.is_tokens else None
+    if rows is not None:  # what an app's tokenizer must keep to: ONNX's Gather checks nothing
+        meta[protos.INPUT_KEY] = (
+            f"{data.scaling or 'token ids (int64)'}; ids 0..{rows - 1}: the file does not check "
+            f"them (a negative id wraps around, -1 reads as {rows - 1}; {rows} or more fails), "
+            "so map unknown words to an id the model knows"
+        )
+    elif data.scaling:
         meta[protos.INPUT_KEY] = data.scaling
     return meta
 

@@ -708,7 +708,7 @@ def _npz_x(spec: str, name: str, a: np.ndarray) -> torch.Tensor:
                 f"--data {spec!r}: {name} holds {a.dtype} values in [{a.min()}, {a.max()}]; "
                 "signed integers are read as 8-bit pixels (0..255, scaled by 1/255): store "
                 "other signals as float32 scaled as your model expects (16-bit PCM audio: "
-                "x / 32768)"
+                "x / 32768), and token ids as int64 in an array named input_ids"
             )
         a = a.astype(np.float32) / 255.0
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
@@ -1109,10 +1109,16 @@ def check_kind(model_name: str, data: Dataset, flag: str = "--model") -> None:
     gives = "int64 token ids" if data.is_tokens else "images"
     others = sorted(n for n in zoo.available() if zoo.input_kind(n) != kind)
     if kind == "tokens" and _user_arrays(data):  # float arrays of ids, not images
+        if str(data.spec).startswith("npz:"):  # x is pixels or features, integers included
+            raise InputError(
+                f"{flag} {model_name} reads token ids but --data {data.spec} gives images or "
+                "features: an npz's x is read as such, integers as 8-bit pixels; store token "
+                "ids as int64 in an array named input_ids (input_ids_test for the test split)"
+            )
         raise InputError(
             f"{flag} {model_name} reads token ids but --data {data.spec} gives float arrays "
-            "(read as images or features); token ids are integers: store them as int64 "
-            "(x.astype(numpy.int64); in an npz, as input_ids)"
+            "(read as images or features); token ids are integers: pass "
+            "x.astype(numpy.int64)"
         )
     raise InputError(
         f"{flag} {model_name} reads {'token ids' if kind == 'tokens' else 'images'} but --data "

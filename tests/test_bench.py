@@ -833,3 +833,16 @@ def test_a_users_own_onnx_of_signals_or_features_is_scored_on_its_npz(run, tmp_p
     rows = result.json()["results"]
     assert [r["batch"] for r in rows] == [1, 4]
     assert [r["test_accuracy"] for r in rows] == [pytest.approx(want, abs=1e-12)] * 2
+
+
+def test_a_classifier_of_fewer_classes_than_the_data_is_told_so():
+    # a 3-class model on 4-class data read as "its output has shape ('batch', 3), not
+    # (batch, classes)": the class counts differ, and the data is the fix
+    from types import SimpleNamespace
+
+    from compresskit.compressor.measure.latency import scored_logits
+
+    data = SimpleNamespace(num_classes=4, spec="tokens:24:200")
+    with pytest.raises(InputError, match=r"m\.onnx: answers 3 classes but --data .* has 4"):
+        scored_logits(np.zeros((5, 3)), "m.onnx", data)
+    assert scored_logits(np.zeros((5, 4, 1, 1)), "m.onnx", data).shape == (5, 4)

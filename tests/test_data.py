@@ -347,8 +347,20 @@ def test_float_token_ids_from_python_are_told_to_be_integers():
     from compresskit.models.data import check_kind, from_arrays
 
     ids = from_arrays(np.ones((40, 24), np.float32), np.arange(40) % 2)
-    with pytest.raises(InputError, match=r"gives float arrays .* store them as int64"):
+    with pytest.raises(InputError, match=r"gives float arrays .* pass x\.astype\(numpy\.int64\)"):
         check_kind("textcls", ids)
+
+
+def test_token_ids_stored_as_an_npzs_x_are_told_to_go_in_input_ids(tmp_path):
+    # they were told to store them as int64, which they already were
+    from compresskit.models.data import check_kind
+
+    np.savez(tmp_path / "t.npz", x=np.ones((40, 24), np.int64), y=np.arange(40) % 2)
+    with pytest.raises(InputError, match=r"integers as 8-bit pixels; store token ids .* input_ids"):
+        check_kind("textcls", load(f"npz:{tmp_path / 't.npz'}"))
+    np.savez(tmp_path / "big.npz", x=np.full((40, 24), 300, np.int64), y=np.arange(40) % 2)
+    with pytest.raises(InputError, match="token ids as int64 in an array named input_ids"):
+        load(f"npz:{tmp_path / 'big.npz'}")
 
 
 def test_a_one_by_one_convolution_head_is_told_to_flatten():

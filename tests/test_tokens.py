@@ -111,7 +111,11 @@ def test_shrink_archives_and_exports_int64_input(shrunk):
         "shape": ["batch", "sequence"],
         "sequence_length": 16,
         "sequence": "dynamic",
-        "scaling": "int64 token ids, 0 = padding",
+        # the vocabulary an app's tokenizer must keep to: ONNX's Gather checks no id (a
+        # negative one wrapped around silently, where PyTorch raises)
+        "scaling": "int64 token ids, 0 = padding; ids 0..63: the file does not check them (a "
+        "negative id wraps around, -1 reads as 63; 64 or more fails), so map unknown words to "
+        "an id the model knows",
     }
     assert "1 to 16 token ids per sequence" in (out / "report.md").read_text()
     # INT8: written and measured against FP32, or the report says why not.
@@ -218,6 +222,19 @@ def test_bench_feeds_shorter_sequences_and_refuses_longer_ones(shrunk, run):
     assert result.exit_code == 2
     line = result.stderr.strip()
     assert "\n" not in line and "1 to 16 token ids" in line and "at most 16" in line
+    # the checkpoint too, and so the whole folder: model.pt was refused as "takes inputs of
+    # shape (16,)" where its ONNX files took the 12-token queries
+    result = run("bench", out, "--data", "tokens:12:64", *args)
+    assert result.exit_code == 0, result.stderr
+    rows = {r["model"]: r for r in result.json()["results"] if r["precision"] != "bf16"}
+    assert rows["model.pt"]["test_accuracy"] == rows["model.fp32.onnx"]["test_accuracy"]
+
+
+def test_a_checkpoint_that_takes_only_its_own_length_is_benched_at_it():
+    from compresskit.compressor.measure.variants import _takes_shorter
+
+    assert not _takes_shorter(FlatHead(), 12)
+    assert _takes_shorter(TracedLength(), 12)
 
 
 class FlatHead(nn.Module):

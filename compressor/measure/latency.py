@@ -356,6 +356,12 @@ def scored_logits(logits: np.ndarray, path, data) -> np.ndarray:
     a = np.asarray(logits)
     while a.ndim > 2 and a.shape[-1] == 1:
         a = a.reshape(a.shape[:-1])
+    if a.ndim == 2 and 2 <= a.shape[1] < data.num_classes:  # a classifier of fewer classes
+        raise InputError(
+            f"{path}: answers {a.shape[1]} classes but --data {data.spec!r} has "
+            f"{data.num_classes} (labels 0..{data.num_classes - 1}); give the data it was "
+            f"trained on{_alone(path)}"
+        )
     if a.ndim != 2 or a.shape[1] < max(2, data.num_classes):
         shape = ("batch", *a.shape[1:])
         raise InputError(
