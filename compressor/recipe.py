@@ -236,7 +236,7 @@ class ExportSection:
     enabled: bool = True
     opset: int = 18
     # 0: the lowest IR that declares the opset (8 for opset 18: ONNX Runtime >= 1.14);
-    # 9 for ONNX Runtime 1.16-1.17
+    # 9 for ONNX Runtime 1.15-1.17
     ir_version: int = 0
     int8: bool = True
     method: str = "minmax"  # calibration: "minmax" | "entropy" | "percentile"

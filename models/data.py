@@ -9,8 +9,9 @@ Specs
     tokens          synthetic text, generated here (nothing is downloaded; ~0.1 s): 3,000
                     sequences of 32 int64 token ids, vocabulary 1,000, id 0 = padding, 4 classes
     tokens:L        the same with sequences of L tokens (12..1024)
-    tokens:L:V      ... and a vocabulary of V ids (32..250000), e.g. tokens:16:64 for the zoo's
-                    tiny textcls
+    tokens:L:V      ... and a vocabulary of V ids (32..250000), e.g. tokens:16:64 (a zoo text
+                    model keeps its own vocab_size unless --model-kwargs sets it: textcls
+                    embeds 1,000 ids by default)
 
 Splits are fixed so every run and every stage sees the same test set, whatever `--seed` says:
     digits          stratified 80/20 split with scikit-learn, random_state=0 (1,437 / 360)

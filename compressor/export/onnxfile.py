@@ -4,7 +4,7 @@ say the files still answer like the model.
 * `export_onnx`: `torch.onnx.export` to one self-contained file (no external data), a dynamic
   batch axis (and for token ids a dynamic sequence axis, checked), exactly the opset asked for
   (read back; converted, or refused before any work by `probe_opset`), the lowest IR version that declares it unless one is given (9 for ONNX
-  Runtime 1.16-1.17), and only the opset imports its nodes use. Every file passes
+  Runtime 1.15-1.17), and only the opset imports its nodes use. Every file passes
   `onnx.checker.check_model(full_check=True)` and loads in ORT.
 * `quantize_int8`: static QDQ quantization of a `preprocess`ed model through
   `compressor.export.int8` (which also chooses the nodes that stay FP32 for a target).
@@ -49,7 +49,7 @@ agreement = checks.agreement
 @dataclass(frozen=True)
 class ExportConfig:
     """opset: ONNX opset of every file written (read back and checked, never assumed);
-    ir_version: 9 for ONNX Runtime 1.16-1.17, 8 for 1.10-1.15 (None: the lowest IR that can
+    ir_version: 9 for ONNX Runtime 1.15-1.17, 8 for 1.10-1.14 (None: the lowest IR that can
     declare the opset, as the exporter writes); dynamic_batch: a symbolic batch axis;
     dynamic_sequence: for int64 token ids (N, L), a symbolic sequence axis of 1..L tokens
     (`SEQUENCE`), kept only where the file answers as the model at a shorter length."""
