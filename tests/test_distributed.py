@@ -55,7 +55,8 @@ def _train_uneven(rank, world, n, batch):
     return {k: v.clone() for k, v in model.state_dict().items()}, result.samples, figures
 
 
-@pytest.mark.parametrize("n", [1273, 1217])  # a last batch of 57 (29 + 28), and of 1 (wrapped)
+# a last batch of 57 (29 + 28; in the slow run), and of 1 (wrapped)
+@pytest.mark.parametrize("n", [pytest.param(1273, marks=pytest.mark.slow), 1217])
 def test_two_workers_train_like_one_when_the_last_batch_splits_unevenly(n):
     # Each rank's mean loss had an equal weight: 2 workers ended up to 4e-3 away from one.
     one, samples, figures = _train_uneven(0, 1, n, 64)

@@ -194,7 +194,9 @@ def test_sigterm_while_shrinking_leaves_no_temporary_folder(tmp_path):
     _nothing_but_kept_work(tmp_path, err)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGINT]
+)
 def test_a_signal_after_the_result_is_printed_is_not_a_death_by_signal(tmp_path, sig):
     """The interpreter's teardown (torch, ONNX Runtime) takes a second after a command prints
     its result: a SIGTERM there ended a finished run with -15 (shell 143), which no exit code

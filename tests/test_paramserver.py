@@ -166,7 +166,8 @@ def test_ps_sync_trains_like_allreduce(tmp_path):
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.parametrize("mode", ["sync", "ssp"])
+# ssp's count in the slow run (the same transport; 7 s of the default run's budget)
+@pytest.mark.parametrize("mode", ["sync", pytest.param("ssp", marks=pytest.mark.slow)])
 def test_one_message_per_push_and_per_pull_per_server(tmp_path, mode):
     """The header travels inside the push (one message, not a header and a payload), and the
     pull is the weights alone: per step and server, one message each way."""
@@ -278,7 +279,7 @@ def test_ssp_resumes_where_the_checkpoint_left_off(slow_job, tmp_path):
     assert ck.train_state["epoch"] == 2 and ck.train_state["optimizer"]["state"]
 
 
-@pytest.mark.parametrize("tau", [0, 1])
+@pytest.mark.parametrize("tau", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_ssp_never_runs_ahead_more_than_its_bound(slow_job, tau):
     r = run_job(slow_job(PSConfig("ssp", 2, 1, staleness=tau, straggler=(1, 4.0))))
     assert r.strategy["max_clock_gap"] == tau  # reached, never passed
@@ -398,7 +399,7 @@ def test_sync_stops_when_a_worker_dies(dying):
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.parametrize("mode", ["sync", "ssp"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("ssp", marks=pytest.mark.slow)])
 def test_a_dead_server_stops_the_job_naming_it(dying, mode):
     t0 = time.perf_counter()
     with pytest.raises(StageError, match=r"^server 0 \(rank 2\) was killed by signal 9"):
