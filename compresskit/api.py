@@ -10,6 +10,7 @@ training loop (`trainer.fit`), handed in as hooks, exactly as the CLI does. The 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -346,6 +347,8 @@ def shrink(
         net, resolved, ds, meta = _load(model, data, spec, model_kwargs, trust_model)
     _check_finite(net, str(inputs[0]) if inputs else meta["source"])
     hooks = _hooks(ds, recipe, progress)
+    allowed = _model_name(spec)  # the code the caller named, or all with trust_model
+    hooks = dataclasses.replace(hooks, trusts=lambda name: trust_model or name == allowed)
     report = pipeline.shrink_to_folder(
         net, resolved, recipe, hooks, out, meta, ds, force=force, resume=resume
     )

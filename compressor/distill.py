@@ -330,6 +330,16 @@ def student_spec(d: Any, data: Dataset, classes: int) -> ModelSpec:
     return zoo.resolve_spec(d.student, dict(d.student_kwargs), data.in_shape, classes, where)
 
 
+def _extra_teacher(path: str, first: ModelSpec | None, trusts: Callable[[str], bool]) -> nn.Module:
+    """One of the recipe's extra teachers, built (it was always refused when its checkpoint
+    named the user's own code, even with --model naming it or --trust-model)."""
+    ck = checkpoint.load(path, train_state=False)
+    if ck.spec is None and first is not None:  # weights alone: the first teacher's model
+        return ck.build_model(first, allow_import=True)  # its code was already allowed
+    name = ck.spec.name if ck.spec is not None else ""
+    return ck.build_model(allow_import=trusts(name) or (first is not None and name == first.name))
+
+
 def teacher_classes(teacher: nn.Module, data: Dataset) -> int:
     """How many classes `teacher` predicts (its output's width on two training inputs)."""
     was = teacher.training
@@ -347,13 +357,19 @@ def distill_student(
     retrain: Callable[..., None],
     accuracy: Callable[[nn.Module], float],
     seed: int = 0,
+    teacher_spec: ModelSpec | None = None,
+    trusts: Callable[[str], bool] = lambda name: False,
 ) -> tuple[nn.Module, ModelSpec, dict[str, Any], Dataset]:
     """Train the recipe's student against `teacher` (plus the recipe's extra `teachers`, as an
     ensemble); return the student, its spec, the teacher/student record for the report, and
     the data it trained on (the transfer set, when the recipe asks for one: later stages must
-    keep to it, or scarce labels would not stay scarce). Hints use the first teacher."""
+    keep to it, or scarce labels would not stay scarce). Hints use the first teacher.
+
+    An extra teacher whose checkpoint names code ("pkg.module:Class") is built when the
+    caller `trusts` that name (--model naming it, or --trust-model); a bare state_dict is
+    built as the first teacher's model (`teacher_spec`), an ensemble's usual case."""
     check_transfer(d, data)
-    members = [teacher] + [checkpoint.load(p, train_state=False).build_model() for p in d.teachers]
+    members = [teacher] + [_extra_teacher(p, teacher_spec, trusts) for p in d.teachers]
     x = data.x_train[:2]
     classes = []
     for i, m in enumerate(members):

@@ -304,6 +304,8 @@ def _shrink_to_folder(
                         hooks.retrain,
                         hooks.test_accuracy,
                         seed=recipe.train.seed,
+                        teacher_spec=spec,
+                        trusts=hooks.trusts,
                     )
                     marks.save(
                         "student",
@@ -1175,6 +1177,7 @@ def decode_to_checkpoint(
         if path.is_dir() or not path.name:  # ".", "/" or "": no name to derive one from
             raise InputError(f"{path}: a folder, not an archive; give the .dcz file in it")
         out = path.with_suffix(".decoded.pt")
+    checkpoint.check_out_name(out)
     check_writable(out, inputs=[path], replace=force)
     rebuilt = True
 

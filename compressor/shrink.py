@@ -82,6 +82,10 @@ class Hooks:
     # slices per batch each distinct run took (recipe train.microbatches = "auto" measures),
     # and "bn_refreshed_runs", how many re-estimated BatchNorm statistics (train.bn_refresh).
     trained: Callable[[], dict[str, Any]] | None = None
+    # Whether the caller allowed importing the code a checkpoint names ("pkg.module:Class"):
+    # the recipe's extra distillation teachers are built only with it (a file never picks
+    # the code that runs).
+    trusts: Callable[[str], bool] = lambda name: False
 
     def training(self) -> dict[str, Any] | None:
         """What `trained` says so far, or None where no one records it."""

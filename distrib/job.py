@@ -372,6 +372,7 @@ def run(
     if job.workers < 1:
         raise InputError(f"--workers {job.workers}: give 1 or more")
     _check_timeout(job.timeout_s)
+    checkpoint.check_out_name(job.out)
     check_writable(job.out, inputs=spec_files(job.data))
     if not job.resume:  # --resume reads the file and says what is wrong with it
         _check_replaceable(Path(job.out))
@@ -584,6 +585,7 @@ def run_ensemble(
     ]
     _check_timeout(job.timeout_s)
     for j in jobs:
+        checkpoint.check_out_name(j.out)
         check_writable(j.out, inputs=spec_files(j.data))
     results = launch.run_independent(functools.partial(_member, jobs, events_factory), members)
     return [(j.out, r) for j, r in zip(jobs, results, strict=True)]

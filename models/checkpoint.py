@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from compresskit.models import fileio
-from compresskit.models.errors import InputError
+from compresskit.models.errors import InputError, one_line
 from compresskit.models.fileio import atomic_path
 from compresskit.models.zoo import ModelSpec, build, from_script, resolve_spec, state_shapes
 
@@ -311,6 +311,17 @@ def _on_cpu(obj: Any) -> Any:
     return obj
 
 
+def check_out_name(path: str | os.PathLike, flag: str = "--out") -> None:
+    """A checkpoint is written in torch's format; torch reads a .safetensors name with the
+    safetensors library, so `train --out model.safetensors` wrote a file nothing could read
+    back (its --resume failed as "unexpected")."""
+    if Path(path).suffix.lower() == ".safetensors":
+        raise InputError(
+            f"{flag} {path}: compress writes PyTorch checkpoints, which torch would read as "
+            "safetensors under this name; give a .pt name"
+        )
+
+
 def load(
     path: str | os.PathLike, max_elements: int | None = None, train_state: bool = True
 ) -> Checkpoint:
@@ -327,6 +338,14 @@ def load(
     if not path.is_file():
         raise InputError(f"{path}: no such checkpoint file")
     fileio.utf8_path(path)  # torch.load's C++ reader called such a file "truncated, corrupt"
+    if path.suffix.lower() == ".safetensors":  # torch hands this name to the safetensors library
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise InputError(
+                f"{path}: a safetensors file; reading it needs the safetensors package "
+                "(pip install safetensors)"
+            ) from None
     check_sizes(path, max_elements)
     mapped = not train_state and _is_zip(path)  # mmap needs torch's zip format
     try:
@@ -346,6 +365,15 @@ def load(
         ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError):
         raise InputError(f"{path}: not a readable PyTorch checkpoint: {_diagnose(path)}") from None
+    except Exception as e:
+        # torch reads a .safetensors name with the safetensors library, whose own error type
+        # reached the user as "unexpected" (exit 1) for a damaged file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise InputError(
+            f"{path}: not a readable safetensors file ({one_line(e)}); save the weights again "
+            "(safetensors.torch.save_file, or torch.save(model.state_dict(), 'model.pt'))"
+        ) from None
     return _interpret(path, obj)
 
 
@@ -408,6 +436,13 @@ def check_sizes(path: Path, max_elements: int | None = None) -> None:
         infos = safeload.zip_directory(
             path, str(path), fix, f"{path}: not a readable PyTorch checkpoint: {_diagnose(path)}"
         )
+        if program := _program_kind([i.filename for i in infos]):
+            # their code records are compressed, and read as "a crafted or damaged file"
+            raise InputError(
+                f"{path}: {program}, a compiled program, not a checkpoint: compress reads "
+                "a model's weights; save them with torch.save(model.state_dict(), path) and "
+                "pass --model naming its class"
+            )
         for info in infos:
             if info.file_size > size:
                 raise InputError(
@@ -444,6 +479,18 @@ def check_sizes(path: Path, max_elements: int | None = None) -> None:
             return
         storages = scanned[3][1]
     _check_storages(path, storages, size, cap, fix)
+
+
+def _program_kind(names: list[str]) -> str | None:
+    """What a torch zip that holds a program rather than a pickled object is, by its record
+    names (TorchScript's code/ and constants.pkl, torch.export's models/model.json)."""
+    if any("/code/__torch__/" in n for n in names) or any(
+        n.endswith("/constants.pkl") for n in names
+    ):
+        return "a TorchScript file (torch.jit.save)"
+    if any(n.endswith("/models/model.json") for n in names):
+        return "a torch.export program (torch.export.save)"
+    return None
 
 
 def _check_storages(path: Path, storages: list, size: int, cap: int, fix: str) -> None:
@@ -536,10 +583,22 @@ def _interpret(path: Path, obj: Any) -> Checkpoint:
         )
     if _is_state_dict(obj):
         return Checkpoint(spec=None, state_dict=obj, path=path)
+    # A training loop's checkpoint ({"state_dict", "optimizer", "epoch"}), Lightning's .ckpt
+    # ("state_dict", keys prefixed "model."), {"model_state_dict": ...}: the weights are one
+    # entry of it. They were refused as "not a checkpoint" with no fix.
+    if isinstance(obj, dict):
+        for key in NESTED_STATE_KEYS:
+            if _is_state_dict(inner := obj.get(key)):
+                return Checkpoint(spec=None, state_dict=_copied(inner), path=path)
     raise InputError(
         f"{path}: a PyTorch file but not a checkpoint (neither a compress checkpoint nor a "
-        "state_dict of tensors)"
+        f"state_dict of tensors, nor a dict holding one under {', '.join(NESTED_STATE_KEYS)}); "
+        "save the weights with torch.save(model.state_dict(), path)"
     )
+
+
+# where a training loop's checkpoint keeps the model's weights, in the order they are tried
+NESTED_STATE_KEYS = ("state_dict", "model_state_dict", "model", "net")
 
 
 def _is_state_dict(obj: Any) -> bool:

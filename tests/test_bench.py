@@ -846,3 +846,10 @@ def test_a_classifier_of_fewer_classes_than_the_data_is_told_so():
     with pytest.raises(InputError, match=r"m\.onnx: answers 3 classes but --data .* has 4"):
         scored_logits(np.zeros((5, 3)), "m.onnx", data)
     assert scored_logits(np.zeros((5, 4, 1, 1)), "m.onnx", data).shape == (5, 4)
+
+
+def test_checkpoint_spellings_shrink_reads_are_benched_as_checkpoints():
+    # a Lightning .ckpt, transformers' pytorch_model.bin and model.safetensors: shrink read
+    # them, bench called them "unknown file type"
+    for name in ("m.pth", "m.ckpt", "pytorch_model.bin", "model.safetensors", "M.PT"):
+        assert variants.file_kind(Path(name)) == ".pt"

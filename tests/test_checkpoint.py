@@ -269,3 +269,48 @@ def test_a_tied_weight_is_saved_once_and_loads_tied(tmp_path):
     got = torch.load(checkpoint.save_state(tmp_path / "v.pt", views, SPEC), weights_only=True)
     for k, v in views.items():
         assert torch.equal(got["state_dict"][k], v), k
+
+
+def test_a_training_loops_checkpoint_is_read_for_its_state_dict(tmp_path):
+    # {"state_dict", "optimizer", "epoch"}, Lightning's .ckpt, {"model_state_dict": ...}: they
+    # were refused as "a PyTorch file but not a checkpoint" with no fix
+    net = tiny("mlp")
+    sd = net.state_dict()
+    for key in ("state_dict", "model_state_dict", "model"):
+        path = tmp_path / f"{key}.ckpt"
+        torch.save({key: sd, "optimizer": {"lr": 0.1}, "epoch": 3}, path)
+        ck = checkpoint.load(path)
+        assert ck.spec is None and all(torch.equal(ck.state_dict[k], v) for k, v in sd.items())
+    torch.save({"epoch": 3, "optimizer": {}}, tmp_path / "none.pt")
+    with pytest.raises(InputError, match=r"nor a dict holding one under state_dict, .*torch\.save"):
+        checkpoint.load(tmp_path / "none.pt")
+
+
+def test_safetensors_names_are_read_by_that_library_and_never_written(tmp_path):
+    # torch reads a .safetensors name with the safetensors library: `train --out
+    # x.safetensors` wrote a torch file nothing could read back, and a damaged one failed as
+    # "unexpected" (exit 1)
+    with pytest.raises(InputError, match="compress writes PyTorch checkpoints"):
+        checkpoint.check_out_name(tmp_path / "m.safetensors")
+    checkpoint.check_out_name(tmp_path / "m.pt")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(os.urandom(100))
+    try:
+        import safetensors  # noqa: F401
+
+        message = "not a readable safetensors file"
+    except ImportError:
+        message = "needs the safetensors package"
+    with pytest.raises(InputError, match=message):
+        checkpoint.load(bad)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.*:DeprecationWarning")  # what users still save
+def test_a_compiled_program_is_named_for_what_it_is(tmp_path):
+    # TorchScript's compressed code records read as "a crafted or damaged file"
+    m = torch.nn.Linear(3, 2)
+    torch.jit.save(torch.jit.script(m), tmp_path / "ts.pt")
+    torch.export.save(torch.export.export(m, (torch.randn(1, 3),)), tmp_path / "ep.pt2")
+    for name, what in (("ts.pt", "a TorchScript file"), ("ep.pt2", "a torch.export program")):
+        with pytest.raises(InputError, match=f"{what} .*, a compiled program, not a checkpoint"):
+            checkpoint.load(tmp_path / name)

@@ -872,3 +872,49 @@ def test_a_full_disk_in_the_int8_step_fails_the_run_not_the_int8_file(
         f"sharing, Huffman) (add --resume to continue from there{room if 'space' in said else ''})"
     )
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [".out.resume"]
+
+
+def test_an_extra_teacher_of_the_users_own_code_is_built_with_consent(tmp_path, monkeypatch):
+    # It was always refused ("pass --model mynet:Net"), even with --model naming the code or
+    # --trust-model: the consent never reached the recipe's extra teachers.
+    import sys
+    import textwrap
+
+    import torch
+    from torch import nn
+
+    from compresskit.compressor import distill
+    from compresskit.models import InputError, ModelSpec, checkpoint
+
+    (tmp_path / "teachmod.py").write_text(
+        textwrap.dedent("""
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self, in_shape=(1, 8, 8), num_classes=10):
+                super().__init__()
+                self.fc = nn.Linear(64, num_classes)
+
+            def forward(self, x):
+                return self.fc(x.flatten(1))
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "teachmod", raising=False)
+    import teachmod
+
+    spec = ModelSpec("teachmod:Net", {"in_shape": [1, 8, 8], "num_classes": 10})
+    net = teachmod.Net()
+    checkpoint.save(tmp_path / "t2.pt", net, spec, {})
+    torch.save(net.state_dict(), tmp_path / "bare.pt")
+    with pytest.raises(InputError, match="names model code teachmod:Net"):
+        distill._extra_teacher(str(tmp_path / "t2.pt"), None, lambda name: False)
+    built = distill._extra_teacher(str(tmp_path / "t2.pt"), None, lambda n: n == spec.name)
+    assert torch.equal(built.fc.weight, net.fc.weight)
+    # the first teacher's code, already allowed, builds the same class; and weights alone
+    # are built as the first teacher's model
+    assert isinstance(
+        distill._extra_teacher(str(tmp_path / "t2.pt"), spec, lambda n: False), nn.Module
+    )
+    bare = distill._extra_teacher(str(tmp_path / "bare.pt"), spec, lambda n: False)
+    assert torch.equal(bare.fc.weight, net.fc.weight)

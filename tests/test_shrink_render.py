@@ -55,3 +55,20 @@ def test_an_archive_larger_than_its_pq_figure_says_why(capsys):
     render.shrink_summary(report, width=200)
     text = capsys.readouterr().out
     assert "larger than its P+Q figure (8,797 bytes)" in text and "4,100" in text
+
+
+@pytest.mark.parametrize("coder", ["range", "huffman"])
+def test_report_md_describes_the_archive_in_its_own_formats_terms(coder):
+    # a format-3 archive's non-stream bytes were called its "header", and its index bits a
+    # gap code with a gap width it does not have
+    from compresskit.compressor import recipe
+    from compresskit.compressor import report as report_mod
+
+    report = {**REPORT, "recipe": recipe.Recipe.from_dict({"huffman": {"coder": coder}}).to_dict()}
+    md = report_mod.markdown(report, "t")
+    archive = next(line for line in md.splitlines() if line.startswith("Archive"))
+    bits = next(line for line in md.splitlines() if line.startswith("Bits are"))
+    if coder == "range":
+        assert "outside the coded stream" in archive and "no gap width" in bits
+    else:
+        assert "header 199 bytes" in archive and "relative-index (gap) code" in bits

@@ -34,7 +34,9 @@ SHRINK_FILES = tuple(
 )  # fmt: skip
 SUFFIXES = (".pt", ".onnx", ".ort")
 # other spellings of those kinds: torch's .pth, and any case (UP.ONNX)
-ALIASES = {".pth": ".pt"}
+ALIASES = {".pth": ".pt", ".ckpt": ".pt", ".bin": ".pt", ".safetensors": ".pt"}
+# (a Lightning .ckpt, transformers' pytorch_model.bin and model.safetensors: `shrink` read
+# them and bench called them "unknown file type")
 
 
 def file_kind(path: Path) -> str:
