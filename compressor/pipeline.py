@@ -200,15 +200,20 @@ def check_out_dir(out: Path, force: bool = False, inputs: Sequence[Path] = ()) -
                     f"own {name}; give another --out folder (or move the input)"
                 )
         if held and not force:
-            names = f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
-            if set(held) <= recorded_outputs(out):
+            recorded = recorded_outputs(out)
+            foreign = [name for name in held if name not in recorded]
+
+            def listed(names: list[str]) -> str:
+                return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+
+            if not foreign:
                 raise InputError(
-                    f"--out {out}: already holds an earlier run's outputs ({names}); pass "
-                    "--force (force=True) to replace them, or give another folder"
+                    f"--out {out}: already holds an earlier run's outputs ({listed(held)}); "
+                    "pass --force (force=True) to replace them, or give another folder"
                 )
             raise InputError(
-                f"--out {out}: holds files named as compress's outputs ({names}), not all "
-                "written by an earlier run of it; pass --force (force=True) to replace those "
+                f"--out {out}: holds files named as compress's outputs that no earlier run "
+                f"there lists ({listed(foreign)}); pass --force (force=True) to replace those "
                 "this run writes, or give another folder"
             )
     return out
@@ -464,8 +469,11 @@ def _shrink_to_folder(
             f.write_text(
                 report_mod.markdown(report, f"compress shrink: {spec.name}"), encoding="utf-8"
             )
-        _move_into(tmp, out)
-        marks.finish()  # the outputs are in place: nothing left to resume
+        # A Ctrl-C here waits until the outputs are in place and the kept work is gone: it
+        # arrived between them once and offered a --resume that the whole folder then refused.
+        with signals_deferred():
+            _move_into(tmp, out)
+            marks.finish()  # the outputs are in place: nothing left to resume
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return report
@@ -1115,7 +1123,7 @@ def _move_into(tmp: Path, out: Path) -> None:
     earlier = recorded_outputs(out)
     # A rerun into an existing folder replaces our files one by one; a Ctrl-C between two
     # renames left the new ONNX files beside the old archive and a report of the old run, so
-    # the signals wait until the folder is whole.
+    # the signals wait until the folder is whole (the caller holds them on to its marks).
     with signals_deferred():
         for name in OUTPUTS:
             if (tmp / name).exists():

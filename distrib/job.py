@@ -719,7 +719,7 @@ def _check_same_data(job: TrainJob, ck, ds: Dataset) -> None:
     npz or arrays, whose split changed then (a fifth of each class to test, 2026-11-29)."""
     kept = ck.metadata.get("data_fingerprint")
     if kept is None:
-        if str(ds.spec).startswith(("npz:", "arrays")):
+        if str(ds.spec).startswith(("npz:", "arrays")) and not data.splits_given(ds.spec):
             raise InputError(
                 f"--resume: {job.out} was written before compress recorded which samples it "
                 "trained on, and the split of an npz without test arrays changed since (a "

@@ -214,6 +214,20 @@ def recorded_spec(spec: str) -> str:
     return spec if named is None else f"{named[0]}:{os.path.abspath(named[1])}"
 
 
+def splits_given(spec: str) -> bool:
+    """Whether an npz spec's file holds its own test and validation arrays (no split rule of
+    compress's applies to it); False for anything else or a file that cannot be read."""
+    named = _spec_path(spec)
+    if named is None or named[0] != "npz":
+        return False
+    try:
+        with zipfile.ZipFile(named[1]) as z:
+            names = {n.removesuffix(".npy") for n in z.namelist()}
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return {"y_test", "y_val"} <= names
+
+
 def fingerprint(d: Dataset) -> str:
     """A SHA-256 over every split's inputs and labels, in order: the same spec string can give
     other samples or other splits (the file changed, or the npz split rule did: a training run
@@ -1196,7 +1210,7 @@ def check_fits(model: torch.nn.Module, data: Dataset, model_name: str, trains: b
     if want is not None and tuple(want) == (1, 1, *data.in_shape) and not data.is_tokens:
         hint = (
             "; compress gave (N, F) features as (N, 1, 1, F) before 2026-11-29 and gives them "
-            "as (N, F) now: train the model again on them"
+            "as (N, F) now: train the model again on them (or store x as (N, 1, 1, F))"
         )
     if want is not None and tuple(want) != tuple(data.in_shape):
         raise InputError(

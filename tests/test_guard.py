@@ -248,12 +248,14 @@ def test_an_existing_out_is_refused_without_force(run, teacher, tmp_path):
     (theirs / "report.md").write_text("my notes\n")
     result = run("shrink", ck, "--recipe", recipe_path, "--out", theirs, "-q")
     assert result.exit_code == 2
-    assert "holds files named as compress's outputs (student.pt, report.md)" in result.stderr
-    assert "not all written by an earlier run" in result.stderr
+    assert "outputs that no earlier run there lists (student.pt, report.md)" in result.stderr
     result = run("shrink", ck, "--recipe", recipe_path, "--out", theirs, "--force", "-q")
     assert result.exit_code == 0, result.stderr
     assert (theirs / "student.pt").read_bytes() == Path(ck).read_bytes()
     assert (theirs / "model.pt").is_file() and (theirs / "report.md").read_text() != "my notes\n"
+    # beside that earlier run's outputs, the refusal names the user's file, not the run's
+    result = run("shrink", ck, "--recipe", recipe_path, "--out", theirs, "-q")
+    assert result.exit_code == 2 and "no earlier run there lists (student.pt)" in result.stderr
 
 
 def test_a_signal_while_outputs_replace_an_earlier_runs_waits_until_the_folder_is_whole(
@@ -483,3 +485,36 @@ def test_a_student_bigger_than_its_teacher_is_said_before_distillation(run, teac
     assert said.exit_code == 0, said.stderr
     first = said.stderr.index("(found before distillation; the run goes on)")
     assert first < said.stderr.index("epoch")
+
+
+def test_a_ctrl_c_while_a_rerun_lands_leaves_its_folder_whole_and_no_kept_work(
+    teacher, tmp_path, monkeypatch
+):
+    # Held until the renames were done, the signal still came before the kept work was
+    # removed: the run offered a --resume that the whole folder then refused.
+    import os
+    import signal
+
+    import compresskit as ck_api
+    from compresskit.compressor import pipeline, resume
+
+    _folder, ck = teacher
+    recipe = ck_api.Recipe.from_dict(
+        {"prune": {"rounds": 1, "retrain_epochs": 1}, "quantize": {"finetune_epochs": 1},
+         "export": {"enabled": False}}
+    )  # fmt: skip
+    out = tmp_path / "o"
+    ck_api.shrink(ck, "digits", recipe, out=out)
+    real = pipeline._move_into
+
+    def move_then_ctrl_c(tmp, folder):
+        real(tmp, folder)
+        os.kill(os.getpid(), signal.SIGINT)  # as a Ctrl-C between the renames and the marks
+
+    monkeypatch.setattr(pipeline, "_move_into", move_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        ck_api.shrink(ck, "digits", recipe, out=out, force=True)
+    assert not resume.folder_for(out).exists()  # nothing offered to resume
+    assert json.loads((out / "report.json").read_text())["files"] == sorted(
+        p.name for p in out.iterdir() if p.name in pipeline.OUTPUTS
+    )

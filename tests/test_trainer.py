@@ -191,6 +191,10 @@ def test_resume_refuses_other_samples_under_the_same_data_spec(tmp_path):
     with pytest.raises(InputError, match="written before compress recorded which samples"):
         job_mod._check_same_data(again, ck, load(f"npz:{path}"))
     job_mod._check_same_data(again, ck, load("digits"))
+    # nor on an npz that brings its own test and validation arrays (no split rule applies)
+    own = tmp_path / "own.npz"
+    np.savez(own, x=x, y=y, x_test=x[:9], y_test=y[:9], x_val=x[:9], y_val=y[:9])
+    job_mod._check_same_data(again, ck, load(f"npz:{own}"))
 
 
 def test_resume_takes_when_to_test_from_the_caller(tmp_path):
