@@ -721,15 +721,17 @@ def _check_same_data(job: TrainJob, ck, ds: Dataset) -> None:
     if kept is None:
         if str(ds.spec).startswith(("npz:", "arrays")) and not data.splits_given(ds.spec):
             raise InputError(
-                f"--resume: {job.out} was written before compress recorded which samples it "
-                "trained on, and the split of an npz without test arrays changed since (a "
-                "fifth of each class is test): drop --resume and pass --force to train afresh"
+                f"--resume (resume=True): {job.out} was written before compress recorded which "
+                "samples it trained on, and the split of an npz without test arrays changed "
+                "since (a fifth of each class is test): drop --resume and pass --force "
+                "(force=True) to train afresh"
             )
         return
     if kept != data.fingerprint(ds):
         raise InputError(
-            f"--resume: --data {ds.spec} gives other samples or splits than {job.out} trained "
-            "on; resume with the same data, or drop --resume and pass --force to train afresh"
+            f"--resume (resume=True): the data ({ds.spec}) gives other samples or splits than "
+            f"{job.out} trained on; resume with the same data, or drop --resume and pass "
+            "--force (force=True) to train afresh"
         )
 
 

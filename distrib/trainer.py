@@ -271,6 +271,12 @@ class TrainResult:
     # paired accuracy changes) skip a second pass over the test set. Not part of `to_json()`.
     test_correct: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # absolute: a notebook that changes folder still finds it (ck.shrink(result) failed
+        # as "no such checkpoint file" after os.chdir)
+        if self.checkpoint is not None:
+            self.checkpoint = Path(os.path.abspath(self.checkpoint))
+
     @property
     def strategy_name(self) -> str:
         """How the run trained: "single" (one process), "allreduce", "ps-sync", "ps-async",

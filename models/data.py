@@ -256,6 +256,11 @@ def load_recorded(spec: object, source: object, input_name: str | None = None) -
     data."""
     if not spec:
         return load("digits", input_name)
+    if str(spec).startswith("arrays"):  # no spec string names them: only the caller has them
+        raise InputError(
+            f"{source} was trained on arrays given in Python; pass the same arrays again "
+            "(data=(x, y), or a Dataset), or --data SPEC"
+        )
     try:
         return load(spec, input_name)
     except InputError as e:
@@ -869,10 +874,13 @@ def from_arrays(
     checked by the rules an npz follows (the module doc); also `Dataset.from_arrays`.
 
     x_test/y_test when given, else a fifth of each class is test; x_val/y_val when given, else
-    a tenth of each class's training samples is held out for validation (`every_of_class`). Inputs: float arrays as given
-    (float32), uint8 pixels scaled by 1/255, signed integer (N, L) arrays as token ids; labels
-    are classes 0..K-1, K = `num_classes` or the largest label + 1 (then every class must
-    occur in training). Errors name the argument."""
+    a tenth of each class's training samples is held out for validation (`every_of_class`).
+    Inputs: float arrays as given (float32; bfloat16 and float16 widened), unsigned integers
+    scaled by their type's maximum (uint8 / 255, uint16 / 65535), signed integer (N, L) arrays
+    as token ids, other signed integer and bool arrays as 8-bit pixels (/ 255: digits' 0..16
+    pixels stored as int64 would become 0..0.063, so scale such data to float yourself);
+    `Dataset.scaling` says which. Labels are classes 0..K-1, K = `num_classes` or the
+    largest label + 1 (then every class must occur in training). Errors name the argument."""
     where = "Dataset.from_arrays"
     for arg, value in (("x", x), ("y", y)):
         if value is None:
@@ -940,7 +948,10 @@ def as_dataset(data: object) -> object:
 
 def _array(where: str, arg: str, value) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:  # numpy has no bfloat16: "unsupported ScalarType"
+            value = value.float()
+        return value.numpy()
     try:
         a = np.asarray(value)
     except (ValueError, TypeError) as e:

@@ -655,3 +655,13 @@ def test_from_arrays_splits_converts_and_names_itself_in_errors():
         assert torch.equal(D.as_dataset(form).x_test, d.x_test)
     with pytest.raises(InputError, match="a TensorDataset of 3 tensors"):
         D.as_dataset(TensorDataset(x, y, y))
+
+
+def test_bfloat16_arrays_are_converted_and_an_arrays_run_asks_for_them_again():
+    # numpy has no bfloat16: "TypeError: Got unsupported ScalarType BFloat16"
+    x = torch.rand(40, 6).to(torch.bfloat16)
+    d = D.Dataset.from_arrays(x, torch.arange(40) % 2)
+    assert d.x_train.dtype == torch.float32
+    # a checkpoint trained on arrays records no spec string that could load them
+    with pytest.raises(InputError, match=r"m\.pt was trained on arrays given in Python; pass"):
+        D.load_recorded("arrays", "m.pt")

@@ -181,7 +181,9 @@ def test_resume_refuses_other_samples_under_the_same_data_spec(tmp_path):
     with pytest.raises(InputError, match="gives other samples or splits than .* trained on"):
         run(again)
     np.savez(path, x=x, y=y)  # the same samples: it continues
-    assert run(again).resumed_from == (1, 0)
+    result = run(again)
+    assert result.resumed_from == (1, 0)
+    assert result.checkpoint == out and result.checkpoint.is_absolute()  # after a chdir too
     # a checkpoint written before the fingerprint was kept, on an npz: refused (its split
     # rule changed then); on built-in data: taken as it is
     ck = checkpoint.load(out)
@@ -734,3 +736,13 @@ def test_force_never_replaces_a_torch_file_compress_did_not_write(run, tmp_path)
             assert result.exit_code == 2 and data.read_bytes() == before
             assert "holds tensors compress did not write" in result.stderr
             assert "--force never replaces" in result.stderr
+
+
+def test_a_train_results_checkpoint_is_absolute():
+    # ck.shrink(result) after os.chdir failed as "no such checkpoint file"
+    from pathlib import Path
+
+    from compresskit.distrib.trainer import TrainResult
+
+    r = TrainResult([], 0.5, 1, 1, 1, 0.1, checkpoint=Path("rel.pt"))
+    assert r.checkpoint == Path(os.path.abspath("rel.pt"))
