@@ -225,7 +225,10 @@ def _close_log() -> None:
 
 
 # Names of models, archives and data: never a log's or a report's (writing there replaces them).
-MODEL_SUFFIXES = (".pt", ".pth", ".onnx", ".ort", ".dcz", ".npz", ".npy")
+MODEL_SUFFIXES = (
+    *(".pt", ".pth", ".onnx", ".ort", ".dcz", ".npz", ".npy"),
+    *(".ckpt", ".bin", ".safetensors"),  # checkpoints bench and shrink read too
+)
 LOG_HEAD = "debug: compress "  # the first line every --log-file starts with
 
 

@@ -737,6 +737,11 @@ def _check_same_data(job: TrainJob, ck, ds: Dataset) -> None:
 
 def _load(spec: str | Dataset, input_name: str | None) -> Dataset:
     """The data set a --data spec names, or the one given already loaded."""
+    if isinstance(spec, str) and spec.startswith("arrays"):  # a resume's recorded "spec"
+        raise InputError(
+            "the checkpoint was trained on arrays given in Python; pass the same arrays again "
+            "(data=(x, y), or a Dataset)"
+        )
     return spec if isinstance(spec, Dataset) else data.load(spec, input_name)
 
 

@@ -4,7 +4,8 @@ factory function, `pkg.module:build_net`, that returns an `nn.Module`).
 Every model `compress` builds goes through `build(ModelSpec)`, and every checkpoint records the
 `ModelSpec` it was built from, so a checkpoint names its architecture without pickling code.
 
-Zoo models take `in_shape` (C, H, W) and `num_classes`; `resolve_spec` fills both in from the
+Zoo models take `in_shape` (C, H, W), or (F,) features for the ones that flatten, and
+`num_classes`; `resolve_spec` fills both in from the
 data for zoo models and for user classes and factories that name them as parameters.
 """
 

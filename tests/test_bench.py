@@ -719,6 +719,12 @@ def test_a_report_never_replaces_what_the_folder_holds(run, shrunk, tmp_path):
     assert old.read_text() == "mine"
     assert run("bench", model, "--report", old, "--force", *fast).exit_code == 0
     assert old.read_text().startswith("# compress bench")
+    # nor a checkpoint of the other spellings bench reads (a .ckpt became Markdown)
+    ckpt = tmp_path / "teacher.ckpt"
+    ckpt.write_bytes(b"weights")
+    result = run("bench", model, "--report", ckpt, "--force", *fast)
+    assert result.exit_code == 2 and "not .ckpt" in result.stderr
+    assert ckpt.read_bytes() == b"weights"
 
 
 def test_a_model_flag_no_checkpoint_uses_is_refused(run, shrunk):

@@ -267,7 +267,8 @@ def sequence_length(example: torch.Tensor) -> int | None:
 
 def input_info(proto) -> dict[str, Any]:
     """The file's one input for the report: {"name", "type", "shape"} (a symbolic dimension by
-    its name), and for token ids "sequence_length" (the length trained on, from the metadata)
+    its name), "scaling" (how a raw sample becomes it, from the metadata `export_onnx` wrote,
+    when there), and for token ids "sequence_length" (the length trained on, from the metadata)
     and "sequence": "dynamic" (1..L tokens) or "fixed" with "fixed_why"."""
     import onnx
 

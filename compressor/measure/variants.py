@@ -1,6 +1,7 @@
 """What `compress bench` measures: model files turned into runnable variants.
 
-An input is a `.pt` checkpoint, an `.onnx` or `.ort` file, or a `compress shrink` output folder
+An input is a `.pt` checkpoint (also `.pth`, `.ckpt`, `.bin`, `.safetensors`), an `.onnx` or
+`.ort` file, or a `compress shrink` output folder
 (then every model in it: `model.pt`, `model.fp32.onnx`, `model.int8.onnx`, `model.int8.ort`,
 or `model.fp32.ort` where shrink wrote no INT8 file, and the `--fixed-batch` file, timed at its
 batch only; `student.*` where it distilled). Each file
