@@ -746,3 +746,17 @@ def test_a_train_results_checkpoint_is_absolute():
 
     r = TrainResult([], 0.5, 1, 1, 1, 0.1, checkpoint=Path("rel.pt"))
     assert r.checkpoint == Path(os.path.abspath("rel.pt"))
+
+
+def test_a_run_on_arrays_resumed_without_them_asks_for_them_again(tmp_path):
+    # "--data 'arrays': unknown data spec" named a spec no one can pass
+    import numpy as np
+
+    import compresskit as ck
+
+    x, y = np.random.default_rng(0).random((60, 6), dtype=np.float32), np.arange(60) % 2
+    out = tmp_path / "m.pt"
+    ck.train("mlp", (x, y), TrainConfig(epochs=1), out=out)
+    with pytest.raises(InputError, match="trained on arrays given in Python; pass the same"):
+        ck.train("mlp", config=TrainConfig(epochs=2), out=out, resume=True)
+    assert ck.train("mlp", (x, y), TrainConfig(epochs=2), out=out, resume=True).resumed_from
