@@ -140,7 +140,9 @@ def test_a_factory_function_trained_and_benched_by_the_api_and_the_cli(workdir, 
     cli = run("train", "--model", "mynets:build_net", "--epochs", "5", "--out", "cli.pt", "--json")
     assert cli.exit_code == 0, cli.stderr
     # one seed, one code path: the same weights, the same JSON but for the timings
-    assert _untimed(cli.json()) == _untimed({**api.to_json(), "checkpoint": "cli.pt"})
+    # (the checkpoint's path absolute, as TrainResult keeps it)
+    want = {**api.to_json(), "checkpoint": str(workdir / "cli.pt")}
+    assert _untimed(cli.json()) == _untimed(want)
     from compresskit.models import checkpoint
 
     written = checkpoint.load(workdir / "cli.pt").state_dict
