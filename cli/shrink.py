@@ -299,7 +299,7 @@ def shrink(
     if dry_run:
         pipeline.check_files(recipe)  # what the run would refuse before any work
         if model_path.exists() and not model_path.is_file():
-            raise InputError(f"{model_path}: a folder, not a checkpoint; give the .pt file")
+            raise InputError(f"{model_path}: {checkpoint.not_a_file(model_path)}")
         # With the checkpoint at hand, also what the recipe does to each of its layers.
         layers = _plan(model_path, data, recipe, model, model_kwargs, trust_model)
         if layers is None and not model_path.is_file():

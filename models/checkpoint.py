@@ -311,6 +311,19 @@ def _on_cpu(obj: Any) -> Any:
     return obj
 
 
+def not_a_file(path: Path) -> str:
+    """Why `path` cannot be read as a checkpoint file, in a few words (it is not a regular
+    file): a folder, a pipe or device (`<(...)` was called a folder), or nothing."""
+    if path.is_dir():
+        return "a folder, not a checkpoint; give the .pt file in it"
+    if path.exists():
+        return (
+            "not a regular file (a pipe or device: compress reads a checkpoint twice); save "
+            "it to a file and pass that"
+        )
+    return "no such checkpoint file"
+
+
 def check_out_name(path: str | os.PathLike, flag: str = "--out") -> None:
     """A checkpoint is written in torch's format; torch reads a .safetensors name with the
     safetensors library, so `train --out model.safetensors` wrote a file nothing could read
@@ -336,7 +349,7 @@ def load(
     """
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"{path}: no such checkpoint file")
+        raise InputError(f"{path}: {not_a_file(path)}")
     fileio.utf8_path(path)  # torch.load's C++ reader called such a file "truncated, corrupt"
     if path.suffix.lower() == ".safetensors":  # torch hands this name to the safetensors library
         try:

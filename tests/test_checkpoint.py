@@ -314,3 +314,15 @@ def test_a_compiled_program_is_named_for_what_it_is(tmp_path):
     for name, what in (("ts.pt", "a TorchScript file"), ("ep.pt2", "a torch.export program")):
         with pytest.raises(InputError, match=f"{what} .*, a compiled program, not a checkpoint"):
             checkpoint.load(tmp_path / name)
+
+
+def test_a_pipe_is_named_as_one(tmp_path):
+    # `compress shrink <(...)` was "a folder, not a checkpoint", bench's "no such file"
+    fifo = tmp_path / "w.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file \\(a pipe or device"):
+        checkpoint.load(fifo)
+    with pytest.raises(InputError, match="a folder, not a checkpoint"):
+        checkpoint.load(tmp_path)
+    with pytest.raises(InputError, match="no such checkpoint file"):
+        checkpoint.load(tmp_path / "gone.pt")
