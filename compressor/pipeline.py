@@ -798,12 +798,7 @@ def app_metadata(model: nn.Module, data: Dataset) -> dict[str, str]:
     """What an app must know to use the files, written into their metadata_props: how a raw
     sample becomes the input (the data's scaling) and what the output is. The class count is
     the model's output width: a 10-class model shrunk on 5-class data still answers 10."""
-    was = model.training
-    try:
-        with torch.no_grad():
-            k = int(model.eval()(data.x_train[:1]).shape[-1])
-    finally:
-        model.train(was)
+    k = distill.teacher_classes(model, data)  # its output's width, in eval mode
     meta = {
         protos.OUTPUT_KEY: (
             f"logits, one per class 0..{k - 1}: the largest is the prediction; softmax gives "

@@ -159,9 +159,8 @@ def markdown(
         ]
     if note := no_archive_note(report):
         lines += ["", note[0].upper() + note[1:] + "."]
-    recipe = report.get("recipe", {})  # a dict from report.json, a Recipe in tests
-    huffman = recipe.get("huffman", {}) if isinstance(recipe, dict) else vars(recipe.huffman)
-    gaps = huffman.get("coder") == "huffman"  # format 2: gaps and a header; 3: a mask, a stream
+    # format 2 codes gaps after a header; format 3 a mask of kept positions, in one stream
+    gaps = (recorded_recipe(report).get("huffman") or {}).get("coder") == "huffman"
     if "archive" in report:
         a = report["archive"]
         outside = (
@@ -198,8 +197,8 @@ def markdown(
     )
     lines += [
         "",
-        f"Bits are per kept weight; index bits are {index_code}. Size is the layer's archive record against its FP32 dense bytes. A shared "
-        "layer is stored dense where that record is smaller (both priced, each coded alone "
+        f"Bits are per kept weight; index bits are {index_code}. Size is the layer's archive "
+        "record against its FP32 dense bytes. A shared layer is stored dense where that record is smaller (both priced, each coded alone "
         "with the range coder's final flush, so up to 4 bytes over its share of the archive; "
         "the dense one estimated, marked ≈, where it is plainly the larger).",
         "",

@@ -60,8 +60,9 @@ predicted step time is within `eps` (1%) of the best step time on the curve: pas
 further workers together gain less than 1%. On a curve that falls and then rises (compute
 shrinks as 1/N, latency grows with N) the speed-up rises up to that point; two exceptions,
 both tested: S = ceil(N/2) zigzags (an odd N leaves its servers a spare share), and a
-one-stage pipeline crosses no boundary, so N = 1 may beat N = 2. `still_gaining` says the curve, run on to 4x max_workers, saturates past max_workers
-(more workers would still gain over 1%);
+one-stage pipeline crosses no boundary, so N = 1 may beat N = 2. `still_gaining` says the
+curve, run on to 4x max_workers, saturates past max_workers (more workers would still gain
+over 1%);
 `limited`, that it is the last N the strategy applies to (N > B, or more stages than layers).
 """
 

@@ -397,6 +397,9 @@ def _without_train_state(obj: Any, mapped: bool) -> Any:
         obj = {k: v for k, v in obj.items() if k != "train_state"}
         if mapped and isinstance(obj.get("state_dict"), dict):
             obj["state_dict"] = _copied(obj["state_dict"])
+    elif isinstance(obj, dict) and not _is_state_dict(obj) and (key := _nested_key(obj)):
+        # a training loop's checkpoint: its weights alone (not its optimizer's moments)
+        obj = {key: _copied(obj[key]) if mapped else obj[key]}
     elif mapped and isinstance(obj, dict):
         obj = _copied(obj)
     return obj
@@ -599,10 +602,8 @@ def _interpret(path: Path, obj: Any) -> Checkpoint:
     # A training loop's checkpoint ({"state_dict", "optimizer", "epoch"}), Lightning's .ckpt
     # ("state_dict", keys prefixed "model."), {"model_state_dict": ...}: the weights are one
     # entry of it. They were refused as "not a checkpoint" with no fix.
-    if isinstance(obj, dict):
-        for key in NESTED_STATE_KEYS:
-            if _is_state_dict(inner := obj.get(key)):
-                return Checkpoint(spec=None, state_dict=_copied(inner), path=path)
+    if isinstance(obj, dict) and (key := _nested_key(obj)):
+        return Checkpoint(spec=None, state_dict=obj[key], path=path)
     raise InputError(
         f"{path}: a PyTorch file but not a checkpoint (neither a compress checkpoint nor a "
         f"state_dict of tensors, nor a dict holding one under {', '.join(NESTED_STATE_KEYS)}); "
@@ -612,6 +613,11 @@ def _interpret(path: Path, obj: Any) -> Checkpoint:
 
 # where a training loop's checkpoint keeps the model's weights, in the order they are tried
 NESTED_STATE_KEYS = ("state_dict", "model_state_dict", "model", "net")
+
+
+def _nested_key(obj: dict) -> str | None:
+    """The key under which a training loop's checkpoint holds a state_dict, or None."""
+    return next((k for k in NESTED_STATE_KEYS if _is_state_dict(obj.get(k))), None)
 
 
 def _is_state_dict(obj: Any) -> bool:

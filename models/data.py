@@ -1014,9 +1014,10 @@ def _check_fields(d: Dataset) -> None:
 def val_positions(n_train: int, labels: np.ndarray | None = None) -> np.ndarray:
     """Which of n_train training samples (by position) are held out for validation: every
     VAL_EVERY-th (j % 10 == 9), or stratified by class when `labels` are given (a user's data,
-    whose order may cycle through the classes: `every_of_class`), none when n_train < VAL_MIN_TRAIN. Positions, not a
-    random draw: the split is the same on every run and machine, and for digits (already a
-    stratified shuffle) and the other specs (interleaved) it spreads over classes and sources."""
+    whose order may cycle through the classes: `every_of_class`), none when n_train <
+    VAL_MIN_TRAIN. Positions, not a random draw: the split is the same on every run and
+    machine, and for digits (already a stratified shuffle) and the other specs (interleaved)
+    it spreads over classes and sources."""
     if n_train < VAL_MIN_TRAIN:
         return np.zeros(n_train, dtype=bool)
     if labels is not None:
@@ -1026,8 +1027,8 @@ def val_positions(n_train: int, labels: np.ndarray | None = None) -> np.ndarray:
 
 def every_of_class(labels: np.ndarray, every: int) -> np.ndarray:
     """Every every-th sample with the samples ordered by class (each class's in the data's
-    order), a class's second in place of its first: a fixed split that keeps each class's share and keeps every
-    class in what is left, whatever order the samples come in. By position alone, labels that
+    order), a class's second in place of its first: a fixed split that keeps each class's
+    share and keeps every class in what is left, whatever order the samples come in. By position alone, labels that
     cycle 0..9 would put all of classes 4 and 9 in an every-5th test split and none in
     training."""
     y = np.asarray(labels).reshape(-1)

@@ -270,16 +270,8 @@ def input_info(proto) -> dict[str, Any]:
     its name), "scaling" (how a raw sample becomes it, from the metadata `export_onnx` wrote,
     when there), and for token ids "sequence_length" (the length trained on, from the metadata)
     and "sequence": "dynamic" (1..L tokens) or "fixed" with "fixed_why"."""
-    import onnx
-
     inits = {t.name for t in proto.graph.initializer}
-    inp = next(i for i in proto.graph.input if i.name not in inits)
-    t = inp.type.tensor_type
-    info: dict[str, Any] = {
-        "name": inp.name,
-        "type": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
-        "shape": [d.dim_param or d.dim_value for d in t.shape.dim],
-    }
+    info = _value_info(next(i for i in proto.graph.input if i.name not in inits))
     meta = protos.metadata(proto)
     if protos.INPUT_KEY in meta:
         info["scaling"] = meta[protos.INPUT_KEY]
@@ -293,18 +285,22 @@ def input_info(proto) -> dict[str, Any]:
     return info
 
 
-def output_info(proto) -> dict[str, Any]:
-    """The file's first output for the report: {"name", "type", "shape"}, and "meaning" from
-    the metadata `export_onnx` wrote (logits over the classes), when there."""
+def _value_info(v) -> dict[str, Any]:
+    """A graph input's or output's {"name", "type", "shape"} (a symbolic dimension by name)."""
     import onnx
 
-    out = proto.graph.output[0]
-    t = out.type.tensor_type
-    info: dict[str, Any] = {
-        "name": out.name,
+    t = v.type.tensor_type
+    return {
+        "name": v.name,
         "type": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
         "shape": [d.dim_param or d.dim_value for d in t.shape.dim],
     }
+
+
+def output_info(proto) -> dict[str, Any]:
+    """The file's first output for the report: {"name", "type", "shape"}, and "meaning" from
+    the metadata `export_onnx` wrote (logits over the classes), when there."""
+    info = _value_info(proto.graph.output[0])
     if meaning := protos.metadata(proto).get(protos.OUTPUT_KEY):
         info["meaning"] = meaning
     return info
