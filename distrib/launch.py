@@ -610,15 +610,38 @@ def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     ctx = mp.get_context("spawn")
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
+    got: dict[int, Any] = {}
+
+    def drain() -> None:
+        # Read results as they come: a member whose result outgrows the pipe's buffer (64 KiB;
+        # a TrainResult keeps one flag per test sample) blocks in `put` until someone reads it,
+        # and would never exit for a join that waited on it first.
+        while not results.empty():
+            index, blob = results.get()
+            got[index] = pickle.loads(blob)
+
+    with short_spin_children():
+        context = mp.start_processes(
+            _independent,
+            args=(fn, processes, results, errors),
+            nprocs=processes,
+            join=False,
+            start_method="spawn",
+        )
     try:
-        with short_spin_children():
-            mp.start_processes(
-                _independent,
-                args=(fn, processes, results, errors),
-                nprocs=processes,
-                join=True,
-                start_method="spawn",
-            )
+        while True:
+            # The members not yet joined (an ended one's sentinel stays ready), or a result.
+            mp_connection.wait([*context.sentinels, results._reader], timeout=HEARTBEAT_S)
+            drain()
+            if context.join(timeout=0):
+                break
+    except KeyboardInterrupt:  # Ctrl-C in the parent: no member may outlive it
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.kill()
+        for proc in context.processes:
+            proc.join(5)
+        raise
     except Exception as e:
         reported = []
         while not errors.empty():
@@ -629,10 +652,7 @@ def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
                 raise InputError(message) from None
             raise StageError(f"process {index} failed: {message}") from None
         raise StageError(f"process {getattr(e, 'error_index', '?')} failed") from None
-    got = {}
-    while not results.empty():
-        index, blob = results.get()
-        got[index] = pickle.loads(blob)
+    drain()
     return [got[i] for i in range(processes)]
 
 

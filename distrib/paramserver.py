@@ -84,6 +84,8 @@ ASK, REPLY = 1, 2
 HEADER = 6  # float64 fields: kind and five that depend on the kind
 HEAD_BYTES = 8 * HEADER
 FAREWELL_WAIT_S = 5.0  # how long a server leaving waits for its watchdogs' last messages
+# A straggler's factor: 1e308 overflowed time.sleep; past 1000x a worker does no step at all.
+MAX_STRAGGLER = 1000.0
 HIST_BINS = 64  # staleness histogram bins 0..62, and 63 for "63 or more"
 SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}  # optimizer state
 TASKS_KEY = "ps/batches"  # the store counter that deals batches in the asynchronous modes
@@ -123,8 +125,11 @@ class PSConfig:
                     f"--straggler {rank}:{factor:g}: there is no worker {rank} "
                     f"(workers are 0..{self.workers - 1})"
                 )
-            if not (factor >= 1 and math.isfinite(factor)):
-                raise InputError(f"--straggler {rank}:{factor:g}: the factor must be 1 or more")
+            if not 1 <= factor <= MAX_STRAGGLER:  # NaN fails both
+                raise InputError(
+                    f"--straggler {rank}:{factor:g}: the factor must be 1..{MAX_STRAGGLER:g} "
+                    "(how many times slower the worker runs)"
+                )
 
     @property
     def bound(self) -> float:

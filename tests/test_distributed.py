@@ -113,6 +113,31 @@ def test_a_user_error_in_a_worker_stays_a_user_error():
         launch.run(_bad_input, workers=2, timeout_s=20)
 
 
+def _big_result(index, processes):
+    return bytes([index]) * 300_000  # 4.6x a pipe's buffer
+
+
+def test_independent_members_return_results_bigger_than_a_pipe():
+    # An ensemble member's TrainResult outgrows 64 KiB with a large test set (one flag per
+    # sample): the members blocked in `put` while the parent waited for them to exit, forever.
+    t0 = time.perf_counter()
+    got = launch.run_independent(_big_result, 2)
+    assert [len(b) for b in got] == [300_000, 300_000]
+    assert got[0][:1] == b"\x00" and got[1][:1] == b"\x01"
+    assert time.perf_counter() - t0 < 60
+
+
+def _independent_bad_input(index, processes):
+    if index == 1:
+        raise InputError("--data nope: no such data set")
+    return index
+
+
+def test_an_independent_members_user_error_stays_a_user_error():
+    with pytest.raises(InputError, match="no such data set"):
+        launch.run_independent(_independent_bad_input, 2)
+
+
 def test_incomplete_torchrun_environment(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -420,6 +420,8 @@ def test_a_dead_server_stops_the_job_naming_it(dying, mode):
         (["--strategy", "ps-sync", "--servers", "100000"], "100002 processes on this machine"),
         (["--strategy", "ps-async", "--straggler", "5:2"], "there is no worker 5 (workers are"),
         (["--strategy", "ps-async", "--straggler", "x"], "write RANK:FACTOR"),
+        (["--strategy", "ps-async", "--straggler", "1:1e308"], "the factor must be 1..1000"),
+        (["--strategy", "ps-async", "--straggler", "1:nan"], "the factor must be 1..1000"),
         (["--servers", "2"], "--servers belongs to the parameter-server strategies"),
         (["--strategy", "nope"], "'nope' is not one of"),
         (
