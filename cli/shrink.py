@@ -301,10 +301,21 @@ def shrink(
         if model_path.exists() and not model_path.is_file():
             raise InputError(f"{model_path}: {checkpoint.not_a_file(model_path)}")
         # With the checkpoint at hand, also what the recipe does to each of its layers.
-        layers = _plan(model_path, data, recipe, model, model_kwargs, trust_model)
+        # the recipe's student code, imported (to check it) only with the run's consent
+        consent = (
+            trust_model or ":" not in recipe.distill.student or student == (recipe.distill.student)
+        )
+        layers = _plan(model_path, data, recipe, model, model_kwargs, trust_model, consent)
         if layers is None and not model_path.is_file():
             click.echo(
                 f"note: {model_path} does not exist yet: the recipe only, no layer plan", err=True
+            )
+        elif layers is None:
+            made = "distillation's student" if recipe.distill.student else "channel pruning"
+            click.echo(
+                f"note: the layers Deep Compression prunes come from {made}, during the run: the "
+                "recipe only, no layer plan (the recipe's checks were made)",
+                err=True,
             )
         if as_json:
             emit_json(
@@ -408,15 +419,16 @@ def _plan(
     model: str | None,
     kwargs: str | None,
     trust_model: bool = False,
+    student_consent: bool = True,
 ) -> list[dict] | None:
-    """The per-layer plan for --dry-run, or None without a checkpoint to read it from."""
+    """The per-layer plan for --dry-run, or None without a checkpoint to read it from.
+    Without `student_consent` the recipe's student (an import path) is neither imported nor
+    checked."""
     if not model_path.is_file():
         return None
     ck = checkpoint.load(model_path, train_state=False)
     if trust_model and model is None and ck.spec is not None and ck.spec.is_import_path:
         model = ck.spec.name  # the checkpoint's own code, imported with the user's consent
-    if recipe.distill.student or recipe.channels.enabled:
-        return None  # the layers Deep Compression sees do not exist yet
     named = model or (ck.spec.name if ck.spec is not None else None)
     want = input_name(named, model)
     if data:
@@ -424,9 +436,20 @@ def _plan(
     else:
         ds = data_mod.load_recorded(ck.metadata.get("data"), model_path, want)
     spec = ck.spec_for(model, zoo.parse_kwargs(kwargs), ds.in_shape, ds.num_classes)
-    return shrink_plan(
-        ck.build_model(spec, allow_import=model == spec.name), recipe, ds.x_train[:2]
-    )
+    teacher = ck.build_model(spec, allow_import=model == spec.name)
+    # What the run checks before any work (the student, its hint layer, channels.ignore, a
+    # budget against the validation split): a dry run passed recipes the run then refused.
+    if student_consent:
+        pipeline.preflight(recipe, ds, teacher)
+    else:
+        click.echo(
+            f"note: distill.student = {recipe.distill.student!r} names code to import; it is "
+            f"checked with --student {recipe.distill.student} or --trust-model",
+            err=True,
+        )
+    if recipe.distill.student or recipe.channels.enabled:
+        return None  # the layers Deep Compression sees do not exist yet
+    return shrink_plan(teacher, recipe, ds.x_train[:2])
 
 
 JSON_KEYS = (

@@ -112,16 +112,17 @@ def check_validation(max_drop: float, n_val: int, where: str) -> None:
     """Refuse a validation split too small to tell `max_drop` points apart from nothing."""
     if n_val < MIN_VAL_SAMPLES:
         raise InputError(
-            f"--max-drop needs at least {MIN_VAL_SAMPLES} validation samples; {where} has "
+            f"--max-drop / budget.max_drop needs at least {MIN_VAL_SAMPLES} validation samples; "
+            f"{where} has "
             f"{n_val} (every 10th training sample is held out: give {10 * MIN_VAL_SAMPLES} or "
             "more training samples, or an npz with x_val/y_val, or input_ids_val)"
         )
     if max_drop > 0 and allowed_loss(max_drop, n_val) < 1:
         need = math.ceil(100 / max_drop)
         raise InputError(
-            f"--max-drop {max_drop:g} allows less than one of the {n_val} validation samples "
-            f"of {where}: it needs {need} validation samples, or --max-drop "
-            f"{100 / n_val:.2f} or more (or 0: lose none)"
+            f"--max-drop / budget.max_drop {max_drop:g} allows less than one of the {n_val} "
+            f"validation samples of {where}: it needs {need} validation samples, or a max_drop "
+            f"of {100 / n_val:.2f} or more (or 0: lose none)"
         )
 
 
@@ -340,7 +341,7 @@ def settings(model: nn.Module, recipe: Recipe, cfg: BudgetConfig):
         out[name] = (layer, [(s, b) for s in ss for b in bs])
     if out and all(len(v[1]) == 1 for v in out.values()):
         raise InputError(
-            "recipe: budget.max_drop searches per-layer sparsity and bits, but prune.sparsity "
+            "--max-drop / budget.max_drop searches per-layer sparsity and bits, but prune.sparsity "
             "and quantize.bits fix both for every layer; drop budget.max_drop, or leave some "
             "layers to the search"
         )

@@ -339,13 +339,28 @@ def thin_(
         if fit:
             rounds[-1] |= {"estimated_us": est, "time_goal_us": time_goal}
     reached = macs <= macs0 * cfg.target_macs * (1 + 1e-9)
+    after = widths(model)
+    limit = None
     if not reached:
+        # round_to at or above a layer's width keeps all of it: raising max_ratio (the cause
+        # the message gave) cannot help there
+        whole = [n for n, w in widths0.items() if n not in ignored and cfg.round_to >= w]
+        if whole:
+            shown = ", ".join(f"{n} ({widths0[n]})" for n in whole[:4])
+            more = f" and {len(whole) - 4} more" if len(whole) > 4 else ""
+            limit = (
+                f"channels.round_to {cfg.round_to} is no smaller than the width of {shown}{more}, "
+                "which keep every channel: lower round_to"
+            )
+        else:
+            limit = (
+                f"channels.max_ratio {cfg.max_ratio:g} and the layers kept whole limit the cut: "
+                "raise max_ratio, or set target_macs to what was reached"
+            )
         info(
             f"channels: target_macs {cfg.target_macs:g} not reached: {macs / macs0:.1%} of the "
-            f"MACs with no layer cut past max_ratio {cfg.max_ratio:g} (raise it, or set "
-            "target_macs to what was reached)"
+            f"MACs; {limit}"
         )
-    after = widths(model)
     heads1 = head_counts(model)
     return {
         "macs": [macs0, macs],
@@ -353,6 +368,7 @@ def thin_(
         "parameters": [params0, _params(model)],
         "target_macs": cfg.target_macs,
         "reached": reached,
+        "limit": limit,  # what kept the cut short of target_macs; None when reached
         "ignored": ignored,
         "layers": [{"name": n, "before": w, "after": after.get(n, w)} for n, w in widths0.items()],
         "heads": [{"name": n, "before": h, "after": heads1.get(n, h)} for n, h in heads0.items()],

@@ -270,6 +270,14 @@ def hint_adapter(student_feat: torch.Tensor, teacher_feat: torch.Tensor) -> nn.M
     )
 
 
+def check_hints(d: Any, student: nn.Module, teacher: nn.Module) -> None:
+    """The recipe's hint layers (its [distill] section `d`) exist in the student and the
+    teacher: refused before the teacher's baseline and by --dry-run, not when hints train."""
+    if d.hint_student:
+        _module(student, d.hint_student, "student")
+        _module(teacher, d.hint_teacher, "teacher")
+
+
 def hint_train(
     student: nn.Module,
     teacher: nn.Module,

@@ -527,8 +527,11 @@ def preflight(
         distill.check_transfer(recipe.distill, data)
         if recipe.distill.student:
             check_kind(recipe.distill.student, data, "distill.student")
-            # its kwargs against the data, before the teacher's baseline
-            distill.student_spec(recipe.distill, data, data.num_classes)
+            # built, its kwargs against the data and its hint layer, before the teacher's
+            # baseline (and by --dry-run: a kwarg the model's constructor refuses passed it)
+            student = _student(recipe, data)
+            if model is not None:
+                distill.check_hints(recipe.distill, student, model)
     _check_microbatches(recipe, data, model)
     if recipe.channels.enabled and recipe.channels.ignore:
         thinned = _student(recipe, data) if recipe.distill.student and data is not None else model

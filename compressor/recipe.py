@@ -389,7 +389,7 @@ class Recipe:
     def dump(self, path: str | Path) -> Path:
         """Write the recipe to `path` (format by suffix, as `load` reads it), atomically."""
         path = Path(path)
-        fmt = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(path.suffix, "toml")
+        fmt = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(path.suffix.lower(), "toml")
         with atomic_path(path) as tmp:
             Path(tmp).write_text(self.dumps(fmt), encoding="utf-8")
         return path
@@ -464,7 +464,7 @@ def read(path: str | Path) -> dict[str, Any]:
         raise InputError(f"recipe file {path}: a folder, not a file; give the recipe's file")
     if not path.is_file():
         raise InputError(f"recipe file {path}: no such file")
-    kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix, "TOML")
+    kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix.lower(), "TOML")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_RECIPE_BYTES + 1)
@@ -503,6 +503,10 @@ def read(path: str | Path) -> dict[str, Any]:
         raise _too_deep(path)
     if not isinstance(raw, dict):
         raise InputError(f"recipe file {path}: a recipe is a table of sections")
+    if isinstance(raw.get("recipe"), dict):
+        # A report.json, or `--dry-run --json`'s output: the recipe it holds (no recipe has a
+        # "recipe" key). Passing the report back was refused as "unknown key 'baseline'".
+        return raw["recipe"]
     return raw
 
 
@@ -549,7 +553,34 @@ def _yaml(text: str, path: Path) -> Any:
             raise _too_deep(path) from None
         raise
     _yaml_unique_keys(yaml.compose(text, Loader=loader), path)
-    return yaml.load(text, Loader=loader)  # a SafeLoader: plain data only
+    return yaml.load(text, Loader=_yaml_loader(loader))  # a SafeLoader: plain data only
+
+
+def _yaml_loader(base: Any) -> Any:
+    """`base` reading floats as YAML 1.2 and JSON do: YAML 1.1 wants a dot in every float, so
+    `lr: 3e-4` was the string '3e-4' and refused as "not a positive number"."""
+    import re
+
+    class Loader(base):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:float"]
+        for k, v in base.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(
+            r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+            |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+            |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+            |[-+]?\.(?:inf|Inf|INF)
+            |\.(?:nan|NaN|NAN))$""",
+            re.X,
+        ),
+        list("-+0123456789."),
+    )
+    return Loader
 
 
 def _yaml_unique_keys(node: Any, path: Path) -> None:
@@ -594,7 +625,7 @@ def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> Recipe
                 f"{source}: unknown key {key!r}; sections: {', '.join(list(DEFAULTS)[1:])}"
             )
         if key == "version":
-            if value != VERSION:
+            if type(value) is not int or value != VERSION:  # true == 1 == 1.0 in Python
                 raise InputError(
                     f"{source}: recipe version {value!r}; this compress reads version {VERSION}"
                 )
@@ -673,10 +704,21 @@ def _validate(r: dict[str, Any], source: str) -> None:
     _positive(r, source, "train", "temperature")
     p = r["prune"]
     s, q = p["sparsity"], p["quality"]
-    if (s is None) == (q is None):
+    if s is None and q is None:
+        raise InputError(f"{source}: prune needs a sparsity or a quality (neither is given)")
+    if s is not None and q is not None:
         raise InputError(f"{source}: prune needs sparsity or quality, not both")
     if isinstance(s, dict):
+        if not s:
+            raise _bad(
+                source,
+                "prune.sparsity",
+                s,
+                "name layers, {fc1 = 0.9}, or give one fraction (0.0, or prune.enabled = false, "
+                "prunes nothing)",
+            )
         for layer, v in s.items():
+            _dotted_name(source, "prune.sparsity", layer, v, 0.5)
             _fraction(source, f"prune.sparsity.{layer}", v)
     elif s is not None and s not in ("default", "auto"):
         _fraction(source, "prune.sparsity", s)
@@ -695,6 +737,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
     if not isinstance(qz["bits"], dict):
         raise _bad(source, "quantize.bits", qz["bits"], "a table {layer = bits}")
     for layer, b in qz["bits"].items():
+        _dotted_name(source, "quantize.bits", layer, b, 4)
         if not (isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_BITS):
             raise _bad(source, f"quantize.bits.{layer}", b, f"whole bits 1..{MAX_BITS}")
     _int(r, source, "quantize", "finetune_epochs", 0, MAX_EPOCHS)
@@ -716,6 +759,12 @@ def _validate(r: dict[str, Any], source: str) -> None:
         raise _bad(source, "distill.student", dd["student"], "a zoo name or pkg.module:Class")
     if not isinstance(dd["student_kwargs"], dict):
         raise _bad(source, "distill.student_kwargs", dd["student_kwargs"], "a table of kwargs")
+    null = _null_at(dd["student_kwargs"])
+    if null is not None:
+        raise InputError(
+            f"{source}: distill.student_kwargs.{null} is null; leave the key out for the "
+            "model's default (a recipe prints as TOML, which has no null)"
+        )
     if not (isinstance(dd["teachers"], list) and all(isinstance(t, str) for t in dd["teachers"])):
         raise _bad(source, "distill.teachers", dd["teachers"], "a list of checkpoint paths")
     if dd["teachers"] and not dd["student"]:
@@ -788,6 +837,8 @@ def _validate(r: dict[str, Any], source: str) -> None:
 
 def _validate_budget(r: dict[str, Any], source: str) -> None:
     b = r["budget"]
+    if b["max_drop"] is False:  # YAML reads `max_drop: off` as false
+        b["max_drop"] = "off"
     if b["max_drop"] != "off" and not (_number(b["max_drop"]) and 0 <= b["max_drop"] < 100):
         raise _bad(
             source, "budget.max_drop", b["max_drop"], 'points of accuracy in [0, 100), or "off"'
@@ -857,6 +908,21 @@ def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _dotted_name(source: str, table: str, layer: str, v: Any, example: Any) -> None:
+    """A per-layer table's value that is itself a table: TOML read an unquoted dotted layer
+    name (features.0 = 0.5) as nested keys; say so rather than "features = {'0': 0.5}"."""
+    if isinstance(v, dict) and len(v) == 1:
+        inner, value = next(iter(v.items()))
+        name = f"{layer}.{inner}"
+        while isinstance(value, dict) and len(value) == 1:  # blocks.0.conv
+            inner, value = next(iter(value.items()))
+            name = f"{name}.{inner}"
+        raise InputError(
+            f"{source}: {table} names layer {name!r} unquoted; quote a dotted name: "
+            f'{{"{name}" = {example}}}'
+        )
+
+
 def _fraction(source: str, key: str, v: Any) -> None:
     if not (_number(v) and 0 <= v < 1):
         raise _bad(source, key, v, "a fraction of weights to prune in [0, 1)")
@@ -898,8 +964,7 @@ def dumps(recipe: Recipe | dict[str, Any]) -> str:
             else:
                 lines.append(f"{key} = {_toml(value)}")
         for key, value in tables:
-            inner = ", ".join(f"{_toml_key(k)} = {_toml(v)}" for k, v in value.items())
-            lines.append(f"{key} = {{{inner}}}")
+            lines.append(f"{key} = {_toml(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -908,8 +973,30 @@ def _toml_key(k: str) -> str:
 
 
 def _toml(v: Any) -> str:
+    """One TOML value, nested lists and tables included (a Python repr, as nested values were
+    written, is no TOML: {'a': 1}, [True], None)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return json.dumps(v)
-    return repr(v)
+        return json.dumps(v)  # a TOML basic string: the same escapes as JSON
+    if isinstance(v, float):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml(x)}" for k, x in v.items()) + "}"
+    raise InputError(f"recipe value {v!r}: TOML has no such value")
+
+
+def _null_at(v: Any, where: str = "") -> str | None:
+    """The dotted key of the first null in nested tables and lists, or None."""
+    if v is None:
+        return where or "(value)"
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        found = _null_at(x, f"{where}.{k}" if where else str(k))
+        if found is not None:
+            return found
+    return None

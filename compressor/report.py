@@ -426,6 +426,11 @@ def _budget_lines(report: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _limit(c: dict[str, Any]) -> str:
+    """What kept channel pruning short of its target (reports before "limit" was kept)."""
+    return c.get("limit") or "channels.max_ratio and the layers kept whole limit the cut"
+
+
 def _channel_lines(report: dict[str, Any]) -> list[str]:
     c = report.get("channels")
     if not c:
@@ -435,7 +440,7 @@ def _channel_lines(report: dict[str, Any]) -> list[str]:
         "## Channels removed (structured pruning)",
         "",
         f"MACs per sample {m0:,} -> {m1:,} ({m1 / m0:.0%}, target {c['target_macs']:.0%}"
-        f"{'' if c['reached'] else ', not reached: channels.max_ratio and the layers kept whole limit the cut'}); "
+        f"{'' if c['reached'] else ', not reached: ' + _limit(c)}); "
         f"parameters {p0:,} -> {p1:,}; test accuracy {a0:.2%} -> {a1:.2%} after "
         f"{len(c['rounds'])} round(s) with retraining. Kept whole: {', '.join(c['ignored'])}. "
         "The tables below start from the thinned model",

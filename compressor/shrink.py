@@ -309,10 +309,15 @@ def plan(
     rows = []
     for name, layer in found.items():
         weights = getattr(model.get_submodule(layer.module), layer.param)
-        if searched:
-            sparsity: Any = "searched (--max-drop)"
-        elif not p.enabled or (layer.kind == "embedding" and not p.embeddings):
-            sparsity = 0.0
+        # In a layer search, a layer the recipe's table names keeps that setting (as
+        # budget.settings measures it); the plan said "searched" for every layer.
+        fixed = isinstance(fractions, dict) and (
+            name in fractions or prune.layer_name(name) in fractions
+        )
+        if not p.enabled or (layer.kind == "embedding" and not p.embeddings):
+            sparsity: Any = 0.0
+        elif searched and not fixed:
+            sparsity = "searched (max_drop)"
         elif p.quality is not None:
             sparsity = f"|w| < {p.quality:g} std"
         elif fractions == "auto":
@@ -322,7 +327,7 @@ def plan(
         else:
             sparsity = fractions
         if search == "scale" and isinstance(sparsity, int | float) and sparsity > 0:
-            sparsity = f"{sparsity:g}, kept fraction scaled (--max-drop)"
+            sparsity = f"{sparsity:g}, kept fraction scaled (max_drop)"
         shared = q.enabled and (layer.kind != "embedding" or q.embeddings)
         rows.append(
             {
@@ -330,7 +335,11 @@ def plan(
                 "kind": layer.kind,
                 "weights": int(weights.numel()),
                 "sparsity": sparsity,
-                "bits": ("searched" if searched else qcfg.bits_for(layer)) if shared else None,
+                "bits": (
+                    ("searched" if searched and name not in q.bits else qcfg.bits_for(layer))
+                    if shared
+                    else None
+                ),
             }
         )
     # What no layer above holds is stored dense: said here, before the run, not only in its

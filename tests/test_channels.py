@@ -614,6 +614,28 @@ def test_no_layer_is_cut_past_max_ratio_over_the_rounds():
     assert any("target_macs 0.01 not reached" in line for line in said)
 
 
+def test_a_round_to_wider_than_the_layers_is_named_as_the_limit():
+    # round_to 1024 on LeNet-300's 300- and 100-wide layers cut nothing, and the message
+    # (and report.md) blamed max_ratio and said to raise it
+    from compresskit.compressor import report as report_mod
+
+    model = zoo.tiny("lenet300", in_shape=(1, 8, 8), seed=0).eval()  # fc1 16 wide, fc2 8
+    x = torch.randn(2, 1, 8, 8)
+    said = []
+    cfg = channels.ChannelsConfig(target_macs=0.5, rounds=1, retrain_epochs=0, round_to=1024)
+    record = channels.thin_(model, x[:2], cfg, info=said.append)
+    assert not record["reached"]
+    assert "channels.round_to 1024 is no smaller than the width of fc1 (16)" in record["limit"]
+    assert "max_ratio" not in said[-1] and "lower round_to" in said[-1]
+    lines = report_mod._channel_lines(
+        {"channels": {**record, "test_accuracy": [0.9, 0.9], "rounds": record["rounds"]}}
+    )
+    assert "lower round_to" in lines[2]
+    model, x = tiny("lenet5")
+    cfg = channels.ChannelsConfig(target_macs=0.01, rounds=1, retrain_epochs=0)
+    assert "raise max_ratio" in channels.thin_(model, x[:2], cfg)["limit"]
+
+
 def test_a_students_channels_ignore_and_kwargs_are_checked_before_any_work():
     # a typo in channels.ignore was found after the whole distillation; a student's
     # num_classes was blamed on --model-kwargs

@@ -126,3 +126,67 @@ def test_home_folders_in_recipe_paths_are_expanded(monkeypatch, tmp_path):
     )  # fmt: skip
     assert r.export.calibration_data == str(tmp_path / "c.npy")
     assert r.distill.teachers == (str(tmp_path / "t.pt"), "rel.pt")
+
+
+def test_nested_values_print_as_toml_that_loads_back_the_same(tmp_path):
+    # Nested kwargs were written as Python text ({'a': 1}, [True]) that TOML refuses, and a
+    # backslash in a list came back doubled.
+    raw = {
+        "distill": {
+            "student": "mlp",
+            "student_kwargs": {"cfg": {"a": 1, "flags": [True, False], "x": 2.5e-07}},
+            "teachers": ["C:\\m\\t.pt", "tab\there"],
+        },
+        "channels": {"ignore": ["a\\b", 'quote"d']},
+        "prune": {"sparsity": {"blocks.0.conv": 0.5, "fc": 0.25}},
+    }
+    first = Recipe.from_dict(raw)
+    text = first.dumps("toml")
+    assert "True" not in text and "{'" not in text
+    (tmp_path / "r.toml").write_text(text)
+    again = Recipe.load(tmp_path / "r.toml")
+    assert again == first
+    assert tuple(again.distill.teachers) == ("C:\\m\\t.pt", "tab\there")
+    assert tuple(again.channels.ignore) == ("a\\b", 'quote"d')
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"prune": {"sparsity": {}}}, "prune.sparsity = {} is impossible; name layers"),
+        ({"prune": {"sparsity": None}}, "needs a sparsity or a quality (neither is given)"),
+        ({"version": True}, "recipe version True"),
+        ({"distill": {"student_kwargs": {"a": {"b": None}}}}, "student_kwargs.a.b is null"),
+        # TOML reads an unquoted dotted key as nested tables
+        ({"prune": {"sparsity": {"features": {"0": 0.5}}}}, "'features.0' unquoted"),
+        ({"quantize": {"bits": {"blocks": {"0": {"conv": 4}}}}}, '{"blocks.0.conv" = 4}'),
+    ],
+)
+def test_recipe_mistakes_are_named(raw, message):
+    with pytest.raises(InputError) as e:
+        Recipe.from_dict(raw, source="r.json")
+    assert message in str(e.value) and str(e.value).startswith("r.json: ")
+
+
+def test_yaml_reads_numbers_and_off_as_a_yaml_user_writes_them(tmp_path):
+    # YAML 1.1 wants a dot in a float ('3e-4' was text, "not a positive number") and reads
+    # `off` as false (refused, by a message that offered "off").
+    (tmp_path / "r.yaml").write_text(
+        "prune:\n  lr: 3e-4\nquantize:\n  lr: .5E-3\nbudget:\n  max_drop: off\n"
+    )
+    r = Recipe.load(tmp_path / "r.yaml")
+    assert (r.prune.lr, r.quantize.lr, r.budget.max_drop) == (3e-4, 5e-4, "off")
+
+
+def test_a_suffix_in_capitals_names_the_format(tmp_path):
+    (tmp_path / "r.JSON").write_text('{"prune": {"rounds": 2}}')
+    assert Recipe.load(tmp_path / "r.JSON").prune.rounds == 2
+    written = Recipe.from_dict({"prune": {"rounds": 3}}).dump(tmp_path / "w.YAML")
+    assert written.read_text().startswith("version: 1")
+
+
+def test_a_report_or_dry_run_json_is_read_for_its_recipe(tmp_path):
+    (tmp_path / "report.json").write_text(
+        json.dumps({"baseline": {"bytes": 1}, "recipe": {"prune": {"rounds": 2}}})
+    )
+    assert Recipe.load(tmp_path / "report.json").prune.rounds == 2

@@ -918,3 +918,63 @@ def test_an_extra_teacher_of_the_users_own_code_is_built_with_consent(tmp_path, 
     )
     bare = distill._extra_teacher(str(tmp_path / "bare.pt"), spec, lambda n: False)
     assert torch.equal(bare.fc.weight, net.fc.weight)
+
+
+@pytest.mark.parametrize(
+    ("recipe_text", "message"),
+    [
+        ('[distill]\nstudent = "nosuch"\nepochs = 1\n', "unknown model 'nosuch'"),
+        (
+            '[distill]\nstudent = "mlp"\nstudent_kwargs = {nosuch = 3}\nepochs = 1\n',
+            "does not take these kwargs",
+        ),
+        (
+            '[distill]\nstudent = "mlp"\nhint_student = "nope"\nhint_teacher = "fc1"\n',
+            "the student has no layer 'nope'",
+        ),
+        ('[channels]\nenabled = true\nignore = ["fc9"]\n', "channels.ignore names 'fc9'"),
+        ("[budget]\nmax_drop = 0.1\n", "budget.max_drop 0.1 allows less than one of the 143"),
+    ],
+)
+def test_dry_run_refuses_what_the_run_refuses(run, trained, tmp_path, recipe_text, message):
+    # A dry run passed these (exit 0) and the run refused them seconds later.
+    folder, _, _ = trained
+    (tmp_path / "r.toml").write_text(recipe_text)
+    result = run("shrink", folder / "lenet300.pt", "--recipe", tmp_path / "r.toml", "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+
+
+def test_dry_run_with_a_student_says_why_there_is_no_layer_plan(run, trained):
+    folder, _, _ = trained
+    result = run("shrink", folder / "lenet300.pt", "--student", "mlp", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "note: the layers Deep Compression prunes come from distillation's student" in (
+        result.stderr
+    )
+
+
+def test_dry_run_plan_shows_the_layers_a_budget_leaves_fixed(run, trained, tmp_path):
+    folder, _, _ = trained
+    (tmp_path / "b.toml").write_text(
+        "[budget]\nmax_drop = 3.0\n[prune]\nsparsity = {fc1 = 0.5, fc2 = 0.6}\n"
+        "[quantize]\nbits = {fc1 = 3}\n"
+    )
+    result = run("shrink", folder / "lenet300.pt", "--recipe", tmp_path / "b.toml", "--dry-run")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[1]: line.split()[4:] for line in result.stdout.splitlines()[-3:]}
+    # every layer read "searched" although the run keeps fc1 at 0.5 / 3 bits and fc2 at 0.6
+    assert rows == {
+        "fc1": ["3", "0.5"],
+        "fc2": ["searched", "0.6"],
+        "fc3": ["searched", "searched", "(max_drop)"],
+    }
+
+
+def test_a_report_given_as_the_recipe_reruns_its_recipe(run, trained, tmp_path):
+    # "unknown key 'baseline'" was all a user passing report.json back got
+    folder, out, _ = trained
+    result = run("shrink", folder / "lenet300.pt", "--recipe", out / "report.json", "--dry-run")
+    assert result.exit_code == 0, result.output
+    ran = json.loads((out / "report.json").read_text())["recipe"]
+    assert recipe.resolve(tomllib.loads(result.stdout.split("\n#")[0])).to_dict() == ran
