@@ -63,7 +63,9 @@ class TrainProgress(Events):
         self.last_checkpoint = path
 
     def info(self, message: str) -> None:
-        if not self.quiet:
+        # -q drops progress, not notes: a resume that changes the global batch said so only
+        # without -q
+        if not self.quiet or message.startswith(("note:", "warning:")):
             stderr.print(message)
 
     def epoch_start(self, epoch: int, epochs: int, steps: int, done: int) -> None:

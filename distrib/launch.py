@@ -126,15 +126,7 @@ def run(
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        try:
-            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        except dist.DistNetworkError:
-            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-            raise StageError(
-                f"rank {env.rank} of {env.world}: no rendezvous at {where} within "
-                f"{timeout_s:g} s (--timeout); start every rank with the same MASTER_ADDR and "
-                "MASTER_PORT, rank 0 among them"
-            ) from None
+        store, rank, world = _rendezvous(env, timeout_s)
         # torchrun --max-restarts keeps one store across restarts; without a per-attempt
         # prefix the new workers can read the dead ones' gloo addresses and time out.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -595,6 +587,59 @@ def _dead_peer_error() -> StageError | None:
             who = _with((_name or _worker)(r), f"pid {beat.pid}")
             return StageError(f"{who} ended; {(_name or _worker)(_rank)} gave up waiting for it")
     return None
+
+
+RENDEZVOUS_GRACE_S = 5.0  # past --timeout, for torch's own rendezvous timeout to speak first
+
+
+def _rendezvous(env: DistEnv, timeout_s: float) -> tuple[Any, int, int]:
+    """torch's env:// rendezvous, bounded by `timeout_s` whatever is on MASTER_PORT: a rank
+    whose port another program held (no store behind it) waited in the handshake for as long
+    as that program lived, deaf to SIGTERM. The call runs in a thread (it releases the GIL)
+    that is left behind if it does not return."""
+    import torch.distributed as dist
+
+    box: dict[str, Any] = {}
+
+    def rendezvous() -> None:
+        try:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            box["got"] = next(dist.rendezvous("env://", timeout=timeout))
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    who = f"rank {env.rank} of {env.world}"
+    thread = threading.Thread(target=rendezvous, name="compress-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout_s + RENDEZVOUS_GRACE_S)
+    if thread.is_alive():
+        raise StageError(
+            f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout): something "
+            "there takes connections but never answers as rank 0's store (another program on "
+            "MASTER_PORT?); give every rank a free MASTER_PORT"
+        )
+    error = box.get("error")
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(error)) if error is not None else None
+    if isinstance(error, dist.DistError) and joined:  # rank 0, its store up, the others absent
+        raise StageError(
+            f"{who}: {joined[1]} of {joined[2]} ranks joined at {where} within {timeout_s:g} s "
+            "(--timeout); start every rank with the same MASTER_ADDR and MASTER_PORT"
+        ) from None
+    if isinstance(error, dist.DistNetworkError):
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error):
+            raise InputError(
+                f"{who}: MASTER_PORT {os.environ['MASTER_PORT']} is already in use on this "
+                "machine (another program or job holds it); give every rank another "
+                "MASTER_PORT (torchrun --master-port)"
+            ) from None
+        raise StageError(
+            f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout); start every "
+            "rank with the same MASTER_ADDR and MASTER_PORT, rank 0 among them"
+        ) from None
+    if error is not None:
+        raise error
+    return box["got"]
 
 
 def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:

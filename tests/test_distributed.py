@@ -706,3 +706,40 @@ def test_a_rank_that_finds_no_rendezvous_says_where_it_looked(monkeypatch):
         monkeypatch.setenv(k, v)
     with pytest.raises(StageError, match=f"rank 1 of 2: no rendezvous at 127.0.0.1:{port} within"):
         launch.run(_policy, workers=2, timeout_s=2)
+
+
+def _torchrun_env(monkeypatch, rank: int, port: int) -> None:
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_a_rank_whose_port_another_program_holds_ends_within_its_timeout(monkeypatch):
+    # Rank 1 waited in the store handshake for as long as the other program lived (80 s and
+    # more with --timeout 10, deaf to SIGTERM); rank 0 was told "no rendezvous within 10 s"
+    # after 2 s, the port being the cause.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _torchrun_env(monkeypatch, 1, port)
+        t0 = time.perf_counter()
+        with pytest.raises(StageError, match="never answers as rank 0's store"):
+            launch.run(_policy, workers=2, timeout_s=1)
+        assert time.perf_counter() - t0 < 1 + launch.RENDEZVOUS_GRACE_S + 5
+        _torchrun_env(monkeypatch, 0, port)
+        with pytest.raises(InputError, match=f"MASTER_PORT {port} is already in use"):
+            launch.run(_policy, workers=2, timeout_s=1)
+
+
+def test_rank_zero_alone_says_how_many_ranks_joined(monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _torchrun_env(monkeypatch, 0, port)
+    with pytest.raises(StageError, match=r"rank 0 of 2: 1 of 2 ranks joined at 127\.0\.0\.1"):
+        launch.run(_policy, workers=2, timeout_s=1)
