@@ -604,9 +604,27 @@ class _Reader:
         return struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt)))
 
 
+def expected_sha256(text: str) -> str:
+    """The hash a user gave (`--expect`): 64 hex digits, as `sha256sum` prints them, alone or
+    with the rest of its line ("HASH  model.dcz") or a "sha256:" prefix. Anything else was
+    reported as "not the archive you were given", the archive blamed for a pasting slip."""
+    words = str(text).split()
+    token = words[0] if words else ""
+    token = token.lstrip("\\").lower().removeprefix("sha256:")
+    if len(token) != 64 or any(c not in "0123456789abcdef" for c in token):
+        shown = str(text) if len(str(text)) <= 80 else f"{str(text)[:60]}..."
+        raise InputError(
+            f"--expect {shown!r}: give the archive's SHA-256 as the 64 hex digits "
+            "`sha256sum model.dcz` prints"
+        )
+    return token
+
+
 def read(path: str | os.PathLike, **options: Any) -> Decoded:
     """Decode an archive file into a model spec, metadata and a state_dict (see `decode`)."""
     path = Path(path)
+    if options.get("sha256") is not None:
+        expected_sha256(options["sha256"])  # a malformed --expect, before the file is read
     if path.is_dir():
         raise InputError(f"{path}: a folder, not an archive; give the .dcz file in it")
     if not path.is_file():
@@ -636,10 +654,11 @@ def decode(
     cannot make the reader build a large tensor its model does not have. `sha256`, when given,
     must be the file's SHA-256 (hex), checked before anything else.
     """
+    want = expected_sha256(sha256) if sha256 is not None else None
     got = hashlib.sha256(data).hexdigest()
-    if sha256 is not None and got != sha256.strip().lower():
+    if want is not None and got != want:
         raise InputError(
-            f"{path}: SHA-256 is {got}, not the {sha256.strip()} expected: this is not the "
+            f"{path}: SHA-256 is {got}, not the {want} expected: this is not the "
             "archive you were given (or the expected hash is wrong)"
         )
     if not data.startswith(MAGIC):

@@ -1185,6 +1185,7 @@ def decode_to_checkpoint(
         out = path.with_suffix(".decoded.pt")
     checkpoint.check_out_name(out)
     check_writable(out, inputs=[path], replace=force)
+    checkpoint.check_replaceable(Path(out))  # --force replaces a checkpoint, nothing else
     rebuilt = True
 
     def expect(header_spec: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:

@@ -375,7 +375,7 @@ def run(
     checkpoint.check_out_name(job.out)
     check_writable(job.out, inputs=spec_files(job.data))
     if not job.resume:  # --resume reads the file and says what is wrong with it
-        _check_replaceable(Path(job.out))
+        checkpoint.check_replaceable(Path(job.out))
     _remove_stale_writes(job.out)
     gpu = job.config.device.startswith("cuda")
     if gpu:
@@ -444,20 +444,6 @@ def _remove_stale_writes(out: Path) -> None:
     mid-write: nothing else removes them, and each is checkpoint-sized (a VGG's 56 MB piled
     up over kill-and-resume cycles). Untouched for a minute, no live write owns them."""
     _remove_partial_writes(out, 0.0, before=time.time() - STALE_WRITE_S)
-
-
-def _check_replaceable(out: Path) -> None:
-    """A checkpoint --out replaces an earlier checkpoint (training again), never another kind
-    of file: `--out student/model.dcz` had replaced an archive with a checkpoint, exit 0."""
-    if not out.is_file() or out.stat().st_size == 0 or checkpoint.is_torch_file(out):
-        return
-    with open(out, "rb") as f:
-        archive = f.read(4) == b"\x89DCZ"  # compressor.archive.MAGIC's first bytes
-    what = "a compress archive" if archive else "not a PyTorch checkpoint"
-    raise InputError(
-        f"--out {out} exists and is {what}; training writes a checkpoint there: give another "
-        "--out, or move the file away"
-    )
 
 
 def _run_ps(job: TrainJob, events_factory) -> TrainResult:
@@ -587,6 +573,7 @@ def run_ensemble(
     for j in jobs:
         checkpoint.check_out_name(j.out)
         check_writable(j.out, inputs=spec_files(j.data))
+        checkpoint.check_replaceable(Path(j.out))
     results = launch.run_independent(functools.partial(_member, jobs, events_factory), members)
     return [(j.out, r) for j, r in zip(jobs, results, strict=True)]
 

@@ -324,15 +324,43 @@ def not_a_file(path: Path) -> str:
     return "no such checkpoint file"
 
 
+# Names of files that are never checkpoints: a checkpoint written as model.dcz or model.onnx
+# was read back by every other command as a broken archive or model.
+OTHER_KINDS = {".dcz": "an archive", ".onnx": "an ONNX model", ".ort": "an ORT model"}
+OTHER_KINDS |= {".npz": "arrays", ".npy": "an array"}
+
+
 def check_out_name(path: str | os.PathLike, flag: str = "--out") -> None:
     """A checkpoint is written in torch's format; torch reads a .safetensors name with the
     safetensors library, so `train --out model.safetensors` wrote a file nothing could read
-    back (its --resume failed as "unexpected")."""
-    if Path(path).suffix.lower() == ".safetensors":
+    back (its --resume failed as "unexpected"). A name another kind of file has is refused."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".safetensors":
         raise InputError(
             f"{flag} {path}: compress writes PyTorch checkpoints, which torch would read as "
             "safetensors under this name; give a .pt name"
         )
+    if suffix in OTHER_KINDS:
+        raise InputError(
+            f"{flag} {path}: a {suffix} name is {OTHER_KINDS[suffix]}'s, and compress writes a "
+            "PyTorch checkpoint there; give a .pt name"
+        )
+
+
+def check_replaceable(out: Path, flag: str = "--out") -> None:
+    """A checkpoint `out` replaces an earlier checkpoint, never another kind of file, --force
+    or not: `train --out student/model.dcz` and `decode --out x --force` replaced archives,
+    ONNX files and a user's text with a checkpoint, exit 0."""
+    out = Path(out)
+    if not out.is_file() or out.stat().st_size == 0 or is_torch_file(out):
+        return
+    with open(out, "rb") as f:
+        archive = f.read(4) == b"\x89DCZ"  # compressor.archive.MAGIC's first bytes
+    what = "a compress archive" if archive else "not a PyTorch checkpoint"
+    raise InputError(
+        f"{flag} {out} exists and is {what}; a checkpoint would replace it: give another "
+        f"{flag}, or move the file away"
+    )
 
 
 def load(

@@ -319,6 +319,24 @@ def test_decode_expect_checks_the_sha256(run, tmp_path):
         "decode", path, "--out", tmp_path / "m.pt", "--expect", stats.sha256.upper(), "--json"
     )
     assert result.exit_code == 0 and result.json()["sha256"] == stats.sha256
+    # sha256sum's whole line, or a prefix, is the same hash; a malformed one is said to be
+    # (it was "not the archive you were given")
+    for given in (f"{stats.sha256}  {path}", f"sha256:{stats.sha256}"):
+        result = run("decode", path, "--out", tmp_path / "k.pt", "--expect", given, "--force")
+        assert result.exit_code == 0, result.stderr
+    for given in ("abc", "", stats.sha256[:-1] + "g"):
+        result = run("decode", path, "--out", tmp_path / "j.pt", "--expect", given)
+        assert result.exit_code == 2 and "give the archive's SHA-256 as the 64 hex" in result.stderr
+        assert not (tmp_path / "j.pt").exists()
+    # --force replaces a checkpoint, never another kind of file; no checkpoint under a .onnx
+    # or .dcz name (decode --force had replaced an archive and an ONNX file, exit 0)
+    other = tmp_path / "notes.txt"
+    other.write_text("mine")
+    result = run("decode", path, "--out", other, "--force")
+    assert result.exit_code == 2 and "exists and is not a PyTorch checkpoint" in result.stderr
+    assert other.read_text() == "mine"
+    result = run("decode", path, "--out", tmp_path / "x.onnx")
+    assert result.exit_code == 2 and "a .onnx name is an ONNX model's" in result.stderr
     result = run("decode", path, "--out", tmp_path / "n.pt", "--max-elements", "100")
     assert result.exit_code == 2 and "raise the cap (--max-elements" in result.stderr
 

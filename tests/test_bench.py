@@ -859,3 +859,34 @@ def test_checkpoint_spellings_shrink_reads_are_benched_as_checkpoints():
     # them, bench called them "unknown file type"
     for name in ("m.pth", "m.ckpt", "pytorch_model.bin", "model.safetensors", "M.PT"):
         assert variants.file_kind(Path(name)) == ".pt"
+
+
+def test_a_tied_weight_is_counted_once_as_shrink_counts_it(tmp_path, monkeypatch):
+    import sys
+    import textwrap
+
+    (tmp_path / "tiedmod.py").write_text(
+        textwrap.dedent("""
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self, in_shape=(1, 8, 8), num_classes=10):
+                super().__init__()
+                self.a = nn.Linear(64, 64, bias=False)
+                self.b = nn.Linear(64, 64, bias=False)
+                self.b.weight = self.a.weight
+                self.out = nn.Linear(64, num_classes)
+
+            def forward(self, x):
+                return self.out(self.b(self.a(x.flatten(1))))
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tiedmod", raising=False)
+    import tiedmod
+
+    net = tiedmod.Net()
+    checkpoint.save(tmp_path / "t.pt", net, ModelSpec("tiedmod:Net", {}), {})
+    m = variants.load(tmp_path / "t.pt", trust=True)
+    assert m.parameters == 64 * 64 + 64 * 10 + 10
+    assert m.bytes == 4 * m.parameters  # it was 4 x (2 x 4,096 + 650)
