@@ -149,11 +149,11 @@ def train_summary(result: TrainResult, out: Path) -> None:
         idle = ", ".join(f"stage {s} {f:.0%}" for s, f in ps["idle_fraction"].items())
         stdout.print(
             f"pipeline {ps['schedule']}: {ps['stages']} stages ({how}; stages begin at {cuts}), "
-            f"{ps['microbatches']} micro-batches; {stages}"
+            f"{ps['microbatches']} micro-batches{_other_m(ps)}; {stages}"
         )
         stdout.print(
             f"bubble: {ps['bubble_measured']:.0%} measured (idle: {idle}); "
-            f"{ps['bubble_theory']:.0%} in theory, (K-1)/(M+K-1)"
+            f"{ps['bubble_theory']:.0%} in theory, (K-1)/(M+K-1) over the steps"
         )
     elif ps:
         hist = ps.get("staleness_histogram", {})
@@ -684,3 +684,12 @@ def bench_table(bench: dict, *, width: int | None = None, wide: bool = False) ->
         out.print(f"profile {name}: " + ", ".join(p["top"]))
     for line in _skip_lines(bench, width):
         out.print(line)
+
+
+def _other_m(ps: dict) -> str:
+    """The steps a pipeline ran at another M (a short batch takes fewer micro-batches)."""
+    per_step = {int(m): c for m, c in (ps.get("microbatches_per_step") or {}).items()}
+    other = {m: c for m, c in per_step.items() if m != ps["microbatches"]}
+    if not other:
+        return ""
+    return " (" + ", ".join(f"{m} on {c:,} short step(s)" for m, c in sorted(other.items())) + ")"

@@ -853,11 +853,14 @@ def make_plan(req: PlanRequest) -> Plan:
     compute = _value(req.compute, parse_duration, "--compute")
     model_bytes = _value(req.model_bytes, parse_size, "--model-bytes")
     activation = _value(req.activation_bytes, parse_size, "--activation-bytes")
-    measured: dict[str, Any] = {"model": req.model, "data": req.data}
+    measured: dict[str, Any] = {}
 
     model = ds = None
     layers = None
     if model_bytes is None or compute is None or activation is None:
+        # named only when built: with every figure given, the plot and --json named the
+        # default --model (lenet300) that nothing measured
+        measured |= {"model": req.model, "data": req.data}
         model, ds = build(req)
         measured["parameters"] = sum(p.numel() for p in model.parameters())
     if model_bytes is None:

@@ -343,6 +343,7 @@ def _pipeline_json(s: dict[str, Any]) -> dict[str, Any]:
     keys = ("stages", "microbatches", "split", "auto_split", "balance", "stage_parameters")
     return {
         **{k: s[k] for k in keys},
+        "microbatches_per_step": s.get("microbatches_per_step", {}),
         "pipeline_schedule": s["schedule"],
         "stage_flops": s["stage_flops"],
         "bubble_theory": s["bubble_theory"],

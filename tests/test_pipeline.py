@@ -85,7 +85,9 @@ def test_two_stage_sequential_trains_like_one_process():
     s = result.strategy
     assert s["kind"] == "pipeline" and s["auto_split"] and s["split"] == ["3"]
     assert s["stage_parameters"] == [64 * 32 + 32, 32 * 32 + 32 + 32 * 10 + 10]
-    assert s["bubble_theory"] == pytest.approx(1 / 5)  # (K-1)/(M+K-1)
+    # (K-1)/(M+K-1) over the steps: 12 of 4 micro-batches, 2 short ones (6 samples) of 3
+    assert s["microbatches"] == 4 and s["microbatches_per_step"] == {3: 2, 4: 12}
+    assert s["bubble_theory"] == pytest.approx((12 / 5 + 2 / 4) / 14)
     assert set(s["idle_fraction"]) == {0, 1}
     assert all(0.0 <= f <= 1.0 for f in s["idle_fraction"].values())
     assert result.steps == 2 * 7 and result.samples == 2 * 198 and result.workers == 2
@@ -289,7 +291,11 @@ def test_compress_train_pipeline_resumes_and_matches_one_process(run, tmp_path):
     r = first.json()
     assert r["strategy"] == "pipeline" and r["workers"] == 2 and r["stages"] == 2
     assert r["microbatches"] == 4  # no BatchNorm: the default M
-    assert r["bubble_theory"] == pytest.approx(0.2) and 0 <= r["bubble_measured"] <= 1
+    # 40 steps of 4 micro-batches (0.2) and the last, of 14 samples, of 2 (1/3)
+    per_step = {int(m): c for m, c in r["microbatches_per_step"].items()}
+    assert per_step == {2: 1, 4: 40}
+    assert r["bubble_theory"] == pytest.approx((40 * 0.2 + 1 / 3) / 41)
+    assert 0 <= r["bubble_measured"] <= 1
     assert set(r["idle_fraction"]) == {"0", "1"} and r["split"] == ["fc2"]
     ck = checkpoint.load(out)  # the usual checkpoint: the whole model, as one process writes
     assert ck.metadata["epochs"] == 1 and ck.metadata["strategy"] == "pipeline"

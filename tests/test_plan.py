@@ -364,6 +364,9 @@ def test_plan_with_nothing_measured_and_a_plot(run, tmp_path, monkeypatch):
     assert result.exit_code == 2 and "pass --force" in result.stderr
     assert b"<svg" in svg.read_bytes()[:400]
     assert run(*args, *GIVEN, "--plot", svg, "--force").exit_code == 0
+    # nothing was built: the plot and --json named the default --model, lenet300
+    assert b"lenet300" not in svg.read_bytes()
+    assert "model" not in run(*args, *GIVEN, "--json").json()["measured"]
 
 
 def test_plan_fixed_servers_and_stages(run):
