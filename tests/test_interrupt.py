@@ -81,12 +81,28 @@ def _assert_interrupted(code: int, err: str, seconds: float) -> None:
     assert seconds < 10
 
 
+def _before_compress_ran(code: int, err: str) -> bool:
+    """The SIGINT came while Python itself started, before the console script's first import
+    finished (the README's documented window: Python's own traceback, killed by SIGINT). A
+    quarter second after start landed there on a machine at load average 8."""
+    lines = err.strip().splitlines()
+    return (
+        code == -signal.SIGINT
+        and lines[-1:] == ["KeyboardInterrupt"]
+        and any("from compresskit.cli.entry import main" in line for line in lines)
+    )
+
+
 @pytest.mark.parametrize("after", [0.25, 1.0])
 def test_ctrl_c_while_modules_import(tmp_path, after):
     # The first second or two go to importing torch and the library.
-    code, err, seconds = _interrupt(
-        ["train", "--model", "mlp", "--epochs", "50", "--out", "m.pt"], tmp_path, after=after
-    )
+    for _ in range(4):
+        code, err, seconds = _interrupt(
+            ["train", "--model", "mlp", "--epochs", "50", "--out", "m.pt"], tmp_path, after=after
+        )
+        if not _before_compress_ran(code, err):
+            break
+        after *= 2  # Python's startup took longer than `after`: try again later in it
     _assert_interrupted(code, err, seconds)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
