@@ -303,6 +303,7 @@ class TrainResult:
                 "samples_per_s": self.samples / self.seconds if self.seconds else None,
                 "comm_bytes": self.comm_bytes,
                 "microbatches": self.microbatches,
+                "bn_refreshed": self.bn_refreshed,
                 **_ps_json(self.strategy),
                 **_pipeline_json(self.strategy),
                 "test_accuracy": self.test_accuracy,

@@ -123,7 +123,7 @@ def test_shrink_refreshes_after_retraining(slow_bn_checkpoint, tmp_path):
         recipe = Recipe.from_dict(
             {
                 "train": {"bn_refresh": refresh},
-                "prune": {"retrain_epochs": 1},
+                "prune": {"retrain_epochs": 1, "rounds": 1},
                 "quantize": {"finetune_epochs": 1},
                 "export": {"enabled": False},
             }
@@ -131,7 +131,8 @@ def test_shrink_refreshes_after_retraining(slow_bn_checkpoint, tmp_path):
         rep = ck.shrink(ckpt, recipe=recipe, out=tmp_path / str(refresh))
         acc[refresh] = rep.report["stages"][-1]["test_accuracy"]
     # One retraining epoch moves momentum-0.01 averages a third of the way to the pruned
-    # weights' statistics. Measured: 0.475 refreshed, 0.244 without (dense 0.886).
+    # weights' statistics. Measured (one pruning round): 0.369 refreshed, 0.097 without
+    # (dense 0.886).
     assert acc[2048] >= acc[0] + 0.2, acc
 
 
@@ -147,11 +148,11 @@ def test_memory_is_what_the_running_averages_keep_from_before_the_run():
     assert batchnorm_memory(mixed, 45) == pytest.approx(0.99**45)
 
 
-@pytest.mark.parametrize(("momentum", "refreshed"), [(0.1, False), (0.01, True)])
+@pytest.mark.parametrize(("momentum", "refreshed"), [(0.2, False), (0.01, True)])
 def test_shrink_refreshes_only_averages_a_run_left_stale(momentum, refreshed):
-    # The pipeline's retraining hook: 2 epochs of digits are 82 steps, after which momentum
-    # 0.1 keeps 0.9^82 = 0.02% of the averages from before the run (no pass: the same bits
-    # as bn_refresh = 0) and 0.01 keeps 0.99^82 = 44% (refreshed).
+    # The pipeline's retraining hook: 1 epoch of digits is 41 steps, after which momentum
+    # 0.2 keeps 0.8^41 = 0.01% of the averages from before the run (no pass: the same bits
+    # as bn_refresh = 0) and 0.01 keeps 0.99^41 = 66% (refreshed).
     from compresskit import api
 
     ds = ck.load_data("digits")
@@ -160,7 +161,7 @@ def test_shrink_refreshes_only_averages_a_run_left_stale(momentum, refreshed):
     for n in (0, 2048):
         model = _resnet_se(kw, ds)
         hooks = api._hooks(ds, Recipe.from_dict({"train": {"bn_refresh": n}}), None)
-        hooks.retrain(model, 2, 1e-3)
+        hooks.retrain(model, 1, 1e-3)
         states.append(model.state_dict())
         runs.append(hooks.trained()["bn_refreshed_runs"])
     same = all(torch.equal(v, states[1][k]) for k, v in states[0].items())
@@ -180,11 +181,14 @@ def test_train_cli_refreshes_and_refuses_it_where_no_process_holds_the_statistic
 
     from compresskit.cli.main import cli
 
-    args = ["train", "--model", "resnet_se", "--model-kwargs", json.dumps(MNV3), "--epochs", "4"]
+    # the effect on accuracy is the library's (above); here the flag reaches it
+    args = ["train", "--model", "resnet_se", "--model-kwargs", json.dumps(MNV3), "--epochs", "1"]
     out = tmp_path / "m.pt"
     result = CliRunner().invoke(cli, [*args, "--bn-refresh", "2048", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["test_accuracy"] >= 0.8  # 0.097 without (above)
+    got = json.loads(result.stdout)
+    assert got["bn_refreshed"] == 13  # every BatchNorm layer of the model
+    assert got["test_accuracy"] == got["history"][-1]["test_accuracy"]  # after the refresh
     ps = ["--strategy", "ps-sync", "--workers", "2", "--bn-refresh", "64", "--out", str(out)]
     ps.append("--force")  # over the run above
     refused = CliRunner().invoke(cli, [*args, *ps])
