@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -270,12 +271,45 @@ def hint_adapter(student_feat: torch.Tensor, teacher_feat: torch.Tensor) -> nn.M
     )
 
 
-def check_hints(d: Any, student: nn.Module, teacher: nn.Module) -> None:
+def check_hints(d: Any, student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> None:
     """The recipe's hint layers (its [distill] section `d`) exist in the student and the
-    teacher: refused before the teacher's baseline and by --dry-run, not when hints train."""
+    teacher, the forward on `x` (two inputs) reaches them, and each gives one tensor: refused
+    before the teacher's baseline and by --dry-run, not when hints train."""
     if d.hint_student:
-        _module(student, d.hint_student, "student")
-        _module(teacher, d.hint_teacher, "teacher")
+        s_cap = _Capture(_module(student, d.hint_student, "student"))
+        t_cap = _Capture(_module(teacher, d.hint_teacher, "teacher"))
+        was = student.training, teacher.training
+        try:
+            _hint_features(student, teacher, s_cap, t_cap, x, d)
+        finally:
+            s_cap.handle.remove()
+            t_cap.handle.remove()
+            student.train(was[0])
+            teacher.train(was[1])
+
+
+def _hint_features(student, teacher, s_cap, t_cap, x, d) -> int:
+    """Run both models on `x` in eval mode; check the hint layers' outputs;
+    return the student's class count. A layer the forward never calls, or one returning a
+    tuple (a GRU's (output, h)), failed as "'NoneType' object has no attribute 'ndim'"."""
+    with torch.no_grad():  # both left in eval mode, as hint training wants the teacher
+        classes = student.eval()(x).shape[1]
+        teacher.eval()(x)
+    for who, name, cap in (
+        ("student", d.hint_student, s_cap),
+        ("teacher", d.hint_teacher, t_cap),
+    ):
+        if cap.value is None:
+            raise InputError(
+                f"distill.hint_{who} {name!r}: the {who}'s forward never calls it; name a "
+                "layer it runs"
+            )
+        if not isinstance(cap.value, torch.Tensor):
+            raise InputError(
+                f"distill.hint_{who} {name!r} gives {type(cap.value).__name__}, not one "
+                "tensor; name a layer whose output is a tensor"
+            )
+    return int(classes)
 
 
 def hint_train(
@@ -295,10 +329,8 @@ def hint_train(
     t_mod = _module(teacher, teacher_layer, "teacher")
     s_cap, t_cap = _Capture(s_mod, stop=True), _Capture(t_mod)
     try:
-        x = data.x_train[:2]
-        with torch.no_grad():
-            classes = student.eval()(x).shape[1]
-            teacher.eval()(x)
+        names = SimpleNamespace(hint_student=student_layer, hint_teacher=teacher_layer)
+        classes = _hint_features(student, teacher, s_cap, t_cap, data.x_train[:2], names)
         adapter = hint_adapter(s_cap.value, t_cap.value)
         wrapped = _HintModel(student, adapter, classes)
 

@@ -531,7 +531,7 @@ def preflight(
             # baseline (and by --dry-run: a kwarg the model's constructor refuses passed it)
             student = _student(recipe, data)
             if model is not None:
-                distill.check_hints(recipe.distill, student, model)
+                distill.check_hints(recipe.distill, student, model, data.x_train[:2])
     _check_microbatches(recipe, data, model)
     if recipe.channels.enabled and recipe.channels.ignore:
         thinned = _student(recipe, data) if recipe.distill.student and data is not None else model
@@ -1183,8 +1183,8 @@ def decode_to_checkpoint(
         if path.is_dir() or not path.name:  # ".", "/" or "": no name to derive one from
             raise InputError(f"{path}: a folder, not an archive; give the .dcz file in it")
         out = path.with_suffix(".decoded.pt")
-    checkpoint.check_out_name(out)
     check_writable(out, inputs=[path], replace=force)
+    checkpoint.check_out_name(out)
     checkpoint.check_replaceable(Path(out))  # --force replaces a checkpoint, nothing else
     rebuilt = True
 

@@ -701,7 +701,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
     _int(r, source, "train", "bn_refresh", 0)
     if not (_number(r["train"]["distill"]) and 0 <= r["train"]["distill"] <= 1):
         raise _bad(source, "train.distill", r["train"]["distill"], "an alpha in [0, 1]")
-    _positive(r, source, "train", "temperature")
+    _temperature(r, source, "train")
     p = r["prune"]
     s, q = p["sparsity"], p["quality"]
     if s is None and q is None:
@@ -767,6 +767,17 @@ def _validate(r: dict[str, Any], source: str) -> None:
         )
     if not (isinstance(dd["teachers"], list) and all(isinstance(t, str) for t in dd["teachers"])):
         raise _bad(source, "distill.teachers", dd["teachers"], "a list of checkpoint paths")
+    if dd["student_kwargs"] and not dd["student"]:
+        raise InputError(
+            f"{source}: distill.student_kwargs (--student-kwargs) needs a distill.student "
+            "(--student NAME) to build"
+        )
+    twice = sorted({t for t in dd["teachers"] if dd["teachers"].count(t) > 1})
+    if twice:
+        raise InputError(
+            f"{source}: distill.teachers names {twice[0]!r} twice (--teacher given twice?); "
+            "each teacher once: a repeat would double its weight in the soft targets"
+        )
     if dd["teachers"] and not dd["student"]:
         raise InputError(f"{source}: distill.teachers needs a distill.student to teach")
     # `~` as a shell would expand it (a stored recipe names files in a home folder); relative
@@ -774,7 +785,7 @@ def _validate(r: dict[str, Any], source: str) -> None:
     dd["teachers"] = [os.path.expanduser(t) for t in dd["teachers"]]
     _int(r, source, "distill", "epochs", 1, MAX_EPOCHS)
     _positive(r, source, "distill", "lr")
-    _positive(r, source, "distill", "temperature")
+    _temperature(r, source, "distill")
     if not (_number(dd["alpha"]) and 0 <= dd["alpha"] <= 1):
         raise _bad(source, "distill.alpha", dd["alpha"], "a weight in [0, 1]")
     for key in ("hint_student", "hint_teacher"):
@@ -939,6 +950,19 @@ def _int(r, source, section, key, lo, hi=None) -> None:
     if not ok or (hi is not None and v > hi):
         rng = f"{lo}..{hi}" if hi is not None else f"{lo} or more" if lo is not None else "whole"
         raise _bad(source, f"{section}.{key}", v, f"a whole number, {rng}")
+
+
+# Hinton's T: 1-20 in the paper. The loss is float32 times T^2: at T = 1e5 it went negative, at
+# 1e12 the student stayed at chance (exit 0), at 1e20 it diverged, blamed on the learning rate.
+MAX_TEMPERATURE = 100.0
+
+
+def _temperature(r, source, section) -> None:
+    v = r[section]["temperature"]
+    if not (_number(v) and 0 < v <= MAX_TEMPERATURE):
+        raise _bad(
+            source, f"{section}.temperature", v, f"a temperature in (0, {MAX_TEMPERATURE:g}]"
+        )
 
 
 def _positive(r, source, section, key) -> None:

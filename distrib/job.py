@@ -372,8 +372,8 @@ def run(
     if job.workers < 1:
         raise InputError(f"--workers {job.workers}: give 1 or more")
     _check_timeout(job.timeout_s)
-    checkpoint.check_out_name(job.out)
     check_writable(job.out, inputs=spec_files(job.data))
+    checkpoint.check_out_name(job.out)
     if not job.resume:  # --resume reads the file and says what is wrong with it
         checkpoint.check_replaceable(Path(job.out))
     _remove_stale_writes(job.out)
@@ -571,8 +571,8 @@ def run_ensemble(
     ]
     _check_timeout(job.timeout_s)
     for j in jobs:
-        checkpoint.check_out_name(j.out)
         check_writable(j.out, inputs=spec_files(j.data))
+        checkpoint.check_out_name(j.out)
         checkpoint.check_replaceable(Path(j.out))
     results = launch.run_independent(functools.partial(_member, jobs, events_factory), members)
     return [(j.out, r) for j, r in zip(jobs, results, strict=True)]

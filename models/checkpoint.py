@@ -326,7 +326,7 @@ def not_a_file(path: Path) -> str:
 
 # Names of files that are never checkpoints: a checkpoint written as model.dcz or model.onnx
 # was read back by every other command as a broken archive or model.
-OTHER_KINDS = {".dcz": "an archive", ".onnx": "an ONNX model", ".ort": "an ORT model"}
+OTHER_KINDS = {".dcz": "a compress archive", ".onnx": "an ONNX model", ".ort": "an ORT model"}
 OTHER_KINDS |= {".npz": "arrays", ".npy": "an array"}
 
 
@@ -342,8 +342,8 @@ def check_out_name(path: str | os.PathLike, flag: str = "--out") -> None:
         )
     if suffix in OTHER_KINDS:
         raise InputError(
-            f"{flag} {path}: a {suffix} name is {OTHER_KINDS[suffix]}'s, and compress writes a "
-            "PyTorch checkpoint there; give a .pt name"
+            f"{flag} {path}: a {suffix} file holds {OTHER_KINDS[suffix]}, and compress would "
+            "write a PyTorch checkpoint there; give a .pt name"
         )
 
 

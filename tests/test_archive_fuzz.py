@@ -336,7 +336,7 @@ def test_decode_expect_checks_the_sha256(run, tmp_path):
     assert result.exit_code == 2 and "exists and is not a PyTorch checkpoint" in result.stderr
     assert other.read_text() == "mine"
     result = run("decode", path, "--out", tmp_path / "x.onnx")
-    assert result.exit_code == 2 and "a .onnx name is an ONNX model's" in result.stderr
+    assert result.exit_code == 2 and "a .onnx file holds an ONNX model" in result.stderr
     result = run("decode", path, "--out", tmp_path / "n.pt", "--max-elements", "100")
     assert result.exit_code == 2 and "raise the cap (--max-elements" in result.stderr
 

@@ -583,7 +583,7 @@ def test_train_replaces_a_checkpoint_but_no_other_file(run, tmp_path):
     dcz.write_bytes(archive.MAGIC + bytes(32))
     text.write_text("mine")
     result = run("train", "--model", "lenet300", "--epochs", "1", "-q", "--out", dcz)
-    _one_line(result, 2, f"--out {dcz}: a .dcz name is an archive's")
+    _one_line(result, 2, f"--out {dcz}: a .dcz file holds a compress archive")
     result = run("train", "--model", "lenet300", "--epochs", "1", "-q", "--out", text)
     _one_line(result, 2, f"--out {text} exists and is not a PyTorch checkpoint; a checkpoint")
     assert dcz.read_bytes() == archive.MAGIC + bytes(32) and text.read_text() == "mine"

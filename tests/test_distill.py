@@ -286,3 +286,36 @@ def test_scarce_labels_stay_scarce_in_every_later_stage(tmp_path):
     report = pipeline.shrink_to_folder(teacher, spec, r, hooks, tmp_path / "o", {}, data)
     assert report["transfer"]["labelled"] == round(0.2 * len(data.y_train))
     assert len(seen) >= 3 and all(s == "blobs+transfer" for s in seen), seen
+
+
+def test_a_hint_layer_must_run_and_give_one_tensor():
+    # an unused layer or a GRU's (output, h) failed as "'NoneType'/'tuple' object has no
+    # attribute 'ndim'", exit 1
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from compresskit.compressor.distill import check_hints
+    from compresskit.models.errors import InputError
+
+    class Student(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.spare, self.fc = (
+                nn.GRU(8, 8, batch_first=True),
+                nn.Linear(8, 8),
+                nn.Linear(8, 3),
+            )
+
+        def forward(self, x):
+            return self.fc(self.rnn(x.reshape(len(x), 8, 8))[0][:, -1])
+
+    teacher = tiny("vgg", num_classes=3)
+    x = torch.rand(2, 1, 8, 8)
+    for layer, message in (("spare", "forward never calls it"), ("rnn", "gives tuple, not one")):
+        d = SimpleNamespace(hint_student=layer, hint_teacher="features.0")
+        with pytest.raises(InputError, match=f"distill.hint_student '{layer}'.*{message}"):
+            check_hints(d, Student(), teacher, x)
+    check_hints(
+        SimpleNamespace(hint_student="fc", hint_teacher="features.0"), Student(), teacher, x
+    )

@@ -160,6 +160,14 @@ def test_nested_values_print_as_toml_that_loads_back_the_same(tmp_path):
         # TOML reads an unquoted dotted key as nested tables
         ({"prune": {"sparsity": {"features": {"0": 0.5}}}}, "'features.0' unquoted"),
         ({"quantize": {"bits": {"blocks": {"0": {"conv": 4}}}}}, '{"blocks.0.conv" = 4}'),
+        # float32 loss times T^2: negative at 1e5, the student at chance at 1e12 (exit 0)
+        ({"distill": {"temperature": 1e5}}, "distill.temperature = 100000.0 is impossible"),
+        ({"train": {"temperature": 1000}}, "a temperature in (0, 100]"),
+        ({"distill": {"student_kwargs": {"width": 4}}}, "student_kwargs (--student-kwargs) needs"),
+        (
+            {"distill": {"student": "mlp", "teachers": ["a.pt", "b.pt", "a.pt"]}},
+            "distill.teachers names 'a.pt' twice",
+        ),
     ],
 )
 def test_recipe_mistakes_are_named(raw, message):

@@ -301,7 +301,7 @@ def test_decode_reproduces_the_weights_bit_for_bit(run, trained):
     assert result.json()["checkpoint"] == str(folder / "decoded.pt")
 
 
-def test_decode_replaces_an_existing_file_only_with_force(run, trained, tmp_path):
+def test_decode_replaces_only_a_checkpoint_and_only_with_force(run, trained, tmp_path):
     # A user's unrelated file given as --out was silently replaced by a checkpoint.
     _, out, _ = trained
     mine = tmp_path / "notes.txt"
@@ -309,10 +309,16 @@ def test_decode_replaces_an_existing_file_only_with_force(run, trained, tmp_path
     result = run("decode", out / "model.dcz", "--out", mine)
     assert result.exit_code == 2 and "exists; pass --force" in result.stderr
     assert mine.read_text() == "my notes"
+    # nor with --force: it replaces a checkpoint, never another kind of file
     result = run("decode", out / "model.dcz", "--out", mine, "--force")
+    assert result.exit_code == 2 and "exists and is not a PyTorch checkpoint" in result.stderr
+    assert mine.read_text() == "my notes"
+    again = tmp_path / "d.pt"
+    assert run("decode", out / "model.dcz", "--out", again).exit_code == 0
+    result = run("decode", out / "model.dcz", "--out", again, "--force")
     assert result.exit_code == 0, result.stderr
     assert (
-        checkpoint.load(mine).state_dict.keys()
+        checkpoint.load(again).state_dict.keys()
         == checkpoint.load(out / "model.pt").state_dict.keys()
     )
 

@@ -72,3 +72,15 @@ def test_report_md_describes_the_archive_in_its_own_formats_terms(coder):
         assert "outside the coded stream" in archive and "no gap width" in bits
     else:
         assert "header 199 bytes" in archive and "relative-index (gap) code" in bits
+
+
+def test_an_ensembles_figures_are_never_one_members(capsys):
+    # "distilled 312,770-parameter teacher lenet300 (96.11%)": the whole ensemble's figures
+    # under its first member's name
+    report = json.loads(json.dumps(REPORT))
+    report["teacher"] |= {"name": "lenet300", "parameters": 312_770, "members": 3}
+    report["teacher"]["test_accuracy"] = 0.9611
+    render.shrink_summary(report, width=200)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "distilled an ensemble of 3 teachers (lenet300 and 2 more; 312,770 parameters" in text
+    assert "96.11% averaged)" in text and "teacher lenet300 (96.11%)" not in text
