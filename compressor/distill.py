@@ -375,9 +375,24 @@ def _extra_teacher(path: str, first: ModelSpec | None, trusts: Callable[[str], b
     named the user's own code, even with --model naming it or --trust-model)."""
     ck = checkpoint.load(path, train_state=False)
     if ck.spec is None and first is not None:  # weights alone: the first teacher's model
-        return ck.build_model(first, allow_import=True)  # its code was already allowed
+        try:
+            return ck.build_model(first, allow_import=True)  # its code was already allowed
+        except InputError:
+            # the message said to pass --model, which names the first checkpoint's model
+            raise InputError(
+                f"--teacher {path}: bare weights, built as the first teacher's model "
+                f"({first.name}), which they do not fit; give a compress checkpoint of this "
+                "teacher (compress train ... --out), which names its model"
+            ) from None
     name = ck.spec.name if ck.spec is not None else ""
-    return ck.build_model(allow_import=trusts(name) or (first is not None and name == first.name))
+    allowed = trusts(name) or (first is not None and name == first.name)
+    if not allowed and ck.spec is not None and ck.spec.needs_consent:
+        # not "pass --model X": --model names the first checkpoint's model
+        raise InputError(
+            f"--teacher {path}: names model code {name}; add --trust-model to import it "
+            "(in Python: trust_model=True)"
+        )
+    return ck.build_model(allow_import=allowed)
 
 
 def teacher_classes(teacher: nn.Module, data: Dataset) -> int:
@@ -419,7 +434,11 @@ def distill_student(
             classes.append(m.eval()(x).shape[1])
     if len(set(classes)) > 1:
         raise InputError(
-            f"distill: the ensemble's teachers predict {classes} classes; they must agree"
+            "distill: the ensemble's teachers must predict the same classes: "
+            + ", ".join(
+                f"{'the teacher' if i == 0 else d.teachers[i - 1]} {c}"
+                for i, c in enumerate(classes)
+            )
         )
     data_mod.check_kind(d.student, data, "distill.student")
     spec = student_spec(d, data, classes[0])

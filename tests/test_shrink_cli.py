@@ -913,8 +913,14 @@ def test_an_extra_teacher_of_the_users_own_code_is_built_with_consent(tmp_path, 
     net = teachmod.Net()
     checkpoint.save(tmp_path / "t2.pt", net, spec, {})
     torch.save(net.state_dict(), tmp_path / "bare.pt")
-    with pytest.raises(InputError, match="names model code teachmod:Net"):
+    # the fix named is one that works: --model names the first checkpoint's model
+    with pytest.raises(InputError, match="names model code teachmod:Net; add --trust-model"):
         distill._extra_teacher(str(tmp_path / "t2.pt"), None, lambda name: False)
+    other = ModelSpec("mlp", {"in_shape": [1, 8, 8], "num_classes": 10})
+    with pytest.raises(
+        InputError, match=r"bare weights, built as the first teacher's model \(mlp\)"
+    ):
+        distill._extra_teacher(str(tmp_path / "bare.pt"), other, lambda n: False)
     built = distill._extra_teacher(str(tmp_path / "t2.pt"), None, lambda n: n == spec.name)
     assert torch.equal(built.fc.weight, net.fc.weight)
     # the first teacher's code, already allowed, builds the same class; and weights alone
