@@ -151,13 +151,23 @@ def _student_size_now(
     teacher: nn.Module, name: str, recipe: Recipe, data: Dataset, out: Path, info
 ) -> None:
     """A student bigger than its teacher, said before distillation trains it (a --strict run
-    stopped only after every stage). An ensemble's size is summed by distillation: said then."""
+    stopped only after every stage). An ensemble is summed from its checkpoints' recorded
+    parameter counts (bare weights: the first teacher's model); without them, distillation
+    says it once every member is built."""
+    first = sum(p.numel() for p in teacher.parameters())
+    total, teachers = first, name
+    for path in recipe.distill.teachers:
+        ck = checkpoint.load(path, train_state=False)
+        recorded = ck.metadata.get("parameters") if ck.spec is not None else first
+        if type(recorded) is not int or recorded < 1:
+            return
+        total += recorded
     if recipe.distill.teachers:
-        return
+        teachers = f"ensemble ({name} + {len(recipe.distill.teachers)} more)"
     count = sum(p.numel() for p in _student(recipe, data).parameters())
     found = guard.student_size(
         {"name": recipe.distill.student, "parameters": count},
-        {"name": name, "parameters": sum(p.numel() for p in teacher.parameters())},
+        {"name": teachers, "parameters": total},
     )
     if found is None:
         return
