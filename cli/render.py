@@ -258,6 +258,23 @@ def deliverables(report: dict, out: Console) -> None:
         out.print(f"  ship the FP32 file: {d['ship_why']}")
 
 
+def budget_warnings(report: dict) -> None:
+    """The budget search's notes and a missed budget, on stderr: with --json too (they were in
+    the summary, which --json skips, so a script saw only `budget.met: false`)."""
+    b = report.get("budget")
+    if not b:
+        return
+    for key in ("coarse", "method_note"):
+        if b.get(key):
+            stderr.print(f"note: {b[key]}")
+    if not b["met"]:
+        stderr.print(
+            f"warning: no trial stayed within --max-drop {b['max_drop']:g}; kept the one "
+            "whose mean probability of the right class dropped least. Raise budget.trials, "
+            "or the budget."
+        )
+
+
 def shrink_summary(report: dict, width: int | None = None) -> None:
     out = out_console(width)
     deliverables(report, out)
@@ -308,15 +325,6 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
             f"validation samples): kept trial {b['chosen_trial']} of {len(b['trials'])}, "
             f"validation drop {b['val_drop']:+.2f} measured ({how}); {layers}"
         )
-        for key in ("coarse", "method_note"):
-            if b.get(key):
-                stderr.print(f"note: {b[key]}")
-        if not b["met"]:
-            stderr.print(
-                f"warning: no trial stayed within --max-drop {b['max_drop']:g}; kept the one "
-                "whose mean probability of the right class dropped least. Raise budget.trials, "
-                "or the budget."
-            )
     if note := report_mod.sensitivity_note(report):
         out.print(note)
     if note := report_mod.tied_note(report):

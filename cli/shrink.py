@@ -290,6 +290,16 @@ def shrink(
             f"drop {', '.join(export_flags)} or set enabled = true",
             param_hint=export_flags[0],
         )
+    searched = recipe_mod.budget_search(recipe.budget.search, recipe.quantize.method)
+    if bits is not None and recipe.budget.max_drop != "off" and searched == "layers":
+        # the layer search chooses every layer's bits from budget.bits: --bits was ignored
+        # without a word (layers came out at 3, 2 and 8 bits for --bits 4)
+        raise click.BadParameter(
+            f"{bits}: the --max-drop layer search chooses each layer's bits (from "
+            "budget.bits); drop --bits, or search only those bits with budget.bits = "
+            f"[{bits}] in a recipe",
+            param_hint="--bits",
+        )
     if epochs == 0 and recipe.distill.student:
         raise click.BadParameter(
             f"0 with a student to distil ({recipe.distill.student}): distillation trains it; "
@@ -342,6 +352,7 @@ def shrink(
     )
     render.int8_warning(report)
     render.guard_warnings(report)
+    render.budget_warnings(report)
     if as_json:
         emit_json(json_view(report))
     else:

@@ -311,8 +311,9 @@ def plan(
         weights = getattr(model.get_submodule(layer.module), layer.param)
         # In a layer search, a layer the recipe's table names keeps that setting (as
         # budget.settings measures it); the plan said "searched" for every layer.
-        fixed = isinstance(fractions, dict) and (
-            name in fractions or prune.layer_name(name) in fractions
+        # (the user's table only: "default" resolves to a table the search replaces)
+        fixed = isinstance(p.sparsity, dict) and (
+            name in p.sparsity or prune.layer_name(name) in p.sparsity
         )
         if not p.enabled or (layer.kind == "embedding" and not p.embeddings):
             sparsity: Any = 0.0
@@ -656,7 +657,9 @@ def prefer_dense_(model: nn.Module, recipe: Recipe, prices: dict | None = None) 
             s_bytes, d_bytes, _ = archive.sizes(shared, dense32, context.version, context)
             context.add(dense32 if d_bytes < s_bytes else shared)
             continue
-        as16 = torch.where(s.mask, codebook.half().float()[s.index], 0.0)
+        # a layer soft sharing left wholly in its zero component has no codebook: all zeros
+        values = codebook.half().float()[s.index] if codebook.numel() else 0.0
+        as16 = torch.where(s.mask, values, 0.0)
         dense = archive.Dense(key, as16, store_fp16=True)
         s_bytes, d_bytes, _ = archive.sizes(shared, dense, context.version, context)
         if d_bytes < s_bytes:

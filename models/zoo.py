@@ -398,10 +398,21 @@ def state_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]] | None:
     if not isinstance(model, nn.Module):
         return None
     if spec.thinned is not None:  # the channel plan replays on meta tensors too
-        from compresskit.models import thin
+        from compresskit.models import limits, thin
 
-        with torch.device("meta"):
-            thin.apply_(model, spec.thinned, spec.name)  # a plan that does not fit: InputError
+        unthinned = sum(v.numel() for v in model.state_dict().values())
+        try:
+            with torch.device("meta"):
+                thin.apply_(model, spec.thinned, spec.name)  # a plan that does not fit: InputError
+        except InputError:
+            # torch-pruning's LayerNorm path fails on meta tensors: every thinned model with a
+            # LayerNorm (a ViT) was refused when read back ("expected TensorOptions(...
+            # device=meta)"). Replayed on real tensors, the model is bounded as a file's
+            # tensors are; a plan that does not fit is still refused there.
+            if unthinned > limits.max_elements():
+                raise
+            model = _call(ctor, spec)
+            thin.apply_(model, spec.thinned, spec.name)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 

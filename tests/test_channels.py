@@ -95,14 +95,34 @@ def test_removing_dead_channels_leaves_the_outputs_unchanged(name, layer, idxs):
     # The plan rebuilds the thinned shape from the spec alone, and the weights load strictly.
     kwargs = {**zoo._TINY[name], "in_shape": list(SHAPES[name]), "num_classes": 10}
     spec = zoo.ModelSpec(name, kwargs)
-    rebuilt = zoo.build(
-        zoo.ModelSpec.from_dict(
-            {**spec.to_dict(), "thinned": {"example": thin.describe_example(x), "history": plan}}
-        )
+    thinned = zoo.ModelSpec.from_dict(
+        {**spec.to_dict(), "thinned": {"example": thin.describe_example(x), "history": plan}}
     )
+    rebuilt = zoo.build(thinned)
     rebuilt.load_state_dict(model.state_dict())
+    # and the decoder's first look at the shapes (a plan through a LayerNorm failed on the
+    # meta device: every thinned ViT's model.pt and model.dcz were refused when read back)
+    assert zoo.state_shapes(thinned) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
     with torch.no_grad():
         assert torch.equal(rebuilt.eval()(x), model(x))
+
+
+def test_a_plan_through_a_layernorm_reads_back():
+    # The decoder's first look replays the plan on the meta device, where torch-pruning's
+    # LayerNorm path fails: every thinned ViT's model.pt and model.dcz were refused when read
+    # back ("its channel plan does not fit the model"), though the run had exited 0.
+    model, x = tiny("vit")
+    plan = channels.remove_(model, x[:2], "patch", [1, 4])  # the width every LayerNorm sees
+    kwargs = {**zoo._TINY["vit"], "in_shape": list(SHAPES["vit"]), "num_classes": 10}
+    thinned = zoo.ModelSpec.from_dict(
+        {
+            **zoo.ModelSpec("vit", kwargs).to_dict(),
+            "thinned": {"example": thin.describe_example(x), "history": plan},
+        }
+    )
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert zoo.state_shapes(thinned) == want
+    zoo.build(thinned).load_state_dict(model.state_dict())
 
 
 @pytest.mark.parametrize("name", ["resnet_se", "vit"])

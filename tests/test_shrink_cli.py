@@ -981,6 +981,10 @@ def test_dry_run_plan_shows_the_layers_a_budget_leaves_fixed(run, trained, tmp_p
         "fc2": ["searched", "0.6"],
         "fc3": ["searched", "searched", "(max_drop)"],
     }
+    # the default sparsities are searched too (they read as fixed)
+    result = run("shrink", folder / "lenet300.pt", "--max-drop", "3", "--dry-run")
+    rows = {line.split()[1]: line.split()[4:] for line in result.stdout.splitlines()[-3:]}
+    assert all(row == ["searched", "searched", "(max_drop)"] for row in rows.values()), rows
 
 
 def test_a_report_given_as_the_recipe_reruns_its_recipe(run, trained, tmp_path):

@@ -258,3 +258,20 @@ def test_soft_recipe_bad_input(run, tmp_path, text, message):
     result = run("shrink", "nothing.pt", "--recipe", tmp_path / "r.toml", "--dry-run")
     assert result.exit_code == 2
     assert message in result.stderr
+
+
+def test_a_layer_left_wholly_in_the_zero_component_is_stored(tmp_path):
+    # zero_mixing 0.999 left fc layers with no mean at all: an empty codebook, and the
+    # archive's float16 pricing indexed into it (IndexError, exit 1, "unexpected")
+    from compresskit.compressor import shrink
+    from compresskit.compressor.recipe import Recipe
+
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    empty = kmeans.SharedWeights(
+        torch.zeros(0),
+        torch.zeros(16, 12, dtype=torch.int64),
+        torch.zeros(16, 12, dtype=torch.bool),
+    )
+    kmeans.install_(model[0], "weight", empty)
+    assert shrink.prefer_dense_(model, Recipe()) in ([], ["0"])
+    assert not model[0].weight.any()
