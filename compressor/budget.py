@@ -114,15 +114,16 @@ def check_validation(max_drop: float, n_val: int, where: str) -> None:
         raise InputError(
             f"--max-drop / budget.max_drop needs at least {MIN_VAL_SAMPLES} validation samples; "
             f"{where} has "
-            f"{n_val} (every 10th training sample is held out: give {10 * MIN_VAL_SAMPLES} or "
-            "more training samples, or an npz with x_val/y_val, or input_ids_val)"
+            f"{n_val} (an npz's own x_val/y_val, else every 10th training sample held out): give "
+            f"{MIN_VAL_SAMPLES} or more in x_val/y_val (or input_ids_val), or "
+            f"{10 * MIN_VAL_SAMPLES} or more training samples without them"
         )
     if max_drop > 0 and allowed_loss(max_drop, n_val) < 1:
         need = math.ceil(100 / max_drop)
         raise InputError(
             f"--max-drop / budget.max_drop {max_drop:g} allows less than one of the {n_val} "
             f"validation samples of {where}: it needs {need} validation samples, or a max_drop "
-            f"of {100 / n_val:.2f} or more (or 0: lose none)"
+            f"of {math.ceil(10_000 / n_val) / 100:.2f} or more (or 0: lose none)"
         )
 
 

@@ -50,7 +50,7 @@ from torch import nn
 
 from compresskit.compressor import kmeans
 from compresskit.compressor.prune import masks_of
-from compresskit.models.errors import InputError
+from compresskit.models.errors import InputError, StageError
 
 # --- pure maths -----------------------------------------------------------------------------
 
@@ -295,7 +295,18 @@ def soft_share_(
 
     try:
         if cfg.epochs:
-            retrain(model, cfg.epochs, cfg.lr, loss_fn)
+            try:
+                retrain(model, cfg.epochs, cfg.lr, loss_fn)
+            except StageError as e:
+                if "diverged" not in str(e):
+                    raise
+                # the prior's terms, not only the learning rate, take a loss to inf or NaN: a
+                # zero_width of 1e-30 did at the first step, and the message said "lower the
+                # learning rate"
+                raise StageError(
+                    f"soft weight-sharing: {e}; or the prior is degenerate: raise "
+                    "quantize.zero_width / prior_width, or lower prior_strength"
+                ) from None
     finally:
         del host._soft_priors
     record = {}

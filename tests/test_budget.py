@@ -586,3 +586,14 @@ def test_max_drop_off_turns_a_recipes_budget_off(run, tmp_path):
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert result.json()["recipe"]["budget"]["max_drop"] == "off"
+
+
+@pytest.mark.parametrize("n_val", [143, 800, 1350])
+def test_the_max_drop_suggested_for_a_small_split_is_accepted(n_val):
+    # 100/1350 = 0.074 was rounded to 0.07, which the same check then refused
+    from compresskit.compressor import budget as budget_mod
+
+    with pytest.raises(InputError) as e:
+        budget_mod.check_validation(0.01, n_val, "npz:x")
+    suggested = float(str(e.value).split("a max_drop of ")[1].split()[0])
+    budget_mod.check_validation(suggested, n_val, "npz:x")
