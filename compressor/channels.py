@@ -287,7 +287,16 @@ def thin_(
             if gradients is not None and cfg.importance == "taylor":
                 model.zero_grad(set_to_none=True)
                 gradients(model)
-            pruner.step()
+            try:
+                pruner.step()
+            except Exception as e:  # a graph torch-pruning follows but mis-cuts (a grouped
+                # conv in a concat raised IndexError, exit 1 "unexpected")
+                raise InputError(
+                    f"channels: torch-pruning failed cutting this model's graph "
+                    f"({type(e).__name__}: {one_line(e)}); keep the layers it cannot cut whole "
+                    "(a grouped convolution and what feeds it) with channels.ignore = "
+                    "['name', ...], or set channels.enabled = false"
+                ) from None
             steps += 1
             macs, est = _cost(model, one, fit)
         plan.extend(thin.entry(*h) for h in pruner.DG.pruning_history())
@@ -538,6 +547,11 @@ def check_ignore(model: nn.Module, ignore: tuple[str, ...] | list[str]) -> None:
     """channels.ignore names layers of `model` (the one thinned: a student when distilling),
     checked before any work (a typo was found after the whole distillation)."""
     modules = dict(model.named_modules())
+    if "" in ignore:  # the model itself: every layer kept whole, then "raise max_ratio"
+        raise InputError(
+            "channels.ignore names '' (the whole model), which keeps every layer whole; name "
+            "layers, or set channels.enabled = false"
+        )
     unknown = [n for n in ignore if n not in modules]
     if unknown:
         raise InputError(

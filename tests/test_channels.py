@@ -672,3 +672,59 @@ def test_a_students_channels_ignore_and_kwargs_are_checked_before_any_work():
     r = recipe.resolve({"distill": {"student": "mlp", "student_kwargs": {"num_classes": 5}}})
     with pytest.raises(InputError, match=r"^--student-kwargs / distill.student_kwargs num_cl"):
         pipeline.preflight(r, data, teacher)
+
+
+class _Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.pw = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        return x + self.pw(torch.relu(self.bn(self.dw(x))))
+
+
+class _GroupedConcat(nn.Module):
+    """A user's model: a grouped convolution beside a 1x1 one, concatenated, a block used
+    twice, LayerNorm and attention (torch-pruning mis-cuts it when `a` is kept whole)."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.stem = nn.Conv2d(1, width, 3, padding=1)
+        self.a = nn.Conv2d(width, width, 3, padding=1, groups=4)
+        self.b = nn.Conv2d(width, width // 2, 1)
+        self.shared = _Block(width + width // 2)
+        self.proj = nn.Conv2d(width + width // 2, 24, 1)
+        self.norm = nn.LayerNorm(24)
+        self.attn = nn.MultiheadAttention(24, 2, batch_first=True)
+        self.fc1 = nn.Linear(24, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        s = torch.relu(self.stem(x))
+        y = torch.cat([torch.relu(self.a(s)), torch.relu(self.b(s))], 1)
+        y = self.shared(self.shared(y))
+        t = self.proj(y).flatten(2).transpose(1, 2)
+        n = self.norm(t)
+        t = t + self.attn(n, n, n, need_weights=False)[0]
+        return self.head(torch.relu(self.fc1(t.mean(1))))
+
+
+def test_a_graph_torch_pruning_mis_cuts_is_one_line():
+    # pruner.step() was unguarded: IndexError, exit 1 "unexpected"
+    torch.manual_seed(0)
+    model, x = _GroupedConcat(), torch.rand(4, 1, 8, 8)
+    cfg = channels.ChannelsConfig(target_macs=0.5, rounds=2, retrain_epochs=0, ignore=("a",))
+    with pytest.raises(InputError, match=r"torch-pruning failed cutting .*channels.ignore") as e:
+        channels.thin_(model, x[:2], cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_ignoring_the_whole_model_is_refused():
+    # ignore = [""] named the root module: nothing was cut, and the message said to raise
+    # max_ratio
+    model, _ = tiny("lenet5")
+    with pytest.raises(InputError, match=r"channels.ignore names '' \(the whole model\)"):
+        channels.check_ignore(model, ["conv1", ""])
+    channels.check_ignore(model, ["conv1"])
