@@ -288,10 +288,12 @@ def shrink_summary(report: dict, width: int | None = None) -> None:
             if t.get("members", 1) > 1
             else f"{t['parameters']:,}-parameter teacher {t['name']} ({t['test_accuracy']:.2%})"
         )
-        out.print(
-            f"distilled {who} into {st['name']} with {st['parameters']:,} "
-            f"parameters ({st['dense_test_accuracy']:.2%} before Deep Compression)"
-        )
+        # the student as distillation left it: channel pruning's line below thins it (the
+        # thinned size was shown beside the unthinned student's accuracy)
+        params = st.get("distilled_parameters", st["parameters"])
+        acc = st.get("distilled_test_accuracy", st["dense_test_accuracy"])
+        when = "" if report.get("channels") else " before Deep Compression"
+        out.print(f"distilled {who} into {st['name']} with {params:,} parameters ({acc:.2%}{when})")
         if "hint" in report:
             h = report["hint"]
             out.print(

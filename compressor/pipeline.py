@@ -725,6 +725,8 @@ def _teacher_student(report, distilled, teacher_name, student_name, model, final
     if distilled:
         report["teacher"] = {"name": teacher_name, **distilled["teacher"]}
         dense_acc = distilled["student"]["test_accuracy"]
+        if "channels" in report:  # Deep Compression starts from the thinned student
+            dense_acc = report["channels"]["test_accuracy"][1]
     else:  # no distillation: the checkpoint is both the reference and what gets compressed
         report["teacher"] = {
             "name": teacher_name,
@@ -741,6 +743,9 @@ def _teacher_student(report, distilled, teacher_name, student_name, model, final
         "dense_test_accuracy": dense_acc,  # before it (after distillation, when distilled)
         "distilled": bool(distilled),
     }
+    if distilled:  # the student as distillation left it (channel pruning may thin it after)
+        report["student"]["distilled_parameters"] = distilled["student"]["parameters"]
+        report["student"]["distilled_test_accuracy"] = distilled["student"]["test_accuracy"]
     if distilled:
         report.update({k: distilled[k] for k in ("hint", "transfer") if k in distilled})
         report["student"].update(

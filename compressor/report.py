@@ -105,11 +105,17 @@ def markdown(
         ]
     if report.get("student", {}).get("distilled"):
         t, st = report["teacher"], report["student"]
+        params = st.get("distilled_parameters", st["parameters"])
+        acc = st.get("distilled_test_accuracy", st["dense_test_accuracy"])
+        then = (
+            "channel pruning thins it, and Deep Compression starts from the thinned student"
+            if report.get("channels")
+            else "Deep Compression below starts from that student"
+        )
         lines += [
             f"Distilled a {t['parameters']:,}-parameter teacher `{t['name']}` "
             f"({t['test_accuracy']:.2%}, {t['members']} model(s)) into `{st['name']}`, "
-            f"{st['parameters']:,} parameters ({st['dense_test_accuracy']:.2%}); Deep "
-            "Compression below starts from that student.",
+            f"{params:,} parameters ({acc:.2%}); {then}.",
             "",
         ]
         if "hint" in report:

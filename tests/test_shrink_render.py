@@ -84,3 +84,25 @@ def test_an_ensembles_figures_are_never_one_members(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "distilled an ensemble of 3 teachers (lenet300 and 2 more; 312,770 parameters" in text
     assert "96.11% averaged)" in text and "teacher lenet300 (96.11%)" not in text
+
+
+def test_a_thinned_students_figures_come_from_one_model_each():
+    # "into mobilenet with 5,684 parameters (59.17% before Deep Compression)": the thinned
+    # size beside the unthinned student's accuracy; Deep Compression started from 70.00%
+    import torch
+
+    from compresskit.compressor import pipeline
+
+    report = {
+        "baseline": {"parameters": 74_354, "test_accuracy": 0.9444},
+        "channels": {"test_accuracy": [0.5917, 0.70]},
+    }
+    distilled = {
+        "teacher": {"parameters": 74_354, "test_accuracy": 0.9444, "members": 1},
+        "student": {"name": "mobilenet", "parameters": 10_634, "test_accuracy": 0.5917},
+    }
+    thinned = torch.nn.Linear(10, 10)
+    pipeline._teacher_student(report, distilled, "vgg", "mobilenet", thinned, 0.69)
+    st = report["student"]
+    assert st["parameters"] == 110 and st["dense_test_accuracy"] == 0.70
+    assert (st["distilled_parameters"], st["distilled_test_accuracy"]) == (10_634, 0.5917)
