@@ -308,6 +308,8 @@ def shrink(
         )
     if dry_run:
         pipeline.check_files(recipe)  # what the run would refuse before any work
+        if recipe.distill.student:
+            pipeline.check_teachers(model_path, recipe)
         if model_path.exists() and not model_path.is_file():
             raise InputError(f"{model_path}: {checkpoint.not_a_file(model_path)}")
         # With the checkpoint at hand, also what the recipe does to each of its layers.

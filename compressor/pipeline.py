@@ -574,6 +574,26 @@ def preflight(
     return calib
 
 
+def check_teachers(checkpoint_path: Path | None, recipe: Recipe) -> None:
+    """Each teacher once: the checkpoint itself as a --teacher, or one file by two paths,
+    doubled that model's weight in the soft targets (and an ensemble of one model was
+    reported as two)."""
+    seen: dict[str, str] = {}
+    named = ([str(checkpoint_path)] if checkpoint_path is not None else []) + list(
+        recipe.distill.teachers
+    )
+    for given in named:
+        key = os.path.realpath(given)
+        if key in seen:
+            first = seen[key]
+            what = "the checkpoint being shrunk" if first == str(checkpoint_path) else first
+            raise InputError(
+                f"--teacher / distill.teachers {given}: the same file as {what}; give each "
+                "teacher once (a repeat would double its weight in the soft targets)"
+            )
+        seen[key] = given
+
+
 def check_files(recipe: Recipe) -> None:
     """The files a recipe names, checked before any work and by --dry-run (which passed a
     recipe whose run then refused it): the teachers are checkpoints that hold no code, the

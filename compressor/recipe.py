@@ -644,6 +644,10 @@ def resolve(raw: dict[str, Any] | None = None, source: str = "recipe") -> Recipe
         out["prune"]["quality"] = None
     if raw.get("prune", {}).get("quality") is not None and "sparsity" not in raw.get("prune", {}):
         out["prune"]["sparsity"] = None
+    if out["budget"]["max_drop"] is False:
+        # a file's `max_drop = false`, and YAML's `max_drop: off` (YAML 1.1 reads it as false):
+        # "off" in every respect, the train.distill default below included
+        out["budget"]["max_drop"] = "off"
     if out["budget"]["max_drop"] != "off" and "distill" not in raw.get("train", {}):
         # A budget's trials retrain against the dense model's outputs unless told otherwise:
         # plain retraining drifts the model by more than a tight budget (docs/benchmarks.md).
@@ -848,8 +852,6 @@ def _validate(r: dict[str, Any], source: str) -> None:
 
 def _validate_budget(r: dict[str, Any], source: str) -> None:
     b = r["budget"]
-    if b["max_drop"] is False:  # YAML reads `max_drop: off` as false
-        b["max_drop"] = "off"
     if b["max_drop"] != "off" and not (_number(b["max_drop"]) and 0 <= b["max_drop"] < 100):
         raise _bad(
             source, "budget.max_drop", b["max_drop"], 'points of accuracy in [0, 100), or "off"'
@@ -920,18 +922,25 @@ def _number(v: Any) -> bool:
 
 
 def _dotted_name(source: str, table: str, layer: str, v: Any, example: Any) -> None:
-    """A per-layer table's value that is itself a table: TOML read an unquoted dotted layer
-    name (features.0 = 0.5) as nested keys; say so rather than "features = {'0': 0.5}"."""
-    if isinstance(v, dict) and len(v) == 1:
-        inner, value = next(iter(v.items()))
-        name = f"{layer}.{inner}"
-        while isinstance(value, dict) and len(value) == 1:  # blocks.0.conv
-            inner, value = next(iter(value.items()))
-            name = f"{name}.{inner}"
-        raise InputError(
-            f"{source}: {table} names layer {name!r} unquoted; quote a dotted name: "
-            f'{{"{name}" = {example}}}'
-        )
+    """A per-layer table's value that is itself a table: TOML read unquoted dotted layer names
+    (features.0 = 0.5, features.3 = 0.7) as nested keys; say so rather than
+    "features = {'0': 0.5, '3': 0.7} is impossible"."""
+    if not isinstance(v, dict) or not v:
+        return
+    names: list[tuple[str, Any]] = []
+    todo = [(layer, v)]
+    while todo:
+        prefix, value = todo.pop(0)
+        if isinstance(value, dict) and value:
+            todo.extend((f"{prefix}.{k}", x) for k, x in value.items())
+        else:
+            names.append((prefix, value))
+    quoted = ", ".join(f'"{n}" = {x if _number(x) else example}' for n, x in names[:3]) + (
+        ", ..." if len(names) > 3 else ""
+    )
+    raise InputError(
+        f"{source}: {table} names layer {names[0][0]!r} unquoted; quote dotted names: {{{quoted}}}"
+    )
 
 
 def _fraction(source: str, key: str, v: Any) -> None:

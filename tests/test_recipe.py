@@ -160,6 +160,10 @@ def test_nested_values_print_as_toml_that_loads_back_the_same(tmp_path):
         # TOML reads an unquoted dotted key as nested tables
         ({"prune": {"sparsity": {"features": {"0": 0.5}}}}, "'features.0' unquoted"),
         ({"quantize": {"bits": {"blocks": {"0": {"conv": 4}}}}}, '{"blocks.0.conv" = 4}'),
+        (
+            {"prune": {"sparsity": {"features": {"0": 0.5, "3": 0.7}}}},
+            '{"features.0" = 0.5, "features.3" = 0.7}',
+        ),
         # float32 loss times T^2: negative at 1e5, the student at chance at 1e12 (exit 0)
         ({"distill": {"temperature": 1e5}}, "distill.temperature = 100000.0 is impossible"),
         ({"train": {"temperature": 1000}}, "a temperature in (0, 100]"),
@@ -184,6 +188,10 @@ def test_yaml_reads_numbers_and_off_as_a_yaml_user_writes_them(tmp_path):
     )
     r = Recipe.load(tmp_path / "r.yaml")
     assert (r.prune.lr, r.quantize.lr, r.budget.max_drop) == (3e-4, 5e-4, "off")
+    # "off" in every respect: no budget's retraining distillation either
+    assert r == Recipe.from_dict({"prune": {"lr": 3e-4}, "quantize": {"lr": 5e-4}})
+    with pytest.raises(InputError, match="budget.max_drop = False is impossible"):
+        Recipe(budget=recipe_mod.BudgetSection(max_drop=False))  # in Python, a bool is a slip
 
 
 def test_a_suffix_in_capitals_names_the_format(tmp_path):

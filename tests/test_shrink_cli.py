@@ -994,3 +994,14 @@ def test_a_report_given_as_the_recipe_reruns_its_recipe(run, trained, tmp_path):
     assert result.exit_code == 0, result.output
     ran = json.loads((out / "report.json").read_text())["recipe"]
     assert recipe.resolve(tomllib.loads(result.stdout.split("\n#")[0])).to_dict() == ran
+
+
+def test_a_teacher_given_twice_by_any_path_is_refused(run, trained, tmp_path):
+    # the checkpoint itself as --teacher, or one file by two paths, doubled its weight and was
+    # reported as an ensemble of two
+    folder, _, _ = trained
+    ck = folder / "lenet300.pt"
+    for extra in (["--teacher", ck], ["--teacher", ck.parent / ".." / ck.parent.name / ck.name]):
+        result = run("shrink", ck, "--student", "mlp", *extra, "--dry-run")
+        assert result.exit_code == 2, result.output
+        assert "the same file as the checkpoint being shrunk" in result.stderr
