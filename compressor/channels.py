@@ -361,6 +361,12 @@ def thin_(
                 f"channels.round_to {cfg.round_to} is no smaller than the width of {shown}{more}, "
                 "which keep every channel: lower round_to"
             )
+        elif cfg.round_to:  # widths kept in multiples of round_to stop cuts short too
+            limit = (
+                f"channels.round_to {cfg.round_to} (widths kept in multiples of it), "
+                f"max_ratio {cfg.max_ratio:g} and the layers kept whole limit the cut: lower "
+                "round_to, raise max_ratio, or set target_macs to what was reached"
+            )
         else:
             limit = (
                 f"channels.max_ratio {cfg.max_ratio:g} and the layers kept whole limit the cut: "

@@ -383,7 +383,9 @@ class Recipe:
         if format == "yaml":
             import yaml
 
-            return yaml.safe_dump(self.to_dict(), sort_keys=False)
+            # quoted wherever `load` would read a number: a string such as "2e3" went out
+            # bare, came back a float, and the file was refused
+            return yaml.dump(self.to_dict(), Dumper=_yaml_dumper(), sort_keys=False)
         raise InputError(f"recipe format {format!r}: one of toml, json, yaml")
 
     def dump(self, path: str | Path) -> Path:
@@ -503,9 +505,12 @@ def read(path: str | Path) -> dict[str, Any]:
         raise _too_deep(path)
     if not isinstance(raw, dict):
         raise InputError(f"recipe file {path}: a recipe is a table of sections")
-    if isinstance(raw.get("recipe"), dict):
-        # A report.json, or `--dry-run --json`'s output: the recipe it holds (no recipe has a
-        # "recipe" key). Passing the report back was refused as "unknown key 'baseline'".
+    if isinstance(raw.get("recipe"), dict) and (
+        "baseline" in raw or set(raw) <= {"recipe", "plan"}
+    ):
+        # A report.json, or `--dry-run --json`'s output: the recipe it holds. Passing the
+        # report back was refused as "unknown key 'baseline'". (A recipe file with a [recipe]
+        # table is refused below as the unknown key it is.)
         return raw["recipe"]
     return raw
 
@@ -554,6 +559,17 @@ def _yaml(text: str, path: Path) -> Any:
         raise
     _yaml_unique_keys(yaml.compose(text, Loader=loader), path)
     return yaml.load(text, Loader=_yaml_loader(loader))  # a SafeLoader: plain data only
+
+
+def _yaml_dumper() -> Any:
+    """SafeDumper with the float resolver `_yaml_loader` reads by, so it quotes such strings."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.yaml_implicit_resolvers = _yaml_loader(yaml.SafeLoader).yaml_implicit_resolvers
+    return Dumper
 
 
 def _yaml_loader(base: Any) -> Any:

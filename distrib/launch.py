@@ -614,10 +614,15 @@ def _rendezvous(env: DistEnv, timeout_s: float) -> tuple[Any, int, int]:
     thread.start()
     thread.join(timeout_s + RENDEZVOUS_GRACE_S)
     if thread.is_alive():
+        if _listening(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]):
+            raise StageError(
+                f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout): "
+                "something there takes connections but never answers as rank 0's store "
+                "(another program on MASTER_PORT?); give every rank a free MASTER_PORT"
+            )
         raise StageError(
-            f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout): something "
-            "there takes connections but never answers as rank 0's store (another program on "
-            "MASTER_PORT?); give every rank a free MASTER_PORT"
+            f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout); start every "
+            "rank with the same MASTER_ADDR and MASTER_PORT, rank 0 among them"
         )
     error = box.get("error")
     joined = re.search(r"(\d+)/(\d+) clients joined", str(error)) if error is not None else None
@@ -640,6 +645,15 @@ def _rendezvous(env: DistEnv, timeout_s: float) -> tuple[Any, int, int]:
     if error is not None:
         raise error
     return box["got"]
+
+
+def _listening(host: str, port: str) -> bool:
+    """Whether something accepts connections at host:port (a quick connect, 1 s at most)."""
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:

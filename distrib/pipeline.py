@@ -347,6 +347,22 @@ def trace(model: nn.Module, split: Sequence[str], microbatch: torch.Tensor, labe
             f"--split {','.join(split)}: tracing {label} made {pipe.num_stages} stages, not "
             f"{len(split) + 1}; name layers the forward calls once, outside loops"
         )
+    # A weight the forward uses outside its own layer (F.linear(x, self.b.weight), a tied LM
+    # head) lands in every stage that uses it, each training its own copy (24% piped against
+    # 38% in one process): what `plan` cannot see from the layers, the traced stages show.
+    # (by name: the tracer may hand each stage its own tensor for it)
+    where: dict[str, int] = {}
+    for i in range(pipe.num_stages):
+        for n, _ in pipe.get_stage_module(i).named_parameters(remove_duplicate=False):
+            name = re.sub(r"@\d+(?=\.|$)", "", n)  # a second call's alias in one stage
+            first = where.setdefault(name, i)
+            if first != i:
+                raise InputError(
+                    f"stages beginning at {','.join(split)}: {label}'s weight {name} is used "
+                    f"in stage {first} and stage {i}; each would train its own copy: cut "
+                    "(--split) where one stage holds every use of it, or use --strategy "
+                    "allreduce"
+                )
     return pipe
 
 

@@ -654,6 +654,13 @@ def test_a_round_to_wider_than_the_layers_is_named_as_the_limit():
     model, x = tiny("lenet5")
     cfg = channels.ChannelsConfig(target_macs=0.01, rounds=1, retrain_epochs=0)
     assert "raise max_ratio" in channels.thin_(model, x[:2], cfg)["limit"]
+    # narrower than the layers, round_to still stops cuts short: named beside max_ratio
+    model, x = tiny("lenet5")
+    cfg = channels.ChannelsConfig(target_macs=0.01, rounds=1, retrain_epochs=0, round_to=3)
+    assert (
+        "channels.round_to 3 (widths kept in multiples"
+        in channels.thin_(model, x[:2], cfg)["limit"]
+    )
 
 
 def test_a_students_channels_ignore_and_kwargs_are_checked_before_any_work():

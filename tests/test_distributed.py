@@ -704,8 +704,11 @@ def test_a_rank_that_finds_no_rendezvous_says_where_it_looked(monkeypatch):
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     for k, v in {**env, "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(StageError, match=f"rank 1 of 2: no rendezvous at 127.0.0.1:{port} within"):
+    with pytest.raises(
+        StageError, match=f"rank 1 of 2: no rendezvous at 127.0.0.1:{port} within"
+    ) as e:
         launch.run(_policy, workers=2, timeout_s=2)
+    assert "rank 0 among them" in str(e.value)  # nothing listens: not "another program"
 
 
 def _torchrun_env(monkeypatch, rank: int, port: int) -> None:

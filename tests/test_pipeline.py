@@ -207,6 +207,21 @@ class Twice(nn.Module):
         return self.fc2(torch.relu(self.mid(torch.relu(self.mid(x)))))
 
 
+class FuncTied(nn.Module):
+    """b's weight used again outside b (F.linear), as a tied projection is."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.d = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.b(torch.relu(self.a(x.flatten(1)))))
+        x = torch.relu(nn.functional.linear(torch.relu(self.c(x)), self.b.weight))
+        return self.d(x)
+
+
 def _frozen_front():
     model = _sequential()
     model[1].requires_grad_(False)  # a frozen backbone's first layer
@@ -224,6 +239,9 @@ def test_a_cut_never_parts_a_weight_from_its_other_users():
     with pytest.raises(InputError, match=r"--split mid: the forward calls it 2 times"):
         pipeline.plan(Twice(), x, PipelineConfig(2, split=("mid",)))
     assert pipeline.plan(Twice(), x, PipelineConfig(2)).split == ("fc2",)
+    # a weight used outside its layer shows in the traced stages
+    with pytest.raises(InputError, match=r"weight b.weight is used in stage 0 and stage 1"):
+        pipeline.trace(FuncTied(), ("c",), x[:1])
     layout = pipeline.plan(_frozen_front(), x, PipelineConfig(2))
     assert layout.split == ("5",)  # the frozen layer goes with the next, not a stage alone
     with pytest.raises(InputError, match=r"stage 0 would hold no weights to train \(its layers"):

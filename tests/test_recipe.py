@@ -201,8 +201,18 @@ def test_a_suffix_in_capitals_names_the_format(tmp_path):
     assert written.read_text().startswith("version: 1")
 
 
+def test_yaml_strings_that_read_as_numbers_are_quoted(tmp_path):
+    # "2e3" went out bare, the float reader read it back as a number, and the file was refused
+    r = Recipe.from_dict({"distill": {"student": "2e3", "teachers": ["1e5"]}})
+    assert Recipe.load(r.dump(tmp_path / "x.yaml")) == r
+
+
 def test_a_report_or_dry_run_json_is_read_for_its_recipe(tmp_path):
     (tmp_path / "report.json").write_text(
         json.dumps({"baseline": {"bytes": 1}, "recipe": {"prune": {"rounds": 2}}})
     )
     assert Recipe.load(tmp_path / "report.json").prune.rounds == 2
+    # a recipe file's own [recipe] table is not a report's: refused, the rest not dropped
+    (tmp_path / "r.toml").write_text("[recipe]\n[prune]\nrounds = 2\n")
+    with pytest.raises(InputError, match="unknown key 'recipe'"):
+        Recipe.load(tmp_path / "r.toml")
