@@ -486,7 +486,9 @@ def test_a_student_bigger_than_its_teacher_is_said_before_distillation(run, teac
     first = said.stderr.index("(found before distillation; the run goes on)")
     assert first < said.stderr.index("epoch")
     # an ensemble too, summed from its checkpoints (it was said only after every stage)
-    ensemble = run(*args, "--teacher", ck, "--strict", "--out", tmp_path / "e")
+    other = tmp_path / "second.pt"  # another teacher file (the checkpoint itself is refused)
+    other.write_bytes(Path(ck).read_bytes())
+    ensemble = run(*args, "--teacher", other, "--strict", "--out", tmp_path / "e")
     assert ensemble.exit_code == 1 and not (tmp_path / "e").exists()
     assert "13.6x its teacher ensemble (mlp + 1 more) (9,620)" in ensemble.stderr
     assert "epoch" not in ensemble.stderr
