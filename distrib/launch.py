@@ -193,11 +193,7 @@ def run(
                 max(timeout_s, SILENT_S),
             )
         except BaseException:  # Ctrl-C in the parent: no rank may outlive it
-            for proc in context.processes:
-                if proc.is_alive():
-                    proc.kill()
-            for proc in context.processes:
-                proc.join(5)
+            _kill_all(context.processes)
             raise
         if failed is not None:
             _raise(failed, reported, name)
@@ -647,6 +643,15 @@ def _rendezvous(env: DistEnv, timeout_s: float) -> tuple[Any, int, int]:
     return box["got"]
 
 
+def _kill_all(processes) -> None:
+    """Kill every process still alive, then reap them (5 s each at most)."""
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+    for proc in processes:
+        proc.join(5)
+
+
 def _listening(host: str, port: str) -> bool:
     """Whether something accepts connections at host:port (a quick connect, 1 s at most)."""
     try:
@@ -695,11 +700,7 @@ def run_independent(fn: Callable[[int, int], Any], processes: int) -> list[Any]:
             if context.join(timeout=0):
                 break
     except KeyboardInterrupt:  # Ctrl-C in the parent: no member may outlive it
-        for proc in context.processes:
-            if proc.is_alive():
-                proc.kill()
-        for proc in context.processes:
-            proc.join(5)
+        _kill_all(context.processes)
         raise
     except Exception as e:
         reported = []
