@@ -308,15 +308,13 @@ def shrink(
         )
     if dry_run:
         pipeline.check_files(recipe)  # what the run would refuse before any work
-        if recipe.distill.student:
-            pipeline.check_teachers(model_path, recipe)
+        pipeline.check_teachers(model_path, recipe)
         if model_path.exists() and not model_path.is_file():
             raise InputError(f"{model_path}: {checkpoint.not_a_file(model_path)}")
         # With the checkpoint at hand, also what the recipe does to each of its layers.
         # the recipe's student code, imported (to check it) only with the run's consent
-        consent = (
-            trust_model or ":" not in recipe.distill.student or student == (recipe.distill.student)
-        )
+        named = recipe.distill.student
+        consent = trust_model or ":" not in named or student == named
         layers = _plan(model_path, data, recipe, model, model_kwargs, trust_model, consent)
         if layers is None and not model_path.is_file():
             click.echo(

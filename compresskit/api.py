@@ -339,8 +339,7 @@ def shrink(
     given = getattr(model, "checkpoint", model)  # the input file, when one is given
     inputs = [Path(given)] if isinstance(given, str | Path) else []
     inputs += [Path(t) for t in recipe.distill.teachers]  # replaced or removed under force
-    if recipe.distill.student:
-        pipeline.check_teachers(Path(given) if isinstance(given, str | Path) else None, recipe)
+    pipeline.check_teachers(Path(given) if isinstance(given, str | Path) else None, recipe)
     pipeline.check_out_dir(out, force, inputs)
     # Building the model draws from torch's generator (its initial weights, replaced by the
     # checkpoint's): on a forked one, so the caller's is left as it was (the pipeline seeds

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -280,7 +279,7 @@ def check_hints(d: Any, student: nn.Module, teacher: nn.Module, x: torch.Tensor)
         t_cap = _Capture(_module(teacher, d.hint_teacher, "teacher"))
         was = student.training, teacher.training
         try:
-            _hint_features(student, teacher, s_cap, t_cap, x, d)
+            _hint_features(student, teacher, s_cap, t_cap, x, d.hint_student, d.hint_teacher)
         finally:
             s_cap.handle.remove()
             t_cap.handle.remove()
@@ -288,17 +287,14 @@ def check_hints(d: Any, student: nn.Module, teacher: nn.Module, x: torch.Tensor)
             teacher.train(was[1])
 
 
-def _hint_features(student, teacher, s_cap, t_cap, x, d) -> int:
+def _hint_features(student, teacher, s_cap, t_cap, x, s_layer: str, t_layer: str) -> int:
     """Run both models on `x` in eval mode; check the hint layers' outputs;
     return the student's class count. A layer the forward never calls, or one returning a
     tuple (a GRU's (output, h)), failed as "'NoneType' object has no attribute 'ndim'"."""
     with torch.no_grad():  # both left in eval mode, as hint training wants the teacher
         classes = student.eval()(x).shape[1]
         teacher.eval()(x)
-    for who, name, cap in (
-        ("student", d.hint_student, s_cap),
-        ("teacher", d.hint_teacher, t_cap),
-    ):
+    for who, name, cap in (("student", s_layer, s_cap), ("teacher", t_layer, t_cap)):
         if cap.value is None:
             raise InputError(
                 f"distill.hint_{who} {name!r}: the {who}'s forward never calls it; name a "
@@ -329,8 +325,8 @@ def hint_train(
     t_mod = _module(teacher, teacher_layer, "teacher")
     s_cap, t_cap = _Capture(s_mod, stop=True), _Capture(t_mod)
     try:
-        names = SimpleNamespace(hint_student=student_layer, hint_teacher=teacher_layer)
-        classes = _hint_features(student, teacher, s_cap, t_cap, data.x_train[:2], names)
+        x = data.x_train[:2]
+        classes = _hint_features(student, teacher, s_cap, t_cap, x, student_layer, teacher_layer)
         adapter = hint_adapter(s_cap.value, t_cap.value)
         wrapped = _HintModel(student, adapter, classes)
 

@@ -533,20 +533,19 @@ def preflight(
         budget.check_validation(max_drop, len(data.y_val), data.spec)
         if model is not None and not recipe.distill.student:
             budget.check(model, recipe)
+    retrained = model  # the model retraining and channel pruning will see: the student's
     if data is not None:
         distill.check_transfer(recipe.distill, data)
         if recipe.distill.student:
             check_kind(recipe.distill.student, data, "distill.student")
-            # built, its kwargs against the data and its hint layer, before the teacher's
+            # built once, its kwargs against the data and its hint layer, before the teacher's
             # baseline (and by --dry-run: a kwarg the model's constructor refuses passed it)
-            student = _student(recipe, data)
+            retrained = _student(recipe, data)
             if model is not None:
-                distill.check_hints(recipe.distill, student, model, data.x_train[:2])
-    _check_microbatches(recipe, data, model)
-    if recipe.channels.enabled and recipe.channels.ignore:
-        thinned = _student(recipe, data) if recipe.distill.student and data is not None else model
-        if thinned is not None:
-            channels.check_ignore(thinned, recipe.channels.ignore)
+                distill.check_hints(recipe.distill, retrained, model, data.x_train[:2])
+    _check_microbatches(recipe, retrained)
+    if recipe.channels.enabled and recipe.channels.ignore and retrained is not None:
+        channels.check_ignore(retrained, recipe.channels.ignore)
     if e.enabled:
         export.check_runtime_opset(e.opset, e.ir_version or None)
         if model is not None and not recipe.distill.student and not recipe.channels.enabled:
@@ -612,14 +611,13 @@ def check_files(recipe: Recipe) -> None:
             raise InputError(f"--teacher / distill.teachers: {err}") from None
 
 
-def _check_microbatches(recipe: Recipe, data: Dataset | None, model: nn.Module | None) -> None:
+def _check_microbatches(recipe: Recipe, model: nn.Module | None) -> None:
     """train.microbatches > 1 splits every retraining batch: refused now, not after the
-    baseline, for the model that retrains (the student when distilling) if it has BatchNorm."""
+    baseline, for the model that retrains (`model`: the student when distilling) if it has
+    BatchNorm."""
     m = recipe.train.microbatches
     if m in (1, "auto"):  # auto keeps a BatchNorm model's batch whole
         return
-    if recipe.distill.student and data is not None:
-        model = _student(recipe, data)
     bn = batch_statistics(model) if model is not None else None
     if bn is not None:
         raise InputError(
@@ -763,10 +761,10 @@ def _teacher_student(report, distilled, teacher_name, student_name, model, final
         "dense_test_accuracy": dense_acc,  # before it (after distillation, when distilled)
         "distilled": bool(distilled),
     }
-    if distilled:  # the student as distillation left it (channel pruning may thin it after)
+    if distilled:
+        # the student as distillation left it (channel pruning may thin it after)
         report["student"]["distilled_parameters"] = distilled["student"]["parameters"]
         report["student"]["distilled_test_accuracy"] = distilled["student"]["test_accuracy"]
-    if distilled:
         report.update({k: distilled[k] for k in ("hint", "transfer") if k in distilled})
         report["student"].update(
             {k: v for k, v in distilled["student"].items() if k not in report["student"]}

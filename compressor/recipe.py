@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -391,7 +392,7 @@ class Recipe:
     def dump(self, path: str | Path) -> Path:
         """Write the recipe to `path` (format by suffix, as `load` reads it), atomically."""
         path = Path(path)
-        fmt = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(path.suffix.lower(), "toml")
+        fmt = _format_of(path)
         with atomic_path(path) as tmp:
             Path(tmp).write_text(self.dumps(fmt), encoding="utf-8")
         return path
@@ -454,6 +455,11 @@ def load(path: str | Path) -> Recipe:
     return resolve(read(path), source=str(path))
 
 
+def _format_of(path: Path) -> str:
+    """A recipe file's format by its suffix, in any case (.JSON was read as TOML)."""
+    return {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(path.suffix.lower(), "toml")
+
+
 def read(path: str | Path) -> dict[str, Any]:
     """A recipe file's raw table, not yet resolved (so flags can be laid over it first).
 
@@ -466,7 +472,7 @@ def read(path: str | Path) -> dict[str, Any]:
         raise InputError(f"recipe file {path}: a folder, not a file; give the recipe's file")
     if not path.is_file():
         raise InputError(f"recipe file {path}: no such file")
-    kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix.lower(), "TOML")
+    kind = _format_of(path).upper()
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_RECIPE_BYTES + 1)
@@ -561,6 +567,7 @@ def _yaml(text: str, path: Path) -> Any:
     return yaml.load(text, Loader=_yaml_loader(loader))  # a SafeLoader: plain data only
 
 
+@functools.cache
 def _yaml_dumper() -> Any:
     """SafeDumper with the float resolver `_yaml_loader` reads by, so it quotes such strings."""
     import yaml
@@ -572,6 +579,7 @@ def _yaml_dumper() -> Any:
     return Dumper
 
 
+@functools.cache
 def _yaml_loader(base: Any) -> Any:
     """`base` reading floats as YAML 1.2 and JSON do: YAML 1.1 wants a dot in every float, so
     `lr: 3e-4` was the string '3e-4' and refused as "not a positive number"."""
@@ -1028,10 +1036,8 @@ def _toml(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return json.dumps(v)  # a TOML basic string: the same escapes as JSON
-    if isinstance(v, float):
-        return "nan" if v != v else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
-    if isinstance(v, int):
-        return str(v)
+    if isinstance(v, int | float):
+        return repr(v)  # TOML writes inf, -inf and nan as Python does
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, dict):

@@ -606,19 +606,20 @@ def _rendezvous(env: DistEnv, timeout_s: float) -> tuple[Any, int, int]:
 
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     who = f"rank {env.rank} of {env.world}"
+    absent = StageError(
+        f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout); start every rank "
+        "with the same MASTER_ADDR and MASTER_PORT, rank 0 among them"
+    )
     thread = threading.Thread(target=rendezvous, name="compress-rendezvous", daemon=True)
     thread.start()
     thread.join(timeout_s + RENDEZVOUS_GRACE_S)
     if thread.is_alive():
-        if _listening(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]):
-            raise StageError(
-                f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout): "
-                "something there takes connections but never answers as rank 0's store "
-                "(another program on MASTER_PORT?); give every rank a free MASTER_PORT"
-            )
+        if not _listening(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]):
+            raise absent
         raise StageError(
-            f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout); start every "
-            "rank with the same MASTER_ADDR and MASTER_PORT, rank 0 among them"
+            f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout): something "
+            "there takes connections but never answers as rank 0's store (another program on "
+            "MASTER_PORT?); give every rank a free MASTER_PORT"
         )
     error = box.get("error")
     joined = re.search(r"(\d+)/(\d+) clients joined", str(error)) if error is not None else None
@@ -634,10 +635,7 @@ def _rendezvous(env: DistEnv, timeout_s: float) -> tuple[Any, int, int]:
                 "machine (another program or job holds it); give every rank another "
                 "MASTER_PORT (torchrun --master-port)"
             ) from None
-        raise StageError(
-            f"{who}: no rendezvous at {where} within {timeout_s:g} s (--timeout); start every "
-            "rank with the same MASTER_ADDR and MASTER_PORT, rank 0 among them"
-        ) from None
+        raise absent from None
     if error is not None:
         raise error
     return box["got"]

@@ -117,8 +117,12 @@ class PipelineConfig:
         """The GPipe / 1F1B bubble with equal stages: (K-1)/(M+K-1) of each stage's time."""
         if self.microbatches is None:
             raise ValueError("PipelineConfig.resolved(model, batch) first: M is not chosen yet")
-        k, m = self.stages, self.microbatches
-        return (k - 1) / (m + k - 1)
+        return bubble(self.stages, self.microbatches)
+
+
+def bubble(k: int, m: int) -> float:
+    """GPipe's (and 1F1B's) idle share of each of `k` equal stages over `m` micro-batches."""
+    return (k - 1) / (m + k - 1)
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,15 @@ def plan(model: nn.Module, example: torch.Tensor, cfg: PipelineConfig, label: st
             f"--split {','.join(split)}: stage {empty[0]} would hold no {what}; cut elsewhere"
         )
     return Plan(split, tuple(params), tuple(fl), auto)
+
+
+# torch's tracer names a layer's second call within one stage `mid@1` (`mid@1.weight`)
+_ALIAS = re.compile(r"@\d+(?=\.|$)")
+
+
+def _unaliased(name: str) -> str:
+    """A stage module's parameter name as the model has it: `mid@1.weight` -> `mid.weight`."""
+    return _ALIAS.sub("", name)
 
 
 def _kept_together(
@@ -354,7 +367,7 @@ def trace(model: nn.Module, split: Sequence[str], microbatch: torch.Tensor, labe
     where: dict[str, int] = {}
     for i in range(pipe.num_stages):
         for n, _ in pipe.get_stage_module(i).named_parameters(remove_duplicate=False):
-            name = re.sub(r"@\d+(?=\.|$)", "", n)  # a second call's alias in one stage
+            name = _unaliased(n)
             first = where.setdefault(name, i)
             if first != i:
                 raise InputError(
@@ -536,9 +549,8 @@ def fit(
     t0 = time.perf_counter()
     steps = samples = 0
     step_s = 0.0
-    m_used: collections.Counter[int] = (
-        collections.Counter()
-    )  # M per step: a short batch takes fewer
+    # M per step: a short batch takes fewer
+    m_used: collections.Counter[int] = collections.Counter()
 
     def gather() -> dict[str, Any] | None:
         """Rank 0 loads every stage's weights into `model` and returns the optimizer state of
@@ -556,9 +568,9 @@ def fit(
         weights, per_param = {}, {}
         for p in parts:
             for k, v in p["weights"].items():
-                # torch's tracer names a layer's second call in one stage `mid@1`: the same
-                # tensor as `mid` (a strict load refused the name after a whole epoch)
-                weights.setdefault(re.sub(r"@\d+(?=\.|$)", "", k), v)
+                # a layer's second call in one stage: the same tensor as the first's (a strict
+                # load refused `mid@1.weight` after a whole epoch)
+                weights.setdefault(_unaliased(k), v)
             per_param.update(p["optimizer"])
         missing = set(model.state_dict()) - set(weights)
         if missing:
@@ -657,10 +669,9 @@ def fit(
     # The M the steps took (a batch the data cannot fill, or a short last batch, takes the
     # largest M up to --microbatches that divides it): the summary said 4 and 20% where every
     # step ran 2 and 33%.
-    k = pcfg.stages
     taken = m_used.most_common(1)[0][0] if m_used else pcfg.microbatches
     theory = (
-        sum(c * (k - 1) / (m + k - 1) for m, c in m_used.items()) / m_used.total()
+        sum(c * bubble(pcfg.stages, m) for m, c in m_used.items()) / m_used.total()
         if m_used
         else pcfg.bubble()
     )
