@@ -71,6 +71,23 @@ def run() -> Run:
     return Run()
 
 
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """`user_module(name, source)`: a user's own model code, written to tmp_path and imported
+    as `name` (what --model name:Class imports); removed from sys.modules afterwards."""
+    import importlib
+    import sys
+    import textwrap
+
+    def make(name: str, source: str):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        return importlib.import_module(name)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def zoo_onnx(tmp_path_factory) -> dict:
     """Every zoo model's tiny instance (1x8x8 images, or 16 token ids), exported once with the

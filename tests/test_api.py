@@ -106,15 +106,6 @@ def test_a_module_instance_is_copied_never_changed(tmp_path):
     assert decoded["parameters"] == sum(p.numel() for p in net.parameters())
 
 
-def _user_module(tmp_path, monkeypatch, name: str, source: str):
-    """A user's own model code, importable as `name` (what spec="name:Class" imports)."""
-    import importlib
-
-    (tmp_path / f"{name}.py").write_text(source)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return importlib.import_module(name)
-
-
 TIED = """\
 from torch import nn
 
@@ -132,10 +123,12 @@ class Tied(nn.Module):
 """
 
 
-def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(tmp_path, monkeypatch):
+def test_tied_weights_stay_tied_and_the_archive_gives_the_reported_accuracy(
+    tmp_path, monkeypatch, user_module
+):
     # Each layer used to get its own mask and codebook, so a and b came back different: the
     # archive, model.pt and the ONNX file computed something the user's model cannot load.
-    tiednets = _user_module(tmp_path, monkeypatch, "tiednets", TIED)
+    tiednets = user_module("tiednets", TIED)
 
     torch.manual_seed(0)
     net = tiednets.Tied()
@@ -469,8 +462,8 @@ def test_numpy_numbers_in_a_train_config_are_python_numbers_in_its_checkpoint(tm
     assert len(run.history) == 2  # the checkpoint loaded with weights_only, and resumed
 
 
-def test_a_recipe_naming_a_tied_layer_says_it_is_tied(tmp_path, monkeypatch):
-    tiednets = _user_module(tmp_path, monkeypatch, "tiednets", TIED)
+def test_a_recipe_naming_a_tied_layer_says_it_is_tied(tmp_path, monkeypatch, user_module):
+    tiednets = user_module("tiednets", TIED)
 
     recipe = FAST.replace(prune=PruneSection(sparsity={"b": 0.5}, rounds=1, retrain_epochs=1))
     with pytest.raises(ck.InputError, match="names layer 'b', whose weight is tied"):
@@ -520,10 +513,12 @@ class Net(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:.*weight_norm. is deprecated:FutureWarning")
-def test_weight_normed_layers_are_refused_and_the_readme_fold_works(tmp_path, monkeypatch):
+def test_weight_normed_layers_are_refused_and_the_readme_fold_works(
+    tmp_path, monkeypatch, user_module
+):
     # shrink died with "AttributeError: 'ParametrizationList' object has no attribute
     # 'original'" (unexpected, exit 1) on a weight-normed TCN.
-    wnnets = _user_module(tmp_path, monkeypatch, "wnnets", WEIGHT_NORMED)
+    wnnets = user_module("wnnets", WEIGHT_NORMED)
     from torch.nn.utils import parametrize
 
     torch.manual_seed(0)
@@ -590,10 +585,10 @@ class Net(nn.Module):
 """
 
 
-def test_nodes_int8_cannot_cover_are_named(tmp_path, monkeypatch):
+def test_nodes_int8_cannot_cover_are_named(tmp_path, monkeypatch, user_module):
     # An encoder-decoder's INT8 file said "3 of 3 nodes in INT8" with its ConvTranspose and
     # recurrent nodes in FP32 unmentioned: the file a user ships was mostly FP32.
-    decnets = _user_module(tmp_path, monkeypatch, "decnets", DECODER)
+    decnets = user_module("decnets", DECODER)
 
     torch.manual_seed(0)
     net = decnets.Net()
@@ -650,13 +645,13 @@ class Tabular(nn.Module):
 """
 
 
-def test_features_reach_the_model_and_its_onnx_files_as_given(tmp_path, monkeypatch):
+def test_features_reach_the_model_and_its_onnx_files_as_given(tmp_path, monkeypatch, user_module):
     # (N, F) features went in as (N, 1, 1, F): a model like this one, with no x.flatten(1),
     # was refused, and the exported files took a rank-4 input an app's (1, F) vector failed on
     # ("Invalid rank for input: x Got: 2 Expected: 4").
     import onnxruntime as ort
 
-    featnets = _user_module(tmp_path, monkeypatch, "featnets", FEATURES)
+    featnets = user_module("featnets", FEATURES)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 20)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0)

@@ -341,14 +341,12 @@ def test_decode_expect_checks_the_sha256(run, tmp_path):
     assert result.exit_code == 2 and "raise the cap (--max-elements" in result.stderr
 
 
-def test_decoding_without_the_model_counts_its_parameters_as_shrink_does(tmp_path, monkeypatch):
+def test_decoding_without_the_model_counts_its_parameters_as_shrink_does(tmp_path, user_module):
     # Tensors only (the model's code not imported): BatchNorm's running statistics are not
     # parameters. They were counted in, so one archive decoded to two parameter counts.
-    import sys
-    import textwrap
-
-    (tmp_path / "bnmod.py").write_text(
-        textwrap.dedent("""
+    bnmod = user_module(
+        "bnmod",
+        """
         from torch import nn
 
         class Net(nn.Module):
@@ -360,11 +358,8 @@ def test_decoding_without_the_model_counts_its_parameters_as_shrink_does(tmp_pat
 
             def forward(self, x):
                 return self.fc(self.bn(self.conv(x)).mean((2, 3)))
-        """)
+        """,
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "bnmod", raising=False)
-    import bnmod
 
     model = bnmod.Net()
     spec = {"name": "bnmod:Net", "kwargs": {"in_shape": [1, 8, 8], "num_classes": 10}}

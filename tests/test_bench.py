@@ -861,12 +861,10 @@ def test_checkpoint_spellings_shrink_reads_are_benched_as_checkpoints():
         assert variants.file_kind(Path(name)) == ".pt"
 
 
-def test_a_tied_weight_is_counted_once_as_shrink_counts_it(tmp_path, monkeypatch):
-    import sys
-    import textwrap
-
-    (tmp_path / "tiedmod.py").write_text(
-        textwrap.dedent("""
+def test_a_tied_weight_is_counted_once_as_shrink_counts_it(tmp_path, user_module):
+    tiedmod = user_module(
+        "tiedmod",
+        """
         from torch import nn
 
         class Net(nn.Module):
@@ -879,11 +877,8 @@ def test_a_tied_weight_is_counted_once_as_shrink_counts_it(tmp_path, monkeypatch
 
             def forward(self, x):
                 return self.out(self.b(self.a(x.flatten(1))))
-    """)
+        """,
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "tiedmod", raising=False)
-    import tiedmod
 
     net = tiedmod.Net()
     checkpoint.save(tmp_path / "t.pt", net, ModelSpec("tiedmod:Net", {}), {})

@@ -880,20 +880,18 @@ def test_a_full_disk_in_the_int8_step_fails_the_run_not_the_int8_file(
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [".out.resume"]
 
 
-def test_an_extra_teacher_of_the_users_own_code_is_built_with_consent(tmp_path, monkeypatch):
+def test_an_extra_teacher_of_the_users_own_code_is_built_with_consent(tmp_path, user_module):
     # It was always refused ("pass --model mynet:Net"), even with --model naming the code or
     # --trust-model: the consent never reached the recipe's extra teachers.
-    import sys
-    import textwrap
-
     import torch
     from torch import nn
 
     from compresskit.compressor import distill
     from compresskit.models import InputError, ModelSpec, checkpoint
 
-    (tmp_path / "teachmod.py").write_text(
-        textwrap.dedent("""
+    teachmod = user_module(
+        "teachmod",
+        """
         from torch import nn
 
         class Net(nn.Module):
@@ -903,11 +901,8 @@ def test_an_extra_teacher_of_the_users_own_code_is_built_with_consent(tmp_path, 
 
             def forward(self, x):
                 return self.fc(x.flatten(1))
-        """)
+        """,
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "teachmod", raising=False)
-    import teachmod
 
     spec = ModelSpec("teachmod:Net", {"in_shape": [1, 8, 8], "num_classes": 10})
     net = teachmod.Net()
